@@ -1,0 +1,110 @@
+"""One exception hierarchy for every Tandem process.
+
+Lower libraries' errors (httpx, redis, zmq, vLLM's HTTP answers) are translated into the most specific
+type below at the boundary where they happen (``raise ... from exc``). Only the router's edge turns
+these into HTTP responses (``router.openai_errors``); nothing else knows about status codes except
+through the ``status_code`` attribute each class declares.
+
+    TandemError
+    ├── ConfigError                 bad settings, missing model folder, unusable install
+    ├── RequestError                the client's fault (4xx)
+    │   ├── InvalidRequest          400  malformed JSON, context window exceeded, bad field values
+    │   ├── AuthenticationFailed    401  missing, unknown or revoked API key
+    │   ├── ModelNotFound           404  model not served by any live node
+    │   ├── NotFound                404  unknown resource (session, response id)
+    │   ├── ValidationFailed        422  well-formed JSON that violates the request schema
+    │   └── RateLimited             429  over a request or token limit (carries retry_after)
+    ├── Unavailable                 503  no node can take the request now (carries retry_after)
+    ├── UpstreamError               502  a node failed or answered something we cannot use
+    │   └── EngineRejected          the engine answered an error; keeps its status and message
+    └── StoreError                  Redis / database failures on a path that must not swallow them
+"""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base of every error Tandem raises on purpose."""
+
+    status_code: int = 500
+    error_type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class ConfigError(TandemError):
+    """Settings or installation that cannot work; raised at start-up, never per request."""
+
+
+class RequestError(TandemError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class InvalidRequest(RequestError):
+    status_code = 400
+
+
+class AuthenticationFailed(RequestError):
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(RequestError):
+    status_code = 404
+    code = "model_not_found"
+
+
+class NotFound(RequestError):
+    status_code = 404
+    code = "not_found"
+
+
+class ValidationFailed(RequestError):
+    status_code = 422
+
+
+class RateLimited(RequestError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: float, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+class Unavailable(TandemError):
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "no_capacity"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+class UpstreamError(TandemError):
+    status_code = 502
+    error_type = "upstream_error"
+
+
+class EngineRejected(UpstreamError):
+    """The engine answered with an error status; 4xx answers are the client's fault and keep their status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.status_code = status
+        if 400 <= status < 500:
+            self.error_type = "invalid_request_error"
+
+
+class StoreError(TandemError):
+    """Redis or database failure where the caller must know (not on the telemetry slow path)."""
