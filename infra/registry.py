@@ -1,0 +1,139 @@
+"""Node registry in Redis: which engines exist, what they serve, and how loaded they are.
+
+Control path only. A node writes two keys, both with a short TTL that its heartbeat refreshes:
+
+    tandem:node:<id>   NodeInfo  (static: role, model, addresses, capacity)
+    tandem:load:<id>   NodeLoad  (dynamic: running / waiting requests, KV usage)
+
+and adds its id to the set ``tandem:nodes``. A node whose heartbeat lapses simply expires; readers
+prune ids whose keys are gone, so a crashed node leaves routing within one TTL. A clean shutdown
+deletes the keys at once. Values are msgpack-encoded ``msgspec`` structs carrying a schema version.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from infra.errors import StoreError
+
+REGISTRY_SCHEMA_VERSION = 1
+NODES_SET = "tandem:nodes"
+
+
+def node_key(node_id: str) -> str:
+    return f"tandem:node:{node_id}"
+
+
+def load_key(node_id: str) -> str:
+    return f"tandem:load:{node_id}"
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"  # colocated: prefills and decodes its own requests, no KV transfer
+
+
+class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a node is. Written at registration; unchanged for the node's life."""
+
+    node_id: str
+    role: Role
+    model: str
+    """Served model name (what clients put in ``model``)."""
+    url: str
+    """Base URL of the engine's OpenAI-compatible HTTP server, e.g. http://127.0.0.1:8100."""
+    block_size: int
+    max_model_len: int
+    kv_connector: str
+    """Connector in use (``nixl``, ``tandem`` or ``none``)."""
+    kv_events_endpoint: str | None = None
+    """ZeroMQ PUB endpoint of the engine's KV events."""
+    kv_replay_endpoint: str | None = None
+    """ZeroMQ ROUTER endpoint that replays KV events from a sequence number."""
+    num_kv_blocks: int = 0
+    """KV cache capacity in blocks (0 until the engine reports it)."""
+    started_at: float = 0.0
+    schema_version: int = REGISTRY_SCHEMA_VERSION
+
+
+class NodeLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """How busy a node is, as its agent last read it from the engine's metrics."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    """Fraction of KV blocks in use, 0..1."""
+    updated_at: float = 0.0
+
+
+class LiveNode(msgspec.Struct, frozen=True, kw_only=True):
+    info: NodeInfo
+    load: NodeLoad
+
+
+_info_decoder = msgspec.msgpack.Decoder(NodeInfo)
+_load_decoder = msgspec.msgpack.Decoder(NodeLoad)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class NodeRegistry:
+    """Async access to the registry; one per process, sharing the process's Redis client."""
+
+    def __init__(self, redis: aioredis.Redis, *, ttl_s: float = 6.0) -> None:
+        self._redis = redis
+        self.ttl_ms = int(ttl_s * 1000)
+
+    async def register(self, info: NodeInfo, load: NodeLoad | None = None) -> None:
+        await self.heartbeat(info, load or NodeLoad(updated_at=time.time()))
+
+    async def heartbeat(self, info: NodeInfo, load: NodeLoad) -> None:
+        """(Re)write both keys with a fresh TTL; registering and heart-beating are the same write,
+        so a node that was dropped after a Redis restart or a long pause comes back by itself."""
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(node_key(info.node_id), _encoder.encode(info), px=self.ttl_ms)
+                pipe.set(load_key(info.node_id), _encoder.encode(load), px=self.ttl_ms)
+                pipe.sadd(NODES_SET, info.node_id)
+                await pipe.execute()
+        except RedisError as exc:
+            raise StoreError(f"registry write for node {info.node_id} failed: {exc}") from exc
+
+    async def deregister(self, node_id: str) -> None:
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(node_key(node_id), load_key(node_id))
+                pipe.srem(NODES_SET, node_id)
+                await pipe.execute()
+        except RedisError as exc:
+            raise StoreError(f"registry delete for node {node_id} failed: {exc}") from exc
+
+    async def live_nodes(self) -> list[LiveNode]:
+        """Every node whose heartbeat has not lapsed; prunes lapsed ids from the set."""
+        try:
+            ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await self._redis.smembers(NODES_SET))
+            if not ids:
+                return []
+            raw = await self._redis.mget([k for i in ids for k in (node_key(i), load_key(i))])
+        except RedisError as exc:
+            raise StoreError(f"registry read failed: {exc}") from exc
+        live: list[LiveNode] = []
+        lapsed: list[str] = []
+        for n, node_id in enumerate(ids):
+            info_raw, load_raw = raw[2 * n], raw[2 * n + 1]
+            if info_raw is None:
+                lapsed.append(node_id)
+                continue
+            load = _load_decoder.decode(load_raw) if load_raw is not None else NodeLoad()
+            live.append(LiveNode(info=_info_decoder.decode(info_raw), load=load))
+        if lapsed:
+            try:
+                await self._redis.srem(NODES_SET, *lapsed)
+            except RedisError:
+                pass  # pruning is housekeeping; the next reader retries it
+        return live
