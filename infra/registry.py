@@ -56,6 +56,8 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     """ZeroMQ PUB endpoint of the engine's KV events."""
     kv_replay_endpoint: str | None = None
     """ZeroMQ ROUTER endpoint that replays KV events from a sequence number."""
+    model_path: str | None = None
+    """Local model folder, so a router on the same host can load the exact tokenizer and template."""
     num_kv_blocks: int = 0
     """KV cache capacity in blocks (0 until the engine reports it)."""
     started_at: float = 0.0

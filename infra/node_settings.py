@@ -1,0 +1,66 @@
+"""Settings of one node process (``tandem node``): one typed object, built once, passed down."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from infra.registry import Role
+from kv_transfer import ConnectorKind
+
+
+class NodeSettings(BaseSettings):
+    """Every field can also come from the environment as ``TANDEM_NODE_<FIELD>``."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_NODE_", frozen=True)
+
+    role: Role = Role.BOTH
+    """prefill: computes prompts and hands their KV to a decode node. decode: loads KV and generates.
+    both: colocated, serves whole requests itself."""
+    model: str | None = None
+    """Hugging Face model folder; None means the prepared default model."""
+    served_model_name: str | None = None
+    """Name clients use in ``model``; defaults to the folder name."""
+    host: str = "127.0.0.1"
+    port: int = 8100
+    """HTTP port of the engine. Side ports: port+1 KV events (PUB), port+2 event replay, port+3 NIXL."""
+    node_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    connector: ConnectorKind = ConnectorKind.NIXL
+    dtype: str = "bfloat16"
+    """Weights/activations dtype. Tests use float32, where greedy outputs are bit-stable."""
+    max_model_len: int = 8192
+    block_size: int | None = None
+    """KV block size in tokens; None keeps the engine's default (128 on CPU)."""
+    kv_cache_gib: int = 1
+    """KV cache size (VLLM_CPU_KVCACHE_SPACE on CPU)."""
+    cores: str | None = None
+    """CPU cores to pin the engine's threads to, e.g. "0" or "0-1" (VLLM_CPU_OMP_THREADS_BIND)."""
+    enforce_eager: bool = True
+    """Skip torch.compile: ~35 s start instead of 67-160 s on CPU (the compile cache is not reused)."""
+    heartbeat_s: float = 2.0
+    registry_ttl_s: float = 6.0
+    startup_timeout_s: float = 600.0
+    extra_engine_args: list[str] = Field(default_factory=list)
+    log_dir: Path | None = None
+    """Where the engine's stdout/stderr go; None inherits the node's."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port + 1}"
+
+    @property
+    def kv_replay_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port + 2}"
+
+    @property
+    def nixl_port(self) -> int:
+        return self.port + 3

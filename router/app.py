@@ -1,0 +1,255 @@
+"""The router's HTTP edge: OpenAI-compatible API over FastAPI, SSE streaming, errors in OpenAI's shape.
+
+    POST /v1/chat/completions   POST /v1/completions   (stream and non-stream)
+    GET  /v1/models             GET  /health           GET  /metrics
+
+A client that disconnects cancels its request everywhere: before the answer starts, the handler is
+raced against the disconnect and cancelled (closing the upstream call aborts the engine's request);
+during a stream, Starlette cancels the generator and the decode stream is closed with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from infra.errors import InvalidRequest, TandemError, ValidationFailed
+from infra.registry import NodeRegistry, Role
+from router.fleet import Fleet
+from router.metrics import RouterMetrics
+from router.node_client import NodeClient
+from router.openai_errors import error_from_exception, install_error_handlers
+from router.orchestrator import Kind, Orchestrator, RequestTrace, new_request_id, record_usage
+from router.policies import LeastLoaded, RoutingPolicy
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.settings import RouterSettings
+from router.tokenizer import PromptTokenizer
+
+T = TypeVar("T")
+
+_POLICIES: dict[str, type] = {"least_loaded": LeastLoaded}
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    try:
+        return _POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(_POLICIES)}") from None
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client goes away first; then cancel it (and its upstream calls)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnected
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def create_app(settings: RouterSettings | None = None) -> FastAPI:
+    settings = settings or RouterSettings()
+    metrics = RouterMetrics()
+    policy = make_policy(settings.policy)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = aioredis.from_url(settings.redis_url)
+        fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s)
+        client = NodeClient(connect_timeout_s=settings.connect_timeout_s,
+                            request_timeout_s=settings.request_timeout_s)
+        await fleet.start()
+        app.state.fleet = fleet
+        app.state.orchestrator = Orchestrator(settings, fleet, client, policy, PromptTokenizer(), metrics)
+        try:
+            yield
+        finally:
+            await fleet.stop()
+            await client.aclose()
+            await redis.aclose()
+
+    app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    async def parse(request: Request, model: type[ChatCompletionRequest | CompletionRequest]) -> Any:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+        if not isinstance(data, dict):
+            raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first.get("loc", ()))
+            raise ValidationFailed(f"{loc or 'body'}: {first.get('msg')}", param=loc or None,
+                                   code="invalid_value") from exc
+
+    async def serve(request: Request, kind: Kind, endpoint: str) -> Response:
+        orch: Orchestrator = request.app.state.orchestrator
+        req = await parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        trace = RequestTrace(request_id=new_request_id(kind), kind=kind, model=req.model)
+        prefer = request.headers.get("x-tandem-route")
+        if prefer not in (None, "colocated", "disaggregated"):
+            raise InvalidRequest("x-tandem-route must be `colocated` or `disaggregated`", param="x-tandem-route")
+        try:
+            leg = await cancel_on_disconnect(request, orch.plan(kind, req, trace, prefer))  # type: ignore[arg-type]
+            if not req.stream:
+                resp = await cancel_on_disconnect(request, orch.complete(leg, trace))
+                _finish(metrics, trace, endpoint, "ok")
+                return JSONResponse(resp)
+            stack = AsyncExitStack()
+            try:
+                chunks = await cancel_on_disconnect(request, orch.open_stream(leg, trace, stack))
+            except BaseException:
+                await stack.aclose()
+                raise
+        except ClientDisconnected:
+            _finish(metrics, trace, endpoint, "client_disconnected")
+            return Response(status_code=499)
+        except TandemError as exc:
+            _finish(metrics, trace, endpoint, "error", exc)
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_sse(chunks, stack, trace, include_usage, metrics, endpoint),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, "chat", "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, "completion", "completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        fleet: Fleet = request.app.state.fleet
+        data = [{"id": name, "object": "model", "created": int(n.info.started_at), "owned_by": "tandem",
+                 "max_model_len": n.info.max_model_len} for name, n in sorted(fleet.models().items())]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        fleet: Fleet = request.app.state.fleet
+        roles = {r.value: sum(1 for n in fleet.nodes if n.info.role is r) for r in Role}
+        serving = roles["both"] > 0 or roles["decode"] > 0
+        return JSONResponse({"status": "ok" if serving else "no_nodes", "nodes": roles},
+                            status_code=200 if serving else 503)
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        fleet: Fleet = request.app.state.fleet
+        metrics.live_nodes.clear()
+        for role in Role:
+            metrics.live_nodes.labels(role.value).set(sum(1 for n in fleet.nodes if n.info.role is role))
+        for n in fleet.nodes:
+            labels = (n.info.node_id, n.info.role.value)
+            metrics.inflight.labels(*labels).set(fleet.inflight(n.info.node_id))
+            metrics.queue_depth.labels(*labels).set(n.load.waiting)
+            metrics.kv_usage.labels(*labels).set(n.load.kv_usage)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _finish(metrics: RouterMetrics, trace: RequestTrace, endpoint: str, status: str,
+            exc: TandemError | None = None) -> None:
+    trace.finish = trace.finish or time.time()
+    trace.status = status
+    mode = trace.mode or "none"
+    metrics.requests.labels(endpoint, mode, status).inc()
+    if exc is not None:
+        trace.error = exc.message
+        metrics.errors.labels(type(exc).__name__).inc()
+        return
+    if status != "ok":
+        return
+    if trace.first_token:
+        metrics.ttft.labels(mode).observe(trace.first_token - trace.arrival)
+    metrics.e2e.labels(mode).observe(trace.finish - trace.arrival)
+    for a, b in zip(trace.token_times, trace.token_times[1:], strict=False):
+        metrics.itl.labels(mode).observe(b - a)
+    metrics.tokens.labels("prompt").inc(trace.prompt_tokens or 0)
+    metrics.tokens.labels("completion").inc(trace.completion_tokens or 0)
+    metrics.tokens.labels("cached").inc(trace.cached_tokens or 0)
+
+
+def _sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]], stack: AsyncExitStack, trace: RequestTrace,
+               include_usage: bool, metrics: RouterMetrics, endpoint: str) -> AsyncIterator[bytes]:
+    status, error = "ok", None
+    try:
+        async for chunk in chunks:
+            chunk["id"] = trace.request_id
+            choices = chunk.get("choices") or []
+            if chunk.get("usage") and not choices:
+                record_usage(trace, chunk["usage"])
+                if not include_usage:
+                    continue
+            elif any(_has_token(c) for c in choices):
+                now = time.time()
+                trace.first_token = trace.first_token or now
+                trace.token_times.append(now)
+            if not include_usage:
+                chunk.pop("usage", None)
+            yield _sse_event(chunk)
+        yield b"data: [DONE]\n\n"
+    except TandemError as exc:
+        # The status line is long gone: report in-band, as OpenAI does, and end the stream.
+        status, error = "error", exc
+        yield _sse_event(error_from_exception(exc))
+    except (asyncio.CancelledError, GeneratorExit):
+        status = "client_disconnected"
+        raise
+    finally:
+        # Shielded: under cancellation every await would raise again, and the upstream stream must be
+        # closed for the engine to abort the request and free its blocks.
+        with anyio.CancelScope(shield=True):
+            await stack.aclose()
+        trace.finish = time.time()
+        _finish(metrics, trace, endpoint, status, error)
+
+
+def _has_token(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    if delta is not None:
+        return bool(delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"))
+    return bool(choice.get("text"))

@@ -1,0 +1,96 @@
+"""The router's view of the fleet: live nodes from the registry, plus its own in-flight counts.
+
+A background task re-reads the registry every ``refresh_s``; a node whose heartbeat lapsed disappears
+from the next read, so it leaves routing within one registry TTL plus one refresh. If Redis is briefly
+unreachable the last good view is kept (a router that cannot see the registry still serves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from infra.errors import ModelNotFound, StoreError
+from infra.registry import LiveNode, NodeRegistry, Role
+from router.policies.base import Candidate
+
+log = logging.getLogger("tandem.router.fleet")
+
+
+@dataclass(frozen=True, slots=True)
+class Pools:
+    prefill: list[Candidate]
+    decode: list[Candidate]
+    colocated: list[Candidate]
+
+
+class Fleet:
+    def __init__(self, registry: NodeRegistry, *, refresh_s: float = 0.5) -> None:
+        self._registry = registry
+        self._refresh_s = refresh_s
+        self._nodes: list[LiveNode] = []
+        self._inflight: Counter[str] = Counter()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="fleet-refresh")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def refresh(self) -> None:
+        try:
+            self._nodes = await self._registry.live_nodes()
+        except StoreError as exc:
+            log.warning("registry unreadable, keeping last view: %s", exc)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)  # periodic refresh, not synchronisation
+            await self.refresh()
+
+    @property
+    def nodes(self) -> list[LiveNode]:
+        return list(self._nodes)
+
+    def models(self) -> dict[str, LiveNode]:
+        """One representative node per served model."""
+        out: dict[str, LiveNode] = {}
+        for n in self._nodes:
+            out.setdefault(n.info.model, n)
+        return out
+
+    def pools(self, model: str) -> Pools:
+        nodes = [n for n in self._nodes if n.info.model == model]
+        if not nodes:
+            raise ModelNotFound(f"The model `{model}` does not exist or no node serves it.", param="model")
+
+        def cands(role: Role) -> list[Candidate]:
+            return [Candidate(node=n, inflight=self._inflight[n.info.node_id]) for n in nodes if n.info.role is role]
+
+        return Pools(prefill=cands(Role.PREFILL), decode=cands(Role.DECODE), colocated=cands(Role.BOTH))
+
+    @contextlib.contextmanager
+    def track(self, *candidates: Candidate | None) -> Iterator[None]:
+        """Count a request as in flight on each given node for the duration of the block."""
+        ids = [c.node_id for c in candidates if c is not None]
+        for i in ids:
+            self._inflight[i] += 1
+        try:
+            yield
+        finally:
+            for i in ids:
+                self._inflight[i] -= 1
+                if self._inflight[i] <= 0:
+                    del self._inflight[i]
+
+    def inflight(self, node_id: str) -> int:
+        return self._inflight[node_id]

@@ -1,0 +1,213 @@
+"""P/D orchestration: validate against the fleet, pick nodes, run the prefill leg, open the decode leg.
+
+    request ─▶ pools(model) ─▶ policy.select ─▶ [prefill leg: max_tokens=1, do_remote_decode]
+                                                     │ kv_transfer_params (where the KV waits)
+                                                     ▼
+                                              decode leg (stream or not) ─▶ client
+
+Everything up to the opening of the decode leg happens before the router answers, so any refusal
+(bad request, no node, engine 4xx) still gets a proper HTTP status. A prefill leg that fails for a
+reason that is not the client's follows ``prefill_fallback``: prefill on the decode node, or 502.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from infra.errors import EngineRejected, InvalidRequest, TandemError, Unavailable, UpstreamError
+from kv_transfer import prefill_request_params
+from router.fleet import Fleet, Pools
+from router.metrics import RouterMetrics
+from router.node_client import NodeClient
+from router.policies.base import Candidate, Decision, RoutingPolicy, RoutingRequest
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.settings import FallbackPolicy, RouterSettings
+from router.tokenizer import PromptTokenizer
+
+log = logging.getLogger("tandem.router")
+
+Kind = Literal["chat", "completion"]
+RouteMode = Literal["disaggregated", "colocated"]
+_PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+@dataclass
+class RequestTrace:
+    """What happened to one request: the raw material of its telemetry record."""
+
+    request_id: str
+    kind: Kind
+    model: str
+    arrival: float = field(default_factory=time.time)
+    routed: float | None = None
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    first_token: float | None = None
+    finish: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    mode: RouteMode | None = None
+    prefill_node: str | None = None
+    decode_node: str | None = None
+    policy: str | None = None
+    reason: str | None = None
+    fallback: bool = False
+    status: str = "ok"
+    error: str | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Leg:
+    """The decode leg, ready to be run: where, and with which body."""
+
+    decision: Decision
+    url: str
+    body: dict[str, Any]
+    mode: RouteMode
+
+
+def new_request_id(kind: Kind) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+class Orchestrator:
+    def __init__(self, settings: RouterSettings, fleet: Fleet, client: NodeClient, policy: RoutingPolicy,
+                 tokenizer: PromptTokenizer, metrics: RouterMetrics) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.client = client
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    # -- routing ------------------------------------------------------------------------------------
+    def _select(self, trace: RequestTrace, pools: Pools, prefer: RouteMode | None) -> Decision:
+        rr = RoutingRequest(request_id=trace.request_id, model=trace.model)
+        pd_ok = bool(pools.prefill and pools.decode)
+        if prefer != "colocated" and pd_ok:
+            return self.policy.select(rr, pools.prefill, pools.decode)
+        if pools.colocated:
+            return self.policy.select(rr, [], pools.colocated)
+        if pools.decode:  # decode nodes can prefill for themselves; slower, but serves
+            return self.policy.select(rr, [], pools.decode)
+        raise Unavailable(f"no node can serve `{trace.model}` now (no decode or colocated node is live)",
+                          retry_after=self.settings.retry_after_s)
+
+    async def _check_context(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any],
+                             node: Candidate, trace: RequestTrace) -> None:
+        limit = node.node.info.max_model_len
+        max_tokens = req.requested_max_tokens() or self.settings.default_max_tokens
+        if max_tokens is not None and max_tokens >= limit:
+            raise InvalidRequest(
+                f"max_tokens={max_tokens} does not fit this model's context window of {limit} tokens",
+                param="max_tokens", code="context_length_exceeded")
+        n = await self.tokenizer.count(node.node.info, body)
+        trace.prompt_tokens = n
+        if n is not None and n + (max_tokens or 1) > limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + (max_tokens or 1)} tokens ({n} in the messages, {max_tokens or 1} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                param="messages" if "messages" in body else "prompt", code="context_length_exceeded")
+
+    # -- legs ---------------------------------------------------------------------------------------
+    async def plan(self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, trace: RequestTrace,
+                   prefer: RouteMode | None = None) -> Leg:
+        """Validate, route and run the prefill leg. Returns the decode leg to run."""
+        req.check_supported()
+        pools = self.fleet.pools(req.model)
+        body = req.body()
+        if self.settings.default_max_tokens and req.requested_max_tokens() is None:
+            body["max_tokens"] = self.settings.default_max_tokens
+        decision = self._select(trace, pools, prefer)
+        trace.routed = time.time()
+        trace.policy, trace.reason = decision.policy, decision.reason
+        await self._check_context(req, body, decision.decode, trace)
+        path = _PATHS[kind]
+        trace.decode_node = decision.decode.node_id
+        if decision.prefill is None:
+            trace.mode = "colocated"
+            return Leg(decision, decision.decode.node.info.url + path, body, "colocated")
+
+        trace.mode, trace.prefill_node = "disaggregated", decision.prefill.node_id
+        trace.prefill_start = time.time()
+        try:
+            with self.fleet.track(decision.prefill):
+                kv_params = await self._prefill(decision.prefill, path, body, trace)
+        except EngineRejected as exc:
+            if exc.status_code < 500:
+                raise  # the client's request is at fault; another node would refuse it too
+            kv_params = self._fallback(exc, trace)
+        except UpstreamError as exc:
+            kv_params = self._fallback(exc, trace)
+        finally:
+            trace.prefill_end = time.time()
+            self.metrics.prefill_leg.observe(trace.prefill_end - trace.prefill_start)
+        decode_body = dict(body)
+        if kv_params is not None:
+            decode_body["kv_transfer_params"] = kv_params
+        return Leg(decision, decision.decode.node.info.url + path, decode_body,
+                   "disaggregated" if kv_params is not None else "colocated")
+
+    async def _prefill(self, node: Candidate, path: str, body: dict[str, Any], trace: RequestTrace) -> dict:
+        pbody = copy.deepcopy(body)
+        for k in ("stream", "stream_options", "max_completion_tokens"):
+            pbody.pop(k, None)
+        pbody["max_tokens"] = 1
+        pbody["kv_transfer_params"] = prefill_request_params()
+        resp = await self.client.post_json(node.node.info.url + path, pbody, self._headers(trace))
+        params = resp.get("kv_transfer_params")
+        if not params:
+            raise UpstreamError(f"prefill node {node.node_id} returned no kv_transfer_params "
+                                "(is its KV connector configured?)")
+        return params
+
+    def _fallback(self, exc: TandemError, trace: RequestTrace) -> None:
+        if self.settings.prefill_fallback is FallbackPolicy.ERROR:
+            raise exc
+        log.warning("prefill leg failed (%s); prefilling on decode node %s", exc.message, trace.decode_node)
+        self.metrics.fallbacks.inc()
+        trace.fallback = True
+        return None
+
+    def _headers(self, trace: RequestTrace) -> dict[str, str]:
+        return {"X-Request-Id": trace.request_id}
+
+    async def complete(self, leg: Leg, trace: RequestTrace) -> dict[str, Any]:
+        with self.fleet.track(leg.decision.decode):
+            resp = await self.client.post_json(leg.url, leg.body, self._headers(trace))
+        now = time.time()
+        trace.first_token = trace.finish = now
+        resp.pop("kv_transfer_params", None)
+        resp["id"] = trace.request_id
+        record_usage(trace, resp.get("usage"))
+        return resp
+
+    async def open_stream(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack) -> AsyncIterator[dict]:
+        """Open the decode stream (refusals raise here); its lifetime is bound to ``stack``."""
+        body = dict(leg.body)
+        body["stream"] = True
+        # Always ask the engine for usage (telemetry needs it); it is only forwarded if the client asked.
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        stack.enter_context(self.fleet.track(leg.decision.decode))
+        return await stack.enter_async_context(self.client.open_stream(leg.url, body, self._headers(trace)))
+
+
+def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
+    if not usage:
+        return
+    trace.prompt_tokens = usage.get("prompt_tokens", trace.prompt_tokens)
+    trace.completion_tokens = usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details") or {}
+    trace.cached_tokens = details.get("cached_tokens")
+
+

@@ -1,0 +1,50 @@
+"""The `vllm serve` command a node builds for each role."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from infra.node import engine_command, engine_env
+from infra.node_settings import NodeSettings
+from infra.registry import Role
+from kv_transfer import ConnectorKind
+
+
+def _args(role: Role, **kw) -> list[str]:
+    return engine_command(NodeSettings(role=role, port=9100, **kw), Path("/models/m"))
+
+
+def _value(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_prefill_and_decode_get_the_nixl_connector_both_gets_none() -> None:
+    for role in (Role.PREFILL, Role.DECODE):
+        cfg = json.loads(_value(_args(role), "--kv-transfer-config"))
+        assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    assert "--kv-transfer-config" not in _args(Role.BOTH)
+    assert "--kv-transfer-config" not in _args(Role.DECODE, connector=ConnectorKind.NONE)
+
+
+def test_kv_events_prefix_caching_and_loopback_ports() -> None:
+    cmd = _args(Role.DECODE)
+    events = json.loads(_value(cmd, "--kv-events-config"))
+    assert events["enable_kv_cache_events"] is True
+    assert events["endpoint"] == "tcp://127.0.0.1:9101"
+    assert events["replay_endpoint"] == "tcp://127.0.0.1:9102"
+    assert "--enable-prefix-caching" in cmd
+    assert _value(cmd, "--host") == "127.0.0.1" and _value(cmd, "--port") == "9100"
+
+
+def test_role_specific_token_budgets() -> None:
+    assert _value(_args(Role.PREFILL, max_model_len=4096), "--max-num-batched-tokens") == "4096"
+    assert _value(_args(Role.DECODE, max_model_len=4096), "--max-num-batched-tokens") == "2048"
+    assert "--max-num-batched-tokens" not in _args(Role.BOTH)
+
+
+def test_engine_env_pins_cores_and_separates_nixl_ports() -> None:
+    env = engine_env(NodeSettings(role=Role.PREFILL, port=9100, cores="0", kv_cache_gib=2))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9103"
