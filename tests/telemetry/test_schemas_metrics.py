@@ -60,3 +60,33 @@ def test_observe_request_updates_the_metrics(metrics):
     assert sample(metrics, "tandem_kv_transfer_bytes_total") == 20_000
     metrics.set_node_load("p0", "prefill", waiting=3, running=5)
     assert sample(metrics, "tandem_node_queue_depth", node="p0", role="prefill") == 3
+
+
+def test_dashboard_uses_only_metrics_that_exist(metrics):
+    import json
+    import re
+    from pathlib import Path
+
+    from prometheus_client import generate_latest
+
+    metrics.observe_request(
+        {
+            "model": "m",
+            "status": "ok",
+            "ttft_s": 1,
+            "itl_mean_s": 1,
+            "e2e_s": 1,
+            "prompt_tokens": 1,
+            "fleet_cached_tokens": 1,
+            "transfer_s": 1,
+            "transfer_bytes": 1,
+        }
+    )
+    metrics.set_node_load("n", "prefill", waiting=1, running=1)
+    metrics.dropped_events.labels("requests", "buffer_full").inc()
+    metrics.sent_events.labels("requests").inc()
+    metrics.lake_written_events.labels("requests").inc()
+    exported = set(re.findall(r"^(tandem_\w+)", generate_latest(metrics.registry).decode(), re.M))
+    dash = (Path(__file__).resolve().parents[2] / "infra" / "dashboards" / "tandem.json").read_text()
+    used = set(re.findall(r"tandem_\w+", json.dumps(json.loads(dash))))
+    assert used and used <= exported, used - exported
