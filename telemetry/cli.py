@@ -1,0 +1,215 @@
+"""Command-line entry points, mounted by ``infra/cli.py`` as ``tandem telemetry ...`` and
+``tandem lake ...``:
+
+    tandem telemetry consume   --redis-url --lake --group --consumer --batch-entries --block-ms ...
+    tandem telemetry compact   --redis-url --lake --min-age-s
+    tandem telemetry schema    [TABLE]
+    tandem lake query "SQL"    --lake --format table|csv|json
+    tandem lake report         --lake --out DIR
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from infra.errors import StoreError
+from telemetry.emitter import DEFAULT_STREAM_PREFIX
+from telemetry.lake_writer import LakeWriter, WriterConfig
+from telemetry.schemas import TABLE_NAMES, describe
+
+telemetry_app = typer.Typer(
+    help="Slow-path telemetry: the lake writer and its maintenance.", no_args_is_help=True
+)
+lake_app = typer.Typer(help="Query the Parquet data lake and render reports.", no_args_is_help=True)
+
+_console = Console(stderr=True)
+
+RedisUrl = Annotated[
+    str, typer.Option("--redis-url", envvar="TANDEM_REDIS_URL", help="Redis holding the telemetry streams.")
+]
+LakeDir = Annotated[
+    Path, typer.Option("--lake", envvar="TANDEM_LAKE", help="Root folder of the Parquet lake.")
+]
+Prefix = Annotated[
+    str, typer.Option("--stream-prefix", help="Stream name prefix; streams are <prefix>:<table>.")
+]
+Group = Annotated[
+    str, typer.Option("--group", help="Redis consumer group shared by all writers of this lake.")
+]
+
+
+def _parse_tables(tables: str) -> tuple[str, ...]:
+    out = tuple(t.strip() for t in tables.split(",") if t.strip())
+    bad = [t for t in out if t not in TABLE_NAMES]
+    if bad:
+        raise typer.BadParameter(f"unknown tables {bad}; known: {', '.join(TABLE_NAMES)}")
+    return out
+
+
+@telemetry_app.command()
+def consume(
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    lake: LakeDir = Path("lake"),
+    group: Group = "lake",
+    consumer: Annotated[
+        str,
+        typer.Option(
+            "--consumer",
+            help="This writer's name in the group. Keep it stable across restarts (default: host name) so a "
+            "restarted writer resumes its own pending entries at once.",
+        ),
+    ] = socket.gethostname(),
+    stream_prefix: Prefix = DEFAULT_STREAM_PREFIX,
+    tables: Annotated[str, typer.Option("--tables", help="Comma-separated tables to consume.")] = ",".join(
+        TABLE_NAMES
+    ),
+    batch_entries: Annotated[
+        int, typer.Option("--batch-entries", min=1, help="Stream entries (emitter batches) per Parquet part.")
+    ] = 64,
+    block_ms: Annotated[
+        int, typer.Option("--block-ms", min=1, help="How long one read waits for entries.")
+    ] = 1000,
+    claim_idle_s: Annotated[
+        float, typer.Option("--claim-idle-s", help="Take over other consumers' entries pending this long.")
+    ] = 60.0,
+    recover_every_s: Annotated[
+        float, typer.Option("--recover-every-s", help="How often to look for pending entries to take over.")
+    ] = 30.0,
+    compression: Annotated[str, typer.Option("--compression", help="Parquet codec.")] = "zstd",
+    once: Annotated[bool, typer.Option("--once", help="Write what is waiting now, then exit.")] = False,
+) -> None:
+    """Consume the telemetry streams into Parquet files under LAKE (at least once, de-duplicated)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = WriterConfig(
+        lake=lake,
+        redis_url=redis_url,
+        stream_prefix=stream_prefix,
+        group=group,
+        consumer=consumer,
+        tables=_parse_tables(tables),
+        batch_entries=batch_entries,
+        block_ms=block_ms,
+        claim_idle_s=claim_idle_s,
+        compression=compression,
+    )
+    writer = LakeWriter(cfg)
+    try:
+        if once:
+            s = writer.drain()
+            _console.print(f"wrote {s.rows} events in {s.files} files ({s.entries} entries)")
+            return
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        _console.print(
+            f"consuming {', '.join(cfg.tables)} from {redis_url} into {lake} as {group}/{consumer}"
+        )
+        total = writer.run(stop, recover_every_s=recover_every_s)
+        _console.print(f"stopped: wrote {total.rows} events in {total.files} files")
+    except StoreError as exc:
+        _console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    finally:
+        writer.close()
+
+
+@telemetry_app.command()
+def compact(
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    lake: LakeDir = Path("lake"),
+    group: Group = "lake",
+    stream_prefix: Prefix = DEFAULT_STREAM_PREFIX,
+    min_age_s: Annotated[
+        float, typer.Option("--min-age-s", help="Only merge part files at least this old.")
+    ] = 600.0,
+) -> None:
+    """Merge each partition's small part files into one (atomic, de-duplicated on event_id)."""
+    writer = LakeWriter(
+        WriterConfig(lake=lake, redis_url=redis_url, stream_prefix=stream_prefix, group=group)
+    )
+    try:
+        n = sum(1 for t in TABLE_NAMES if (lake / t).is_dir() for _ in (lake / t).glob("date=*/hour=*"))
+        with Progress(console=_console, transient=True) as progress:
+            task = progress.add_task("compacting", total=n)
+            results = writer.compact(min_age_s=min_age_s, progress=lambda _p: progress.advance(task))
+    except StoreError as exc:
+        _console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    finally:
+        writer.close()
+    merged = sum(len(r.inputs) for r in results)
+    _console.print(f"compacted {len(results)} partitions ({merged} files merged)")
+
+
+@telemetry_app.command()
+def schema(table: Annotated[str | None, typer.Argument(help="Table; all when omitted.")] = None) -> None:
+    """Print the telemetry tables' fields with their documentation."""
+    for t in [table] if table else TABLE_NAMES:
+        if t not in TABLE_NAMES:
+            raise typer.BadParameter(f"unknown table {t!r}")
+        typer.echo(describe(t))
+
+
+@lake_app.command("query")
+def query_cmd(
+    sql: Annotated[str, typer.Argument(help="SQL over the views " + ", ".join(TABLE_NAMES) + ".")],
+    lake: LakeDir = Path("lake"),
+    fmt: Annotated[str, typer.Option("--format", help="table, csv or json (one object per line).")] = "table",
+    limit: Annotated[int, typer.Option("--limit", help="Most rows printed in table format.")] = 200,
+) -> None:
+    """Run SQL (DuckDB) over the lake. Partition columns: date, hour."""
+    import duckdb
+
+    from telemetry.query import query
+
+    try:
+        result = query(lake, sql)
+    except duckdb.Error as exc:
+        _console.print(f"[red]query failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    rows = result.to_pylist()
+    if fmt == "csv":
+        w = csv.writer(sys.stdout)
+        w.writerow(result.column_names)
+        for r in rows:
+            w.writerow(r.values())
+    elif fmt == "json":
+        for r in rows:
+            typer.echo(json.dumps(r, default=str))
+    else:
+        t = Table(*result.column_names)
+        for r in rows[:limit]:
+            t.add_row(*("" if v is None else str(v) for v in r.values()))
+        Console().print(t)
+        if len(rows) > limit:
+            _console.print(f"({len(rows)} rows, {limit} shown)")
+
+
+@lake_app.command()
+def report(
+    out: Annotated[Path, typer.Option("--out", help="Folder for index.html and the PNG plots.")],
+    lake: LakeDir = Path("lake"),
+) -> None:
+    """Render an HTML report: hit-rate breakdown, TTFT/ITL, P/D decisions, KV transfers."""
+    from telemetry.report import SECTIONS, render_report
+
+    with Progress(console=_console, transient=True) as progress:
+        task = progress.add_task("rendering", total=len(SECTIONS))
+        rep = render_report(lake, out, on_step=lambda name: progress.advance(task))
+    if rep.empty:
+        _console.print(f"the lake at {lake} holds no request records; wrote an empty report to {rep.index}")
+    else:
+        _console.print(f"report on {rep.requests} requests: {rep.index} ({len(rep.images)} plots)")

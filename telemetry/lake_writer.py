@@ -1,0 +1,600 @@
+"""The lake writer: Redis Streams -> Parquet, at least once, without duplicates.
+
+Layout: ``<lake>/<table>/date=YYYY-MM-DD/hour=HH/part-<part_id>.parquet`` (partition from each row's
+``event_time``, UTC). Every file is written to a temporary name (``.*.tmp``, which no reader globs),
+fsynced, renamed into place, and the directory fsynced; only then are the stream entries acknowledged.
+
+Exactly-once output from at-least-once delivery, across crashes and restarts
+--------------------------------------------------------------------------------
+A *part* is a set of stream entries (each entry is one emitter batch) written together. Before any
+file is written, the writer records the part's *intent* in Redis, atomically (one Lua script):
+
+    <stream>:lake:<group>:parts   hash  part_id -> entry ids of the part
+    <stream>:lake:<group>:owner   hash  entry id -> part_id      (an entry belongs to one part)
+
+The part id is derived from the entry ids (``<first>_<last>``), and the files of a part are a pure
+function of its entries, so writing a part again produces the same file names with the same rows and
+the rename simply replaces them. After the files are in place, one MULTI transaction acknowledges the
+entries (XACK), deletes them from the stream (XDEL: the stream length is then the backlog, which the
+emitter bounds), and deletes the intent. Hence, whenever the writer meets an entry again (its own
+pending list after a restart, or entries it took over from a dead consumer with XAUTOCLAIM):
+
+    entry has no owner            never written: it joins a new part
+    entry's part has an intent    the part may be half written: redo that whole part, with exactly the
+                                  entries its intent lists (re-read with XRANGE in one transaction with
+                                  the intent check), then commit; same names, so nothing is duplicated
+    intent gone                   committed by someone else meanwhile: nothing to do
+
+A crash at any point therefore loses nothing (entries stay pending until the commit) and duplicates
+nothing (a redo overwrites the same files). Two writers redoing one part concurrently write identical
+files. Rows carry ``event_id``; within a part duplicates are dropped (the emitter never re-sends, so
+there are none in practice), and compaction de-duplicates a whole partition on ``event_id``.
+
+Compaction (``compact``) merges a partition's parts into one file: it writes a manifest
+``_compact-<id>.json`` (inputs, output), then the output (temp, fsync, rename), then deletes the
+inputs and the manifest. A crash leaves a manifest; the next compaction completes it (output present:
+delete the inputs) or discards it (output absent). Readers (``telemetry.query.lake_files``) skip the
+inputs of a manifest whose output exists, so no query sees a row twice. Parts whose intent is still
+open, and parts younger than ``min_age_s``, are never compacted (a redo would re-create them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import redis
+from redis.exceptions import RedisError
+
+from infra.errors import StoreError
+from telemetry.emitter import DEFAULT_STREAM_PREFIX, stream_key
+from telemetry.metrics import METRICS, TandemMetrics
+from telemetry.schemas import SCHEMA_VERSION, SCHEMAS, TABLE_NAMES, conform
+
+log = logging.getLogger(__name__)
+
+_US_PER_HOUR = 3_600_000_000
+
+# KEYS[1] = owner hash, KEYS[2] = parts hash; ARGV[1] = part id, ARGV[2] = intent, ARGV[3..] = entry ids.
+# Returns the entry ids already owned by another part (then nothing is written), or an empty list.
+_CLAIM_PART = """
+local taken = {}
+for i = 3, #ARGV do
+  local o = redis.call('HGET', KEYS[1], ARGV[i])
+  if o and o ~= ARGV[1] then table.insert(taken, ARGV[i]) end
+end
+if #taken > 0 then return taken end
+for i = 3, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], ARGV[1]) end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return taken
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class WriterConfig:
+    lake: Path
+    """Root folder of the lake."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis holding the telemetry streams."""
+    stream_prefix: str = DEFAULT_STREAM_PREFIX
+    """Same prefix as the emitters'."""
+    group: str = "lake"
+    """Consumer group; every writer of one lake uses the same group."""
+    consumer: str = field(default_factory=socket.gethostname)
+    """This writer's name in the group; keep it stable across restarts so that a restarted writer
+    picks up its own pending entries at once (others' are taken over after claim_idle_s)."""
+    tables: tuple[str, ...] = TABLE_NAMES
+    """Tables (streams) to consume."""
+    batch_entries: int = 64
+    """Most stream entries per XREADGROUP per stream; one part (one Parquet file per hour) each."""
+    block_ms: int = 1000
+    """How long a read waits for new entries."""
+    claim_idle_s: float = 60.0
+    """Take over entries another consumer has held unacknowledged for this long (XAUTOCLAIM)."""
+    compression: str = "zstd"
+    """Parquet compression codec."""
+    delete_acked: bool = True
+    """XDEL entries once written, so the stream length is the backlog (the emitter bounds it)."""
+
+
+@dataclass(slots=True)
+class Part:
+    """Entries written together. ``data`` holds each entry's Arrow IPC bytes (None if gone)."""
+
+    table: str
+    part_id: str
+    entry_ids: list[str]
+    data: list[bytes | None]
+    redo: bool = False
+
+
+@dataclass(slots=True)
+class WriteStats:
+    entries: int = 0
+    rows: int = 0
+    files: int = 0
+    redone_parts: int = 0
+    lost_entries: int = 0
+
+    def add(self, other: WriteStats) -> None:
+        self.entries += other.entries
+        self.rows += other.rows
+        self.files += other.files
+        self.redone_parts += other.redone_parts
+        self.lost_entries += other.lost_entries
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_parquet_atomic(table: pa.Table, final: Path, compression: str) -> None:
+    """Write ``table`` to ``final``: temp name, fsync, rename, fsync the directory."""
+    d = final.parent
+    if not d.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        fsync_dir(d.parent)
+        fsync_dir(d.parent.parent)
+    tmp = d / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh, compression=compression)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(d)
+
+
+def partition_dir(lake: Path, table: str, hour_index: int) -> Path:
+    dt = datetime.fromtimestamp(hour_index * 3600, tz=UTC)
+    return lake / table / f"date={dt:%Y-%m-%d}" / f"hour={dt:%H}"
+
+
+def decode_entries(table: str, data: Iterable[bytes | None]) -> pa.Table:
+    """Arrow IPC payloads of ``table`` -> one table in the current schema."""
+    schema = SCHEMAS[table]
+    tables = []
+    for payload in data:
+        if payload is None:
+            continue
+        t = pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
+        tables.append(conform(t, schema))
+    if not tables:
+        return schema.empty_table()
+    return pa.concat_tables(tables)
+
+
+def dedupe(table: pa.Table) -> pa.Table:
+    """Keep the first row of each event_id."""
+    ids = table.column("event_id")
+    if pc.count_distinct(ids).as_py() == table.num_rows:
+        return table
+    idx = pa.array(range(table.num_rows), type=pa.int64())
+    keep = (
+        pa.table({"event_id": ids, "i": idx})
+        .group_by("event_id", use_threads=False)
+        .aggregate([("i", "min")])
+    )
+    return table.take(pc.sort(keep.column("i_min")))
+
+
+def split_by_hour(table: pa.Table) -> list[tuple[int, pa.Table]]:
+    """Rows grouped by the UTC hour of event_time, in first-seen order of hours."""
+    if table.num_rows == 0:
+        return []
+    hours = pc.divide(table.column("event_time").cast(pa.int64()), _US_PER_HOUR)
+    uniq = pc.unique(hours).to_pylist()
+    if len(uniq) == 1:
+        return [(uniq[0], table)]
+    return [(h, table.filter(pc.equal(hours, h))) for h in uniq]
+
+
+class LakeWriter:
+    """Consumes the telemetry streams of one consumer group into the lake. Not thread-safe: one
+    writer per thread or process; run several processes with distinct ``consumer`` names to scale."""
+
+    def __init__(self, config: WriterConfig, *, metrics: TandemMetrics | None = None) -> None:
+        self.config = config
+        self._metrics = metrics or METRICS
+        self._redis = redis.Redis.from_url(config.redis_url, socket_timeout=30, socket_connect_timeout=5)
+        self._claim = self._redis.register_script(_CLAIM_PART)
+        self._streams = {t: stream_key(config.stream_prefix, t) for t in config.tables}
+        for t in config.tables:
+            if t not in SCHEMAS:
+                raise ValueError(f"unknown telemetry table {t!r}")
+        self._groups_ready = False
+
+    # ---- keys ------------------------------------------------------------------------------------
+
+    def _owner_key(self, table: str) -> str:
+        return f"{self._streams[table]}:lake:{self.config.group}:owner"
+
+    def _parts_key(self, table: str) -> str:
+        return f"{self._streams[table]}:lake:{self.config.group}:parts"
+
+    def _redis_call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except RedisError as exc:
+            raise StoreError(f"lake writer: Redis failed during {what}: {exc}") from exc
+
+    def ensure_groups(self) -> None:
+        """Create the consumer group on every stream (from the stream's start) if missing."""
+        if self._groups_ready:
+            return
+        for stream in self._streams.values():
+            try:
+                self._redis.xgroup_create(stream, self.config.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise StoreError(f"lake writer: cannot create group on {stream}: {exc}") from exc
+            except RedisError as exc:
+                raise StoreError(f"lake writer: cannot create group on {stream}: {exc}") from exc
+        self._groups_ready = True
+
+    # ---- reading ---------------------------------------------------------------------------------
+
+    def read_new(self, block_ms: int | None = None) -> dict[str, list[tuple[str, bytes | None]]]:
+        """Entries never delivered to the group (XREADGROUP >), per table; blocks up to block_ms
+        (None: the configured block_ms; 0: do not block)."""
+        self.ensure_groups()
+        block = self.config.block_ms if block_ms is None else block_ms
+        resp = self._redis_call(
+            "XREADGROUP",
+            lambda: self._redis.xreadgroup(
+                self.config.group,
+                self.config.consumer,
+                {s: ">" for s in self._streams.values()},
+                count=self.config.batch_entries,
+                block=block if block > 0 else None,
+            ),
+        )
+        return self._by_table(resp)
+
+    def _by_table(self, resp: Any) -> dict[str, list[tuple[str, bytes | None]]]:
+        by_stream = {v: k for k, v in self._streams.items()}
+        out: dict[str, list[tuple[str, bytes | None]]] = {}
+        for stream, entries in resp or []:
+            table = by_stream[_s(stream)]
+            out.setdefault(table, []).extend((_s(eid), (fields or {}).get(b"a")) for eid, fields in entries)
+        return out
+
+    def read_pending(self) -> dict[str, list[tuple[str, bytes | None]]]:
+        """This consumer's own pending entries (delivered before a crash), then entries idle longer
+        than claim_idle_s in other consumers' pending lists (XAUTOCLAIM), per table."""
+        self.ensure_groups()
+        cfg = self.config
+        out: dict[str, list[tuple[str, bytes | None]]] = {}
+        for table, stream in self._streams.items():
+            got: dict[str, bytes | None] = {}
+            start = "0"
+            while True:
+                resp = self._redis_call(
+                    "XREADGROUP 0",
+                    lambda start=start, stream=stream: self._redis.xreadgroup(
+                        cfg.group, cfg.consumer, {stream: start}, count=cfg.batch_entries * 4
+                    ),
+                )
+                entries = resp[0][1] if resp else []
+                if not entries:
+                    break
+                for eid, fields in entries:
+                    got[_s(eid)] = (fields or {}).get(b"a")
+                start = _s(entries[-1][0])
+            cursor = "0-0"
+            while True:
+                resp = self._redis_call(
+                    "XAUTOCLAIM",
+                    lambda cursor=cursor, stream=stream: self._redis.xautoclaim(
+                        stream,
+                        cfg.group,
+                        cfg.consumer,
+                        min_idle_time=int(cfg.claim_idle_s * 1000),
+                        start_id=cursor,
+                        count=cfg.batch_entries * 4,
+                    ),
+                )
+                cursor = _s(resp[0])
+                for eid, fields in resp[1]:
+                    got[_s(eid)] = (fields or {}).get(b"a")
+                for eid in resp[2] if len(resp) > 2 else []:
+                    got[_s(eid)] = None
+                if cursor == "0-0":
+                    break
+            if got:
+                out[table] = sorted(got.items(), key=lambda kv: _id_key(kv[0]))
+        return out
+
+    # ---- planning: which parts to write ---------------------------------------------------------
+
+    def plan(self, table: str, entries: list[tuple[str, bytes | None]]) -> list[Part]:
+        """Turn delivered entries into parts: entries of an open intent redo that part, the others
+        form a new part whose intent is recorded now (before any file is written)."""
+        if not entries:
+            return []
+        ids = [eid for eid, _ in entries]
+        owners = self._redis_call("HMGET owner", lambda: self._redis.hmget(self._owner_key(table), ids))
+        parts: list[Part] = []
+        seen: set[str] = set()
+        fresh: list[tuple[str, bytes | None]] = []
+        for (eid, data), owner in zip(entries, owners, strict=True):
+            if owner is None:
+                fresh.append((eid, data))
+            elif _s(owner) not in seen:
+                seen.add(_s(owner))
+                part = self._load_part(table, _s(owner))
+                if part is not None:
+                    parts.append(part)
+        while fresh:
+            part_id = f"{fresh[0][0]}_{fresh[-1][0]}"
+            fids = [eid for eid, _ in fresh]
+            intent = json.dumps({"entries": fids, "consumer": self.config.consumer, "at": time.time()})
+            taken = self._redis_call(
+                "claim part",
+                lambda part_id=part_id, fids=fids, intent=intent: self._claim(
+                    keys=[self._owner_key(table), self._parts_key(table)], args=[part_id, intent, *fids]
+                ),
+            )
+            if not taken:
+                parts.append(Part(table, part_id, fids, [d for _, d in fresh]))
+                break
+            # Another writer recorded some of these entries in its part meanwhile: it (or whoever
+            # later claims them) writes them; we keep the rest.
+            taken_set = {_s(t) for t in taken}
+            fresh = [(eid, d) for eid, d in fresh if eid not in taken_set]
+        return parts
+
+    def _load_part(self, table: str, part_id: str) -> Part | None:
+        """An open intent's entries, read in one transaction with the intent check; None if the part
+        was committed meanwhile."""
+        raw = self._redis_call("HGET parts", lambda: self._redis.hget(self._parts_key(table), part_id))
+        if raw is None:
+            return None
+        ids = json.loads(raw)["entries"]
+        stream = self._streams[table]
+
+        def snapshot() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.hexists(self._parts_key(table), part_id)
+            for eid in ids:
+                pipe.xrange(stream, eid, eid)
+            return pipe.execute()
+
+        res = self._redis_call("XRANGE part", snapshot)
+        if not res[0]:
+            return None
+        data = [(r[0][1] or {}).get(b"a") if r else None for r in res[1:]]
+        return Part(table, part_id, ids, data, redo=True)
+
+    # ---- writing and committing -----------------------------------------------------------------
+
+    def write_part(self, part: Part) -> tuple[list[Path], int]:
+        """Write the part's files (one per event hour); returns them and the rows written. Idempotent:
+        the same part always produces the same names and rows."""
+        rows = dedupe(decode_entries(part.table, part.data))
+        meta = dict(SCHEMAS[part.table].metadata or {})
+        meta[b"tandem.part_id"] = part.part_id.encode()
+        meta[b"tandem.entries"] = ",".join(part.entry_ids).encode()
+        meta[b"tandem.schema_version"] = str(SCHEMA_VERSION).encode()
+        paths = []
+        for hour, rows_h in split_by_hour(rows):
+            final = partition_dir(self.config.lake, part.table, hour) / f"part-{part.part_id}.parquet"
+            write_parquet_atomic(rows_h.replace_schema_metadata(meta), final, self.config.compression)
+            paths.append(final)
+        return paths, rows.num_rows
+
+    def commit(self, part: Part) -> None:
+        """Acknowledge (and delete) the part's entries and drop its intent, atomically."""
+        stream = self._streams[part.table]
+
+        def tx() -> None:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.xack(stream, self.config.group, *part.entry_ids)
+            if self.config.delete_acked:
+                pipe.xdel(stream, *part.entry_ids)
+            pipe.hdel(self._owner_key(part.table), *part.entry_ids)
+            pipe.hdel(self._parts_key(part.table), part.part_id)
+            pipe.execute()
+
+        self._redis_call("commit", tx)
+
+    def process(self, table: str, entries: list[tuple[str, bytes | None]]) -> WriteStats:
+        stats = WriteStats()
+        for part in self.plan(table, entries):
+            lost = sum(1 for d in part.data if d is None)
+            if lost:
+                log.warning("lake writer: %d entries of part %s are gone from the stream", lost, part.part_id)
+            paths, rows = self.write_part(part)
+            self.commit(part)
+            stats.entries += len(part.entry_ids)
+            stats.rows += rows
+            stats.files += len(paths)
+            stats.redone_parts += int(part.redo)
+            stats.lost_entries += lost
+            self._metrics.lake_written_events.labels(table).inc(rows)
+        return stats
+
+    # ---- loops ----------------------------------------------------------------------------------
+
+    def recover(self) -> WriteStats:
+        """Finish whatever this consumer (or a dead one) left pending."""
+        stats = WriteStats()
+        for table, entries in self.read_pending().items():
+            for i in range(0, len(entries), self.config.batch_entries):
+                stats.add(self.process(table, entries[i : i + self.config.batch_entries]))
+        return stats
+
+    def run_once(self, block_ms: int | None = None) -> WriteStats:
+        """Read one batch of new entries per stream and write them."""
+        stats = WriteStats()
+        for table, entries in self.read_new(block_ms).items():
+            stats.add(self.process(table, entries))
+        return stats
+
+    def drain(self) -> WriteStats:
+        """Recover, then write until no new entry is waiting (for tests, benchmarks, ``--once``)."""
+        stats = self.recover()
+        while True:
+            s = self.run_once(block_ms=0)
+            stats.add(s)
+            if s.entries == 0:
+                return stats
+
+    def run(
+        self,
+        stop: threading.Event,
+        *,
+        recover_every_s: float = 30.0,
+        on_batch: Callable[[WriteStats], None] | None = None,
+    ) -> WriteStats:
+        """Consume until ``stop`` is set. Redis failures are logged and retried with backoff; after
+        one, pending entries are recovered first."""
+        total = WriteStats()
+        backoff = 0.0
+        next_recover = 0.0
+        while not stop.is_set():
+            try:
+                if time.monotonic() >= next_recover:
+                    s = self.recover()
+                    next_recover = time.monotonic() + recover_every_s
+                else:
+                    s = self.run_once()
+                backoff = 0.0
+            except StoreError as exc:
+                backoff = min(10.0, max(0.2, backoff * 2))
+                log.warning("%s; retrying in %.1fs", exc, backoff)
+                next_recover = 0.0
+                stop.wait(backoff)
+                continue
+            total.add(s)
+            if on_batch is not None and s.entries:
+                on_batch(s)
+        return total
+
+    # ---- compaction -----------------------------------------------------------------------------
+
+    def open_part_ids(self, table: str) -> set[str]:
+        keys = self._redis_call("HKEYS parts", lambda: self._redis.hkeys(self._parts_key(table)))
+        return {_s(k) for k in keys}
+
+    def compact(
+        self, *, min_age_s: float = 600.0, progress: Callable[[Path], None] | None = None
+    ) -> list[CompactResult]:
+        """Compact every partition of this writer's tables (see ``compact_partition``)."""
+        results = []
+        for table in self.config.tables:
+            tdir = self.config.lake / table
+            if not tdir.is_dir():
+                continue
+            open_parts = self.open_part_ids(table)
+            for pdir in sorted(tdir.glob("date=*/hour=*")):
+                r = compact_partition(
+                    pdir, open_parts=open_parts, min_age_s=min_age_s, compression=self.config.compression
+                )
+                if progress is not None:
+                    progress(pdir)
+                if r.inputs:
+                    results.append(r)
+        return results
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+def _id_key(eid: str) -> tuple[int, int]:
+    ms, _, seq = eid.partition("-")
+    return int(ms), int(seq or 0)
+
+
+# ---- compaction ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CompactResult:
+    partition: Path
+    inputs: list[str] = field(default_factory=list)
+    output: str | None = None
+    rows: int = 0
+
+
+def part_id_of(path: Path) -> str:
+    return path.name[len("part-") : -len(".parquet")]
+
+
+def finish_compactions(pdir: Path) -> None:
+    """Complete (output present) or discard (output absent) compactions a crash interrupted."""
+    for manifest in sorted(pdir.glob("_compact-*.json")):
+        m = json.loads(manifest.read_text())
+        if (pdir / m["output"]).exists():
+            for name in m["inputs"]:
+                (pdir / name).unlink(missing_ok=True)
+        manifest.unlink()
+        fsync_dir(pdir)
+
+
+def compact_partition(
+    pdir: Path, *, open_parts: set[str] = frozenset(), min_age_s: float = 600.0, compression: str = "zstd"
+) -> CompactResult:
+    """Merge a partition's part files into one, atomically; rows de-duplicated on event_id. Skips parts
+    with an open intent and parts younger than ``min_age_s``."""
+    finish_compactions(pdir)
+    for tmp in pdir.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+    now = time.time()
+    inputs = sorted(
+        p
+        for p in pdir.glob("part-*.parquet")
+        if part_id_of(p) not in open_parts and now - p.stat().st_mtime >= min_age_s
+    )
+    result = CompactResult(pdir)
+    if len(inputs) < 2:
+        return result
+    names = [p.name for p in inputs]
+    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+    output = f"part-c{digest}.parquet"
+    manifest = pdir / f"_compact-{digest}.json"
+    tmp_manifest = pdir / f".{manifest.name}.tmp"
+    with open(tmp_manifest, "w") as fh:
+        json.dump({"inputs": names, "output": output}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp_manifest, manifest)
+    fsync_dir(pdir)
+    tables = [pq.read_table(p) for p in inputs]
+    table_name = (tables[0].schema.metadata or {}).get(b"tandem.table", b"").decode()
+    schema = SCHEMAS[table_name] if table_name in SCHEMAS else tables[0].schema
+    merged = dedupe(pa.concat_tables([conform(t, schema) for t in tables]))
+    meta = dict(schema.metadata or {})
+    meta.pop(b"tandem.entries", None)
+    meta[b"tandem.part_id"] = f"c{digest}".encode()
+    write_parquet_atomic(merged.replace_schema_metadata(meta), pdir / output, compression)
+    finish_compactions(pdir)
+    result.inputs = names
+    result.output = output
+    result.rows = merged.num_rows
+    return result
