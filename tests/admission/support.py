@@ -44,9 +44,11 @@ async def delete_prefix(url: str, prefix: str) -> None:
         await r.aclose()
 
 
-async def wait_until(check: Callable[[], Awaitable[bool]] | Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll ``check`` until true; fail after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
+async def wait_until(
+    check: Callable[[], Awaitable[bool]] | Callable[[], bool], within_s: float = 5.0
+) -> None:
+    """Poll ``check`` until true; fail after ``within_s`` seconds."""
+    end = time.monotonic() + within_s
     while True:
         result = check()
         if asyncio.iscoroutine(result):
@@ -54,7 +56,7 @@ async def wait_until(check: Callable[[], Awaitable[bool]] | Callable[[], bool], 
         if result:
             return
         if time.monotonic() > end:
-            raise AssertionError(f"condition not met within {timeout} s")
+            raise AssertionError(f"condition not met within {within_s} s")
         await asyncio.sleep(0.005)
 
 
