@@ -1,5 +1,8 @@
 """FastAPI glue for sessions: ``GET/DELETE /v1/sessions/{id}`` and the session headers of a request.
 
+(No ``from __future__ import annotations`` here: FastAPI must evaluate ``Depends(deps.tenant)`` in
+the closures below, which string annotations would hide.)
+
     app.include_router(sessions_router(ctx.sessions, deps))
 
 A request names its session with ``x-session-id`` (created when absent; the router returns it in the
@@ -8,7 +11,6 @@ response's ``x-session-id`` header) and chooses how history is used with ``x-tan
 ``server`` (the client sends only new messages; the router prepends the stored history).
 """
 
-from __future__ import annotations
 
 import enum
 from dataclasses import dataclass

@@ -281,7 +281,12 @@ class SessionStore:
         failed: list[str] = []
         for region in (self.home, *self.others):
             try:
-                removed += await region.redis.delete(key)
+                async with region.redis.pipeline(transaction=True) as pipe:
+                    pipe.hlen(key)
+                    pipe.hexists(key, MARKER)
+                    pipe.delete(key)
+                    size, marked, _ = await pipe.execute()
+                removed += size - int(bool(marked))  # turns only: a cached "empty session" is nothing
             except RedisError as exc:
                 failed.append(f"{region.name}: {exc}")
         if failed:
