@@ -11,7 +11,6 @@ response's ``x-session-id`` header) and chooses how history is used with ``x-tan
 ``server`` (the client sends only new messages; the router prepends the stored history).
 """
 
-
 import enum
 from dataclasses import dataclass
 from typing import Annotated

@@ -44,6 +44,7 @@ from router.sessions.sql import Database
 log = logging.getLogger(__name__)
 
 MARKER = "~"
+_MARKER_B = MARKER.encode()
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS tandem_turns (
@@ -88,7 +89,8 @@ _json_dec = msgspec.json.Decoder(Turn)
 
 @dataclass(frozen=True, slots=True)
 class RegionCache:
-    """One region's Redis (a server, or a logical database of one)."""
+    """One region's Redis (a server, or a logical database of one). Its client must return bytes
+    (``decode_responses=False``, the default): cached turns are msgpack."""
 
     name: str
     redis: aioredis.Redis
@@ -174,7 +176,7 @@ class SessionStore:
         dropped and counted in ``stats.dropped``)."""
         validate_id(turn.session_id, "session_id")
         validate_id(turn.turn_id, "turn_id")
-        if self._writer is None:
+        if self._writer is None or self._writer.done():
             self.start()
         try:
             self._queue.put_nowait(turn)
@@ -194,6 +196,9 @@ class SessionStore:
                 batch.append(self._queue.get_nowait())
             try:
                 await self._write_batch(batch)
+            except Exception:  # a bug here must not kill the writer and silently fill the queue
+                self.stats.failed += len(batch)
+                log.exception("session writer failed on a batch of %d turns", len(batch))
             finally:
                 for _ in batch:
                     self._queue.task_done()
@@ -243,12 +248,12 @@ class SessionStore:
         validate_id(session_id, "session_id")
         key = self.cache_key(tenant_id, session_id)
         try:
-            cached = await self.home.redis.hgetall(key)
+            cached: dict[bytes, bytes] | None = await self.home.redis.hgetall(key)  # type: ignore[assignment]
         except RedisError as exc:
             log.warning("session cache read in region %s failed, reading the store: %s", self.home.name, exc)
             cached = None
-        if cached and (MARKER.encode() in cached or MARKER in cached):
-            turns = [_msgpack_dec.decode(v) for k, v in cached.items() if k not in (MARKER, MARKER.encode())]
+        if cached and _MARKER_B in cached:
+            turns = [_msgpack_dec.decode(v) for k, v in cached.items() if k != _MARKER_B]
             return sorted(turns, key=_order)
         turns = await self.read_store(tenant_id, session_id)
         if cached is not None and len(turns) <= self.max_cached_turns:
