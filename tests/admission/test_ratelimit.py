@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from infra.errors import RateLimited
@@ -155,3 +157,10 @@ async def test_redis_clock_is_used_when_no_clock_is_injected(open_ctx, ctx, make
         assert 55.0 < err.value.retry_after <= 60.0
     finally:
         await real.close()
+
+
+async def test_concurrent_admissions_never_exceed_the_limit(ctx):
+    auth = await _key(ctx, "acme", rpm=5, tpm=0)
+    results = await asyncio.gather(*(ctx.gate.admit(auth) for _ in range(20)), return_exceptions=True)
+    assert sum(not isinstance(r, BaseException) for r in results) == 5
+    assert all(isinstance(r, RateLimited) for r in results if isinstance(r, BaseException))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from infra.errors import StoreError
 from router.sessions import FunctionCall, Message, RegionCache, SessionStore, ToolCall, Turn, Usage
 from router.sessions.models import new_messages
 from router.sessions.store import MARKER
@@ -185,3 +186,57 @@ def test_new_messages_finds_what_a_full_history_request_adds():
     rewritten = [Message(role="user", content="summary"), new]
     assert new_messages(hist, rewritten) == rewritten
     assert new_messages([], [new]) == [new]
+
+
+class FlakyDatabase:
+    """The real database, whose batch writes fail the first ``failures`` times."""
+
+    def __init__(self, db, failures: int) -> None:
+        self._db = db
+        self.failures = failures
+        self.dialect = db.dialect
+
+    async def execute_many(self, sql, rows):
+        if self.failures:
+            self.failures -= 1
+            raise StoreError("connection reset (injected)")
+        await self._db.execute_many(sql, rows)
+
+    def __getattr__(self, name):
+        return getattr(self._db, name)
+
+
+async def test_writer_retries_store_failures_and_stores_the_turn_once(ctx, redis_a):
+    flaky = FlakyDatabase(ctx.db, failures=2)
+    store = SessionStore(
+        flaky, RegionCache("a", redis_a), prefix=ctx.settings.key_prefix, retry_backoff_s=0.001
+    )
+    try:
+        t1 = turn("s1", "t1", 1)
+        store.record_turn(t1)
+        await store.flush()
+        assert flaky.failures == 0 and store.stats.written == 1 and store.stats.failed == 0
+        assert await store.read_store(TENANT, "s1") == [t1]
+    finally:
+        await store.close()
+
+
+async def test_writer_gives_up_after_its_attempts_and_keeps_running(ctx, redis_a):
+    flaky = FlakyDatabase(ctx.db, failures=3)
+    store = SessionStore(
+        flaky,
+        RegionCache("a", redis_a),
+        prefix=ctx.settings.key_prefix,
+        write_attempts=3,
+        retry_backoff_s=0.001,
+    )
+    try:
+        store.record_turn(turn("s1", "t1", 1))
+        await store.flush()
+        assert store.stats.failed == 1
+        t2 = turn("s1", "t2", 2)
+        store.record_turn(t2)
+        await store.flush()
+        assert await store.read_store(TENANT, "s1") == [t2]
+    finally:
+        await store.close()
