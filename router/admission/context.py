@@ -1,0 +1,152 @@
+"""Settings and the one object that owns the admission and session machinery of a router process.
+
+``AdmissionSettings`` reads ``TANDEM_*`` environment variables (pydantic-settings). ``AdmissionContext``
+is built from it once at start-up (``await AdmissionContext.create(settings)``), passed to whatever needs
+it (HTTP dependencies, the sessions router, the CLI) and closed at shutdown. Nothing is module-global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import redis.asyncio as aioredis
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from router.admission.keys import ANONYMOUS_TENANT, KeyStore, Tenant
+from router.admission.priority import AdmissionController
+from router.admission.ratelimit import ClockMs, Gatekeeper, GlobalLimits
+from router.sessions.sql import Database, open_database
+from router.sessions.store import RegionCache, SessionStore
+
+
+class AdmissionSettings(BaseSettings):
+    """Admission, keys, limits and sessions. Every field is ``TANDEM_<NAME>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis for keys and rate limits (shared by all regions' routers), and the home region's session
+    cache unless ``region_cache_urls`` names one."""
+    key_prefix: str = "tandem:"
+    """Prefix of every Redis key written here."""
+    database_url: str | None = None
+    """``postgresql://user@host:port/db`` (optionally ``?schema=name``); None → SQLite at ``sqlite_path``."""
+    sqlite_path: Path = Path(".tandem/tandem.db")
+    region: str = "local"
+    """This router's region: its session cache is ``region_cache_urls[region]`` (else ``redis_url``)."""
+    region_cache_urls: dict[str, str] = Field(default_factory=dict)
+    """Every region's session-cache Redis, as JSON: ``{"a": "redis://...:6379/4", "b": ".../5"}``.
+    Other regions' caches receive hot sessions' new turns and ``DELETE``s."""
+
+    auth: Literal["auto", "required"] = "auto"
+    """auto: no auth until the first API key exists, then always; required: always."""
+    anonymous_rpm: int = 0
+    """Requests/min for the ``anonymous`` tenant while auth is off; 0 = unlimited."""
+    anonymous_tpm: int = 0
+    global_rpm: int = 0
+    """Requests/min over all tenants; 0 = unlimited."""
+    global_tpm: int = 0
+    """Tokens/min over all tenants; 0 = unlimited."""
+    completion_reserve_tokens: int = 256
+    """Tokens reserved at admission for the completion when the request has no ``max_tokens``."""
+    default_rpm: int = 600
+    """Limits given to a tenant created by ``tandem keys create`` without --rpm / --tpm."""
+    default_tpm: int = 1_000_000
+    negative_key_ttl_s: float = 10.0
+    """How long an unknown key is remembered as unknown in Redis (spares the store)."""
+
+    node_max_concurrency: int = 8
+    """Requests one router sends to one node at once; the rest queue by class then arrival."""
+    node_max_queue: int = 64
+    """Queued requests per node beyond which batch (then interactive) requests are shed with 503."""
+    request_deadline_s: float = 30.0
+    """Default time a request may wait in a node queue before it is dropped."""
+
+    session_cache_ttl_s: float = 86_400.0
+    session_max_cached_turns: int = 500
+    """Sessions longer than this are read from the store on every read instead of cached."""
+    session_queue_size: int = 10_000
+    """Turns waiting for the background writer; beyond it, turns are dropped and counted."""
+
+
+@dataclass
+class AdmissionContext:
+    settings: AdmissionSettings
+    redis: aioredis.Redis
+    region_caches: dict[str, aioredis.Redis]
+    db: Database
+    keys: KeyStore
+    gate: Gatekeeper
+    controller: AdmissionController
+    sessions: SessionStore
+    closed: bool = False
+
+    @classmethod
+    async def create(
+        cls, settings: AdmissionSettings, *, clock_ms: ClockMs | None = None, start_writer: bool = True
+    ) -> AdmissionContext:
+        """Connect Redis and the store, create tables if missing, start the session writer."""
+        redis = aioredis.Redis.from_url(settings.redis_url)
+        caches = {name: aioredis.Redis.from_url(url) for name, url in settings.region_cache_urls.items()}
+        home_redis = caches.get(settings.region, redis)
+        db = await open_database(settings.database_url or str(settings.sqlite_path))
+        keys = KeyStore(
+            redis,
+            db,
+            prefix=settings.key_prefix,
+            require_auth=settings.auth == "required",
+            anonymous=Tenant(
+                tenant_id=ANONYMOUS_TENANT, rpm=settings.anonymous_rpm, tpm=settings.anonymous_tpm
+            ),
+            negative_ttl_s=settings.negative_key_ttl_s,
+        )
+        gate = Gatekeeper(
+            redis,
+            keys,
+            global_limits=GlobalLimits(rpm=settings.global_rpm, tpm=settings.global_tpm),
+            completion_reserve_tokens=settings.completion_reserve_tokens,
+            clock_ms=clock_ms,
+        )
+        sessions = SessionStore(
+            db,
+            RegionCache(settings.region, home_redis),
+            [RegionCache(name, r) for name, r in caches.items() if name != settings.region],
+            prefix=settings.key_prefix,
+            cache_ttl_s=settings.session_cache_ttl_s,
+            max_cached_turns=settings.session_max_cached_turns,
+            queue_size=settings.session_queue_size,
+        )
+        ctx = cls(
+            settings=settings,
+            redis=redis,
+            region_caches=caches,
+            db=db,
+            keys=keys,
+            gate=gate,
+            controller=AdmissionController(
+                max_concurrency=settings.node_max_concurrency, max_queue=settings.node_max_queue
+            ),
+            sessions=sessions,
+        )
+        try:
+            await keys.init_schema()
+            await sessions.init_schema()
+        except BaseException:
+            await ctx.close()
+            raise
+        if start_writer:
+            sessions.start()
+        return ctx
+
+    async def close(self) -> None:
+        """Drain the session writer, then close connections. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        await self.sessions.close()
+        await self.db.close()
+        for r in {id(r): r for r in (self.redis, *self.region_caches.values())}.values():
+            await r.aclose()

@@ -1,0 +1,75 @@
+"""FastAPI glue for sessions: ``GET/DELETE /v1/sessions/{id}`` and the session headers of a request.
+
+(No ``from __future__ import annotations`` here: FastAPI must evaluate ``Depends(deps.tenant)`` in
+the closures below, which string annotations would hide.)
+
+    app.include_router(sessions_router(ctx.sessions, deps))
+
+A request names its session with ``x-session-id`` (created when absent; the router returns it in the
+response's ``x-session-id`` header) and chooses how history is used with ``x-tandem-history``:
+``client`` (default: the client sends the full history, the router records only what is new) or
+``server`` (the client sends only new messages; the router prepends the stored history).
+"""
+
+import enum
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+from fastapi import APIRouter, Depends, Header, Response
+
+from infra.errors import InvalidRequest, NotFound
+from router.admission.http import AdmissionDependencies
+from router.admission.keys import Tenant
+from router.sessions.models import conversation, new_session_id, validate_id
+from router.sessions.store import SessionStore
+
+HISTORY_HEADER = "x-tandem-history"
+
+
+class HistoryMode(enum.StrEnum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionParams:
+    session_id: str
+    created: bool
+    """True when the request named no session and this id was just made for it."""
+    mode: HistoryMode
+
+
+async def session_params(
+    x_session_id: Annotated[str | None, Header()] = None,
+    x_tandem_history: Annotated[str | None, Header()] = None,
+) -> SessionParams:
+    """Dependency for completion routes: the request's session id and history mode."""
+    try:
+        mode = HistoryMode((x_tandem_history or "client").lower())
+    except ValueError as exc:
+        raise InvalidRequest(f"{HISTORY_HEADER} must be 'client' or 'server'", param=HISTORY_HEADER) from exc
+    if x_session_id:
+        return SessionParams(validate_id(x_session_id, "x-session-id"), False, mode)
+    return SessionParams(new_session_id(), True, mode)
+
+
+def sessions_router(store: SessionStore, deps: AdmissionDependencies) -> APIRouter:
+    router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+    @router.get("/{session_id}")
+    async def get_session(session_id: str, tenant: Annotated[Tenant, Depends(deps.tenant)]) -> Response:
+        turns = await store.get_history(tenant.tenant_id, validate_id(session_id, "session_id"))
+        if not turns:
+            raise NotFound(f"no session {session_id!r}")
+        body = {"id": session_id, "object": "session", "turns": turns, "messages": conversation(turns)}
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    @router.delete("/{session_id}")
+    async def delete_session(session_id: str, tenant: Annotated[Tenant, Depends(deps.tenant)]) -> Response:
+        if not await store.delete(tenant.tenant_id, validate_id(session_id, "session_id")):
+            raise NotFound(f"no session {session_id!r}")
+        body = {"id": session_id, "object": "session.deleted", "deleted": True}
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    return router

@@ -1,0 +1,173 @@
+"""The persistent store's connection: PostgreSQL (asyncpg) or embedded SQLite (aiosqlite).
+
+Both the session history and the API keys persist here; Redis is only their cache. One small interface,
+``Database``, hides the two drivers:
+
+* SQL is written once, PostgreSQL-style, with ``$1, $2 ...`` placeholders. The SQLite backend rewrites
+  them to ``?1, ?2 ...`` (SQLite's numbered parameters), so the same text runs on both.
+* Only portable types are used: ``TEXT``, ``BIGINT``, ``DOUBLE PRECISION``, ``INTEGER`` 0/1 for flags,
+  JSON documents in ``TEXT``. ``INSERT ... ON CONFLICT DO NOTHING`` works on both (SQLite >= 3.24).
+* Driver errors become ``StoreError`` here, at the boundary.
+
+``open_database(url)`` picks the backend: ``postgresql://...`` → PostgreSQL, ``sqlite:///path`` or a
+bare path → SQLite. A PostgreSQL URL may carry ``?schema=NAME`` (not a libpq option; we strip it) to
+keep every table inside one schema, which tests use to isolate runs.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import aiosqlite
+import asyncpg
+
+from infra.errors import ConfigError, StoreError
+
+Row = tuple[Any, ...]
+
+_PLACEHOLDER = re.compile(r"\$(\d+)")
+_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class Database(Protocol):
+    """What the stores need from a SQL database. Every method raises ``StoreError`` on failure."""
+
+    dialect: str
+
+    async def execute(self, sql: str, *args: Any) -> int:
+        """Run one statement; return the number of rows it changed."""
+        ...
+
+    async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Run one statement per row, all in one transaction."""
+        ...
+
+    async def fetch(self, sql: str, *args: Any) -> list[Row]: ...
+
+    async def close(self) -> None: ...
+
+
+class PostgresDatabase:
+    dialect = "postgresql"
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @classmethod
+    async def connect(cls, url: str, *, min_size: int = 1, max_size: int = 8) -> PostgresDatabase:
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query))
+        schema = query.pop("schema", None)
+        dsn = urlunsplit(parts._replace(query=urlencode(query)))
+        if schema is not None and not _SCHEMA_NAME.match(schema):
+            raise ConfigError(f"invalid schema name {schema!r} in database URL")
+        settings = {"search_path": schema} if schema else None
+        try:
+            if schema:
+                conn = await asyncpg.connect(dsn)
+                try:
+                    await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+                finally:
+                    await conn.close()
+            pool = await asyncpg.create_pool(
+                dsn, min_size=min_size, max_size=max_size, server_settings=settings
+            )
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise StoreError(f"cannot connect to PostgreSQL at {parts.hostname}:{parts.port}: {exc}") from exc
+        return cls(pool)
+
+    async def execute(self, sql: str, *args: Any) -> int:
+        try:
+            status = await self._pool.execute(sql, *args)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise StoreError(f"PostgreSQL statement failed: {exc}") from exc
+        # status is e.g. "INSERT 0 1", "UPDATE 3", "DELETE 0", "CREATE TABLE"
+        tail = status.rsplit(" ", 1)[-1]
+        return int(tail) if tail.isdigit() else 0
+
+    async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.executemany(sql, rows)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise StoreError(f"PostgreSQL batch failed: {exc}") from exc
+
+    async def fetch(self, sql: str, *args: Any) -> list[Row]:
+        try:
+            records = await self._pool.fetch(sql, *args)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise StoreError(f"PostgreSQL query failed: {exc}") from exc
+        return [tuple(r.values()) for r in records]
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+
+class SqliteDatabase:
+    """One connection (aiosqlite runs it on its own thread), WAL mode so readers in other processes
+    (the ``tandem keys`` CLI) do not block the router."""
+
+    dialect = "sqlite"
+
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self._conn = conn
+
+    @classmethod
+    async def connect(cls, path: str | Path) -> SqliteDatabase:
+        path = Path(path)
+        if str(path) != ":memory:":
+            path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            conn = await aiosqlite.connect(str(path), timeout=10.0)
+            await conn.execute("PRAGMA journal_mode=WAL")
+            await conn.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open SQLite database {path}: {exc}") from exc
+        return cls(conn)
+
+    @staticmethod
+    def _sql(sql: str) -> str:
+        return _PLACEHOLDER.sub(r"?\1", sql)
+
+    async def execute(self, sql: str, *args: Any) -> int:
+        try:
+            cur = await self._conn.execute(self._sql(sql), args)
+            await self._conn.commit()
+        except sqlite3.Error as exc:
+            raise StoreError(f"SQLite statement failed: {exc}") from exc
+        return max(cur.rowcount, 0)
+
+    async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        try:
+            await self._conn.executemany(self._sql(sql), rows)
+            await self._conn.commit()
+        except sqlite3.Error as exc:
+            await self._conn.rollback()
+            raise StoreError(f"SQLite batch failed: {exc}") from exc
+
+    async def fetch(self, sql: str, *args: Any) -> list[Row]:
+        try:
+            cur = await self._conn.execute(self._sql(sql), args)
+            rows = await cur.fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"SQLite query failed: {exc}") from exc
+        return [tuple(r) for r in rows]
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+async def open_database(url: str) -> Database:
+    """``postgresql://`` / ``postgres://`` → PostgreSQL; ``sqlite:///path`` or a plain path → SQLite."""
+    if url.startswith(("postgresql://", "postgres://")):
+        return await PostgresDatabase.connect(url)
+    if url.startswith("sqlite:///"):
+        return await SqliteDatabase.connect(url.removeprefix("sqlite:///"))
+    if "://" in url:
+        raise ConfigError(f"unsupported database URL {url!r} (want postgresql://... or sqlite:///path)")
+    return await SqliteDatabase.connect(url)
