@@ -1,0 +1,15 @@
+"""Fleet KV index: routing keys equal to vLLM's block hashes, an index of which node holds which
+block (fed by the engines' ZeroMQ KV events), and the offline ideal hit rate."""
+
+from router.kv_index.block_keys import BlockHasher, BlockKey, block_keys, external_key
+from router.kv_index.index import FleetIndex, ModelIndex, bench_longest_prefix
+
+__all__ = [
+    "BlockHasher",
+    "BlockKey",
+    "FleetIndex",
+    "ModelIndex",
+    "bench_longest_prefix",
+    "block_keys",
+    "external_key",
+]
