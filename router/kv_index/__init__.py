@@ -3,12 +3,16 @@ block (fed by the engines' ZeroMQ KV events), and the offline ideal hit rate."""
 
 from router.kv_index.block_keys import BlockHasher, BlockKey, block_keys, external_key
 from router.kv_index.index import FleetIndex, ModelIndex, bench_longest_prefix
+from router.kv_index.subscriber import KVEventSubscriber, KVEventSubscribers, SubscriberStats
 
 __all__ = [
     "BlockHasher",
     "BlockKey",
     "FleetIndex",
+    "KVEventSubscriber",
+    "KVEventSubscribers",
     "ModelIndex",
+    "SubscriberStats",
     "bench_longest_prefix",
     "block_keys",
     "external_key",
