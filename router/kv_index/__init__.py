@@ -2,6 +2,7 @@
 block (fed by the engines' ZeroMQ KV events), and the offline ideal hit rate."""
 
 from router.kv_index.block_keys import BlockHasher, BlockKey, block_keys, external_key
+from router.kv_index.ideal import ideal_cached_tokens, ideal_hit_rate
 from router.kv_index.index import FleetIndex, ModelIndex, bench_longest_prefix
 from router.kv_index.subscriber import KVEventSubscriber, KVEventSubscribers, SubscriberStats
 
@@ -16,4 +17,6 @@ __all__ = [
     "bench_longest_prefix",
     "block_keys",
     "external_key",
+    "ideal_cached_tokens",
+    "ideal_hit_rate",
 ]
