@@ -249,3 +249,42 @@ async def test_manager_follows_the_registry(tmp_path: Path, ctx: zmq.asyncio.Con
         await pub_a.close()
         await pub_b.close()
     assert fleet.block_counts() == {"m": {}}
+
+
+async def test_a_node_hashing_differently_is_reported(tmp_path: Path, ctx: zmq.asyncio.Context) -> None:
+    ev_ep, rp_ep = _eps(tmp_path)
+    pub = FakePublisher(ctx, ev_ep, rp_ep)
+    fleet = FleetIndex()
+    router_hasher = BlockHasher(BS, "sha256_cbor")
+    sub = KVEventSubscriber(fleet.model("m", BS), "p0", ev_ep, rp_ep, ctx=ctx, hasher=router_hasher)
+    sub.start()
+    try:
+        await pub.connected(lambda: sub.stats.live_batches > 0)
+        tokens = _tokens(2 * BS, seed=9)
+        good = stored(router_hasher.keys(tokens))
+        good.token_ids = tokens
+        bad_keys = BlockHasher(BS, "sha256_cbor", seed="1234").keys(tokens)  # node with PYTHONHASHSEED
+        bad = stored(bad_keys)
+        bad.token_ids = tokens
+        pub.publish([good, bad])
+        await until(lambda: sub.stats.events >= 2, what="both events")
+        assert sub.stats.key_mismatches == 1
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+def test_unknown_event_types_are_skipped_not_fatal() -> None:
+    import msgspec
+
+    from router.kv_index.events import BlockStored, decode_batch
+
+    payload = msgspec.msgpack.encode(
+        [
+            1.0,
+            [{"type": "BlockPinned", "x": 1}, {"type": "BlockStored", "block_hashes": [3], "block_size": 16}],
+        ]
+    )
+    batch = decode_batch(payload)
+    assert batch.skipped == 1
+    assert isinstance(batch.events[0], BlockStored) and batch.events[0].block_hashes == [3]
