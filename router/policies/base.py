@@ -21,6 +21,9 @@ class RoutingRequest:
     model: str
     prompt_token_ids: tuple[int, ...] = ()
     session_id: str | None = None
+    block_keys: tuple[int, ...] = ()
+    """Routing keys of the prompt's full blocks (``router.kv_index.BlockHasher.keys``, the model's
+    block size, hash algo and seed); empty when unknown. Read by ``cache_aware``."""
 
 
 @dataclass(frozen=True, slots=True)

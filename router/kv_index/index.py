@@ -1,0 +1,213 @@
+"""The fleet KV index: per model, which node holds which block key.
+
+State, per model: ``holders[key]`` is a bitmask of the nodes holding that block (one bit per node,
+assigned on the node's first event, freed by ``drop_node``), and per node a reference count per key.
+vLLM may cache the same hash in two blocks (two requests computing one prefix at once) and then
+reports two BlockStored and, later, two BlockRemoved: the count keeps the key until the last copy
+goes. A BlockRemoved for a key the node does not hold is ignored (events from before a replay).
+
+Only events that describe the engine's own prefix cache are applied: ``medium`` in ``media``
+(vLLM's device cache reports "GPU", even on CPU builds), ``group_idx`` 0 or absent (the first KV
+cache group; hybrid models' other groups are not routed on), and a ``block_size`` equal to the
+model's. Others are counted in ``ignored_events``.
+
+``longest_prefix(keys)`` walks the keys in order, and-ing the holder masks: a node's match ends at
+the first block it lacks, as the engine's own prefix lookup does. One dict lookup and one ``&`` per
+block, stopping when no node is left: ~25 µs for 512 keys on this machine (``bench_longest_prefix``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from router.kv_index.block_keys import BlockKey, external_key
+from router.kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})
+
+
+@dataclass(slots=True)
+class _NodeState:
+    bit: int
+    blocks: dict[BlockKey, int]
+    """key -> copies the engine reported."""
+
+
+class ModelIndex:
+    """Blocks of one model across its nodes. Not thread-safe: owned by the router's event loop."""
+
+    def __init__(self, model: str, block_size: int, *, media: frozenset[str | None] = DEFAULT_MEDIA) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.media = media
+        self._holders: dict[BlockKey, int] = {}
+        self._nodes: dict[str, _NodeState] = {}
+        self._bit_owner: dict[int, str] = {}
+        self.ignored_events = 0
+
+    # --- updates -------------------------------------------------------------------------------
+    def _node(self, node_id: str) -> _NodeState:
+        st = self._nodes.get(node_id)
+        if st is None:
+            bit = 0
+            while bit in self._bit_owner:
+                bit += 1
+            st = _NodeState(bit=bit, blocks={})
+            self._nodes[node_id] = st
+            self._bit_owner[bit] = node_id
+        return st
+
+    def apply(self, node_id: str, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            if (
+                event.medium not in self.media
+                or event.group_idx not in (0, None)
+                or event.block_size != self.block_size
+            ):
+                self.ignored_events += 1
+                return
+            self.add_blocks(node_id, [external_key(h) for h in event.block_hashes])
+        elif isinstance(event, BlockRemoved):
+            if event.medium not in self.media or event.group_idx not in (0, None):
+                self.ignored_events += 1
+                return
+            self.remove_blocks(node_id, [external_key(h) for h in event.block_hashes])
+        elif isinstance(event, AllBlocksCleared):
+            self.clear_node(node_id)
+
+    def add_blocks(self, node_id: str, keys: Iterable[BlockKey]) -> None:
+        st = self._node(node_id)
+        mask = 1 << st.bit
+        holders, blocks = self._holders, st.blocks
+        for k in keys:
+            n = blocks.get(k, 0)
+            blocks[k] = n + 1
+            if n == 0:
+                holders[k] = holders.get(k, 0) | mask
+
+    def remove_blocks(self, node_id: str, keys: Iterable[BlockKey]) -> None:
+        st = self._nodes.get(node_id)
+        if st is None:
+            return
+        mask = 1 << st.bit
+        holders, blocks = self._holders, st.blocks
+        for k in keys:
+            n = blocks.get(k, 0)
+            if n > 1:
+                blocks[k] = n - 1
+            elif n == 1:
+                del blocks[k]
+                rest = holders[k] & ~mask
+                if rest:
+                    holders[k] = rest
+                else:
+                    del holders[k]
+
+    def clear_node(self, node_id: str) -> None:
+        """Forget the node's blocks (AllBlocksCleared, a restart, a lost event range); keep its slot."""
+        st = self._nodes.get(node_id)
+        if st is None:
+            return
+        self.remove_blocks(node_id, [k for k, n in st.blocks.items() for _ in range(n)])
+
+    def drop_node(self, node_id: str) -> None:
+        """The node left: forget its blocks and free its slot."""
+        st = self._nodes.get(node_id)
+        if st is None:
+            return
+        self.clear_node(node_id)
+        del self._nodes[node_id]
+        del self._bit_owner[st.bit]
+
+    # --- queries -------------------------------------------------------------------------------
+    def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]:
+        """Per node holding at least the first block: how many leading blocks of ``keys`` it holds."""
+        holders = self._holders
+        if not keys:
+            return {}
+        active = holders.get(keys[0], 0)
+        if not active:
+            return {}
+        result: dict[str, int] = {}
+        owner = self._bit_owner
+        for i in range(1, len(keys)):
+            nxt = active & holders.get(keys[i], 0)
+            if nxt != active:
+                self._settle(active & ~nxt, i, owner, result)
+                if not nxt:
+                    return result
+                active = nxt
+        self._settle(active, len(keys), owner, result)
+        return result
+
+    @staticmethod
+    def _settle(mask: int, matched: int, owner: dict[int, str], result: dict[str, int]) -> None:
+        while mask:
+            low = mask & -mask
+            result[owner[low.bit_length() - 1]] = matched
+            mask ^= low
+
+    def block_counts(self) -> dict[str, int]:
+        """Distinct cached blocks per node."""
+        return {node_id: len(st.blocks) for node_id, st in self._nodes.items()}
+
+    def nodes(self) -> list[str]:
+        return sorted(self._nodes)
+
+    def __len__(self) -> int:
+        """Distinct keys held by any node."""
+        return len(self._holders)
+
+
+class FleetIndex:
+    """Every model's ``ModelIndex``; the router keeps one and shares it with subscribers and policies."""
+
+    def __init__(self, *, media: frozenset[str | None] = DEFAULT_MEDIA) -> None:
+        self.media = media
+        self._models: dict[str, ModelIndex] = {}
+
+    def model(self, model: str, block_size: int) -> ModelIndex:
+        """The model's index, created on first use. A model's nodes share one block size; a node with
+        another block size gets its events ignored (see ``ModelIndex.apply``)."""
+        idx = self._models.get(model)
+        if idx is None:
+            idx = self._models[model] = ModelIndex(model, block_size, media=self.media)
+        return idx
+
+    def get(self, model: str) -> ModelIndex | None:
+        return self._models.get(model)
+
+    def longest_prefix(self, model: str, keys: Sequence[BlockKey]) -> dict[str, int]:
+        idx = self._models.get(model)
+        return idx.longest_prefix(keys) if idx is not None else {}
+
+    def drop_node(self, node_id: str) -> None:
+        for idx in self._models.values():
+            idx.drop_node(node_id)
+
+    def block_counts(self) -> dict[str, dict[str, int]]:
+        """model -> node -> distinct cached blocks."""
+        return {m: idx.block_counts() for m, idx in self._models.items()}
+
+
+def bench_longest_prefix(
+    num_nodes: int = 4, num_keys: int = 512, cached_per_node: int = 20_000, repeat: int = 400
+) -> float:
+    """Micro-benchmark: microseconds per ``longest_prefix`` of ``num_keys`` keys, all held by every node
+    (the worst case: no early exit), in an index with ``cached_per_node`` blocks per node."""
+    idx = ModelIndex("bench", 16)
+    query = [BlockKey(k) for k in range(num_keys)]
+    for n in range(num_nodes):
+        idx.add_blocks(f"node-{n}", query)
+        idx.add_blocks(
+            f"node-{n}", [BlockKey(10**9 + n * cached_per_node + k) for k in range(cached_per_node)]
+        )
+    best = float("inf")
+    for _ in range(5):  # best of 5 rounds: the machine is shared, the minimum is the cost
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            idx.longest_prefix(query)
+        best = min(best, (time.perf_counter() - t0) / repeat * 1e6)
+    return best

@@ -1,0 +1,328 @@
+"""Subscribers to the engines' KV events: one asyncio ZeroMQ SUB client per node, and a manager that
+starts and stops them as nodes join and leave the registry.
+
+Wire format (vLLM 0.32 ``ZmqEventPublisher``, see ``router.kv_index.events``): PUB multipart
+``[topic, seq (8 bytes, big-endian), msgpack batch]``, ``seq`` counting from 0 per engine start; a
+ROUTER replay endpoint answers ``[b"", start_seq]`` from a DEALER with every buffered batch from
+``start_seq`` on, then an end marker (seq -1).
+
+Sequence handling, per node (``expected`` = the next seq to apply):
+  * at start, replay from 0: the node's history, as far as its buffer (``buffer_steps``) reaches;
+  * ``seq == expected``: apply;
+  * ``seq > expected`` (PUB dropped messages, or we joined late): replay from ``expected``;
+  * ``seq < expected`` and inside the range the last replay covered: a live copy of a replayed batch,
+    skipped; otherwise the engine restarted (a new publisher counts from 0): forget the node's blocks
+    and replay from 0.
+  * Events that cannot be recovered (no replay endpoint, replay timed out, the buffer no longer holds
+    the range, an undecodable batch): the node's blocks are forgotten (``clear_node``) and rebuilt
+    from the events that follow. Dropping hits is safe; keeping blocks whose BlockRemoved we lost
+    would send requests to a node for a prefix it no longer holds.
+A restart is also visible in the registry (``NodeInfo.started_at``): the manager then drops the node
+and starts a fresh subscriber, which covers a new engine whose seq has already passed the old one's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from infra.registry import LiveNode, NodeInfo
+from router.kv_index.block_keys import BlockHasher, external_key
+from router.kv_index.events import REPLAY_END_SEQ, BlockStored, decode_batch
+from router.kv_index.index import FleetIndex, ModelIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    live_batches: int = 0
+    """Batches received on the PUB stream (applied or not)."""
+    applied_batches: int = 0
+    events: int = 0
+    gaps: int = 0
+    """Times a seq jumped ahead of the next expected one."""
+    replays: int = 0
+    replayed_batches: int = 0
+    duplicates: int = 0
+    restarts: int = 0
+    lost: int = 0
+    """Times events were unrecoverable and the node's blocks were forgotten."""
+    decode_errors: int = 0
+    skipped_events: int = 0
+    """Events of a type this router does not know."""
+    key_mismatches: int = 0
+    """First blocks whose engine key differs from ours: the node's hash algo or seed is not the router's."""
+    socket_errors: int = 0
+
+
+class KVEventSubscriber:
+    """Keeps one node's blocks in ``index`` current from its KV events."""
+
+    def __init__(
+        self,
+        index: ModelIndex,
+        node_id: str,
+        events_endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        ctx: zmq.asyncio.Context,
+        topic: str = "",
+        replay_timeout_s: float = 2.0,
+        retry_delay_s: float = 1.0,
+        hasher: BlockHasher | None = None,
+    ) -> None:
+        self.index = index
+        self.node_id = node_id
+        self.events_endpoint = events_endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.replay_timeout_s = replay_timeout_s
+        self.retry_delay_s = retry_delay_s
+        self.hasher = hasher
+        self.stats = SubscriberStats()
+        self.expected: int | None = None
+        self._ctx = ctx
+        self._window: tuple[int, int] | None = None  # seqs the last replay applied
+        self._task: asyncio.Task[None] | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+
+    # --- life cycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.node_id}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._sub, self._dealer):
+            if sock is not None:
+                sock.close(linger=0)
+        self._sub = self._dealer = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._serve()
+            except zmq.ZMQError as exc:
+                # Sockets reconnect by themselves; an error here means the socket itself is unusable.
+                self.stats.socket_errors += 1
+                log.warning("KV events of node %s: %s; resubscribing", self.node_id, exc)
+                self._close_sockets()
+                self._lost("socket error")
+                self.expected, self._window = None, None
+                await asyncio.sleep(self.retry_delay_s)
+
+    async def _serve(self) -> None:
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._sub.connect(self.events_endpoint)
+        if self.replay_endpoint is not None:
+            await self._catch_up(0)
+        while True:
+            frames = await self._sub.recv_multipart()
+            if len(frames) != 3:
+                self.stats.decode_errors += 1
+                continue
+            self.stats.live_batches += 1
+            await self._on_live(int.from_bytes(frames[1], "big"), frames[2])
+
+    # --- sequence logic -------------------------------------------------------------------------
+    async def _on_live(self, seq: int, payload: bytes) -> None:
+        if self.expected is None:
+            self.expected = 0 if self.replay_endpoint is not None else seq
+        if seq == self.expected:
+            self._apply(seq, payload)
+            if self._window is not None and seq > self._window[1]:
+                self._window = None
+            return
+        if seq < self.expected:
+            if self._window is not None and self._window[0] <= seq <= self._window[1]:
+                self.stats.duplicates += 1
+                return
+            self.stats.restarts += 1
+            log.info(
+                "node %s restarted its KV events (seq %d after %d)", self.node_id, seq, self.expected - 1
+            )
+            self.index.clear_node(self.node_id)
+            self.expected, self._window = 0, None
+            if seq == 0:
+                self._apply(seq, payload)
+                return
+        # seq is ahead of the next one we need
+        self.stats.gaps += 1
+        recovered = self.replay_endpoint is not None and await self._catch_up(self.expected)
+        if seq < self.expected:
+            return  # the replay covered it
+        if seq > self.expected and recovered:
+            self._lost(f"seq {self.expected}..{seq - 1} missing from the replay")
+        elif not recovered:
+            self._lost(f"seq {self.expected}..{seq - 1} not recoverable")
+        self._apply(seq, payload)
+
+    async def _catch_up(self, start: int) -> bool:
+        """Replay from ``start`` and apply what comes back, in order. False if the range from
+        ``start`` could not be had (the node's blocks are then forgotten)."""
+        self.stats.replays += 1
+        batches = await self._request_replay(start)
+        if batches is None:
+            if self.expected is not None:
+                self._lost(f"replay from {start} failed")
+            return False
+        if not batches:
+            return True
+        first = batches[0][0]
+        ok = first == start
+        if not ok:
+            self._lost(f"replay buffer starts at seq {first}, needed {start}")
+        for seq, payload in batches:
+            self._apply(seq, payload)
+            self.stats.replayed_batches += 1
+        self._window = (first, batches[-1][0])
+        return ok
+
+    async def _request_replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        if self._dealer is None:
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.connect(self.replay_endpoint)  # type: ignore[arg-type]
+        dealer = self._dealer
+        await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        out: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + self.replay_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await dealer.poll(timeout=left * 1000):
+                # A late answer would be read as the next replay's: start that one on a fresh socket.
+                log.warning("replay from %d timed out on node %s", start, self.node_id)
+                dealer.close(linger=0)
+                self._dealer = None
+                return None
+            frames = await dealer.recv_multipart()
+            if len(frames) != 4:
+                continue
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq == REPLAY_END_SEQ:
+                return out
+            out.append((seq, frames[3]))
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self.expected = seq + 1
+        try:
+            batch = decode_batch(payload)
+        except msgspec.DecodeError:
+            self.stats.decode_errors += 1
+            self._lost(f"undecodable batch {seq}")
+            return
+        self.stats.applied_batches += 1
+        self.stats.events += len(batch.events)
+        self.stats.skipped_events += batch.skipped
+        for ev in batch.events:
+            if self.hasher is not None and isinstance(ev, BlockStored):
+                self._check_keys(ev)
+            self.index.apply(self.node_id, ev)
+
+    def _check_keys(self, ev: BlockStored) -> None:
+        hasher = self.hasher
+        if (
+            hasher is None
+            or ev.parent_block_hash is not None
+            or not ev.block_hashes
+            or ev.block_size != hasher.block_size
+            or (ev.extra_keys and ev.extra_keys[0] is not None)
+        ):
+            return
+        if not hasher.first_block_matches(ev.token_ids, external_key(ev.block_hashes[0])):
+            self.stats.key_mismatches += 1
+            if self.stats.key_mismatches == 1:
+                log.error(
+                    "node %s hashes blocks differently from the router (router: %s, seed %r): "
+                    "check --prefix-caching-hash-algo and PYTHONHASHSEED",
+                    self.node_id,
+                    hasher.algo,
+                    hasher.seed,
+                )
+
+    def _lost(self, why: str) -> None:
+        self.stats.lost += 1
+        log.warning("KV events of node %s lost (%s): forgetting its blocks", self.node_id, why)
+        self.index.clear_node(self.node_id)
+
+
+def _identity(info: NodeInfo) -> tuple[object, ...]:
+    return (info.model, info.block_size, info.kv_events_endpoint, info.kv_replay_endpoint, info.started_at)
+
+
+class KVEventSubscribers:
+    """One subscriber per live node that publishes KV events; call ``sync`` with the registry's live
+    nodes whenever the router refreshes them, ``close`` at shutdown."""
+
+    def __init__(
+        self,
+        index: FleetIndex,
+        *,
+        ctx: zmq.asyncio.Context | None = None,
+        hashers: dict[str, BlockHasher] | None = None,
+        topic: str = "",
+        replay_timeout_s: float = 2.0,
+    ) -> None:
+        self.index = index
+        self._own_ctx = ctx is None
+        self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
+        self._hashers = hashers or {}
+        self._topic = topic
+        self._replay_timeout_s = replay_timeout_s
+        self._subs: dict[str, tuple[tuple[object, ...], KVEventSubscriber]] = {}
+
+    async def sync(self, nodes: Iterable[LiveNode]) -> None:
+        """Start subscribers for new nodes; stop them and drop the blocks of nodes that left, and of
+        nodes that restarted or moved (different ``started_at`` or endpoints)."""
+        wanted = {n.info.node_id: n.info for n in nodes if n.info.kv_events_endpoint}
+        for node_id, (ident, sub) in list(self._subs.items()):
+            info = wanted.get(node_id)
+            if info is None or _identity(info) != ident:
+                del self._subs[node_id]
+                await sub.stop()
+                self.index.drop_node(node_id)
+        for node_id, info in wanted.items():
+            if node_id in self._subs:
+                continue
+            sub = KVEventSubscriber(
+                self.index.model(info.model, info.block_size),
+                node_id,
+                info.kv_events_endpoint,  # type: ignore[arg-type]
+                info.kv_replay_endpoint,
+                ctx=self._ctx,
+                topic=self._topic,
+                replay_timeout_s=self._replay_timeout_s,
+                hasher=self._hashers.get(info.model),
+            )
+            self._subs[node_id] = (_identity(info), sub)
+            sub.start()
+
+    def subscriber(self, node_id: str) -> KVEventSubscriber | None:
+        entry = self._subs.get(node_id)
+        return entry[1] if entry is not None else None
+
+    def stats(self) -> dict[str, SubscriberStats]:
+        return {node_id: sub.stats for node_id, (_, sub) in self._subs.items()}
+
+    async def close(self) -> None:
+        await self.sync([])
+        if self._own_ctx:
+            self._ctx.term()

@@ -1,0 +1,216 @@
+"""cache_aware (the default): send a prompt where its prefix is already cached, unless that node is
+too busy; prefill on the decode node itself when little is left to compute or prefill is saturated.
+
+Inputs: ``RoutingRequest.prompt_token_ids`` and ``block_keys`` (the router computes them with
+``router.kv_index.BlockHasher``), and a ``PrefixLookup`` (the router's ``FleetIndex``) given to the
+constructor, which tells per node how many leading blocks of the prompt it holds.
+
+Per candidate n (block size bs = n's block size, P = prompt tokens):
+    cached(n) = min(matched_blocks(n), (P - 1) // bs) * bs
+                (vLLM never reuses a prompt's last token, so a whole-prompt match reuses one block less)
+    load(n)   = requests this router has in flight on n + requests n's engine reports waiting
+    queued(n) = uncached prompt tokens this router sent to n and not yet settled (released by
+                ``on_complete``, i.e. at the request's end: an over-estimate for long decodes)
+                + n.waiting * waiting_request_tokens (other routers' queue, from heartbeats)
+
+Decode node (chosen first):
+    1. session affinity (``session_affinity``): the session's previous decode node, if still a
+       candidate and load <= min load + imbalance_threshold;
+    2. otherwise, if a candidate within that same load bound has P - cached(n) <=
+       local_prefill_max_tokens, the one with the most cached tokens (it will prefill locally);
+    3. otherwise the lowest running + waiting + inflight + decode_kv_weight * kv_usage.
+    With no prefill pool (colocated nodes) the decode pool is scored as the prefill pool below.
+Conditional disaggregation: ``prefill=None`` (the decode node prefills itself, no KV transfer) when
+    P > 0 (token ids known) and P - cached(decode) <= local_prefill_max_tokens, or every prefill candidate has
+    load >= prefill_saturation_load.
+Prefill node:
+    score(n) = cached(n) - load_weight * queued(n); the highest wins (ties: lower load, node id).
+    Load-imbalance guard: if max load - min load over the pool > imbalance_threshold, the least
+    loaded node wins instead (as ``least_loaded``).
+
+``Decision.extra``: prompt_tokens, fleet_cached_tokens (longest cached prefix on any node of the
+model, candidate or not), routed_cached_tokens (predicted reuse on the node that prefills),
+uncached_tokens, queued_tokens (what this decision added to that node's queue).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.policies.base import Candidate, Decision, RoutingRequest
+
+
+class PrefixLookup(Protocol):
+    def longest_prefix(self, model: str, keys: Sequence[int]) -> dict[str, int]:
+        """node id -> number of leading blocks of ``keys`` the node holds (absent: none)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAwareConfig:
+    load_weight: float = 1.0
+    """Cached tokens one queued prefill token is worth: 1.0 trades them one for one."""
+    waiting_request_tokens: int = 1024
+    """Prompt tokens assumed per request an engine reports waiting (others' traffic)."""
+    imbalance_threshold: int = 8
+    """Load spread (requests) within a pool above which cache is ignored and least loaded wins."""
+    decode_kv_weight: float = 4.0
+    """Requests a full KV cache (kv_usage 1.0) is worth when ranking decode nodes."""
+    local_prefill_max_tokens: int = 256
+    """Prefill on the decode node when at most this many prompt tokens are not cached there."""
+    prefill_saturation_load: int = 16
+    """Prefill pool is saturated when every prefill node has at least this load."""
+    session_affinity: bool = True
+    """Keep a session on its previous decode node while that node is within the imbalance guard."""
+    max_sessions: int = 100_000
+    """Sessions remembered for affinity (least recently used forgotten first)."""
+
+
+def _load(c: Candidate) -> int:
+    return c.inflight + c.node.load.waiting
+
+
+class CacheAware:
+    name = "cache_aware"
+
+    def __init__(self, index: PrefixLookup, config: CacheAwareConfig | None = None) -> None:
+        self.index = index
+        self.config = config or CacheAwareConfig()
+        self._queued: dict[str, int] = {}
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    # --- pieces ---------------------------------------------------------------------------------
+    @staticmethod
+    def _cached(c: Candidate, matches: dict[str, int], prompt_tokens: int) -> int:
+        bs = c.node.info.block_size
+        if prompt_tokens <= 0 or bs <= 0:
+            return 0
+        return min(matches.get(c.node_id, 0), (prompt_tokens - 1) // bs) * bs
+
+    def _queued_tokens(self, c: Candidate) -> int:
+        return self._queued.get(c.node_id, 0) + c.node.load.waiting * self.config.waiting_request_tokens
+
+    def _within_guard(self, pool: list[Candidate]) -> list[Candidate]:
+        floor = min(_load(c) for c in pool)
+        return [c for c in pool if _load(c) <= floor + self.config.imbalance_threshold]
+
+    def _score_pool(
+        self, pool: list[Candidate], matches: dict[str, int], prompt_tokens: int
+    ) -> tuple[Candidate, str]:
+        loads = [_load(c) for c in pool]
+        spread = max(loads) - min(loads)
+        if spread > self.config.imbalance_threshold:
+            best = min(pool, key=lambda c: (_load(c), c.node.load.kv_usage, c.node_id))
+            return (
+                best,
+                f"load guard: spread {spread} > {self.config.imbalance_threshold}, "
+                f"least loaded {best.node_id}",
+            )
+
+        def key(c: Candidate) -> tuple[float, int, str]:
+            score = self._cached(c, matches, prompt_tokens) - self.config.load_weight * self._queued_tokens(c)
+            return (-score, _load(c), c.node_id)
+
+        best = min(pool, key=key)
+        cached = self._cached(best, matches, prompt_tokens)
+        return (
+            best,
+            f"cache: {best.node_id} holds {cached}/{prompt_tokens} tokens, queue {self._queued_tokens(best)}",
+        )
+
+    def _decode_cost(self, c: Candidate) -> float:
+        load = c.node.load
+        return load.running + load.waiting + c.inflight + self.config.decode_kv_weight * load.kv_usage
+
+    def _pick_decode(
+        self, request: RoutingRequest, decode: list[Candidate], matches: dict[str, int], prompt_tokens: int
+    ) -> tuple[Candidate, str]:
+        cfg = self.config
+        ok = self._within_guard(decode)
+        if cfg.session_affinity and request.session_id is not None:
+            prev = self._sessions.get(request.session_id)
+            for c in ok:
+                if c.node_id == prev:
+                    return c, f"session affinity: {c.node_id}"
+        if prompt_tokens > 0:
+            local = [
+                c
+                for c in ok
+                if prompt_tokens - self._cached(c, matches, prompt_tokens) <= cfg.local_prefill_max_tokens
+            ]
+            if local:
+                best = max(
+                    local, key=lambda c: (self._cached(c, matches, prompt_tokens), -self._decode_cost(c))
+                )
+                left = prompt_tokens - self._cached(best, matches, prompt_tokens)
+                return best, f"decode {best.node_id} holds all but the last {left} tokens"
+        best = min(decode, key=lambda c: (self._decode_cost(c), c.node_id))
+        return best, f"decode {best.node_id} least busy"
+
+    # --- policy ---------------------------------------------------------------------------------
+    def select(self, request: RoutingRequest, prefill: list[Candidate], decode: list[Candidate]) -> Decision:
+        cfg = self.config
+        prompt_tokens = len(request.prompt_token_ids)
+        matches = self.index.longest_prefix(request.model, request.block_keys) if request.block_keys else {}
+        bs = decode[0].node.info.block_size
+        fleet_blocks = min(
+            max(matches.values(), default=0), (prompt_tokens - 1) // bs if prompt_tokens else 0
+        )
+
+        if not prefill:  # colocated: the decode pool prefills, so its cache decides
+            prev = (
+                self._sessions.get(request.session_id)
+                if cfg.session_affinity and request.session_id
+                else None
+            )
+            sticky = [c for c in self._within_guard(decode) if c.node_id == prev]
+            if sticky:
+                d, reason = sticky[0], f"colocated, session affinity: {sticky[0].node_id}"
+            else:
+                d, reason = self._score_pool(decode, matches, prompt_tokens)
+                reason = "colocated, " + reason
+            p = None
+        else:
+            d, reason = self._pick_decode(request, decode, matches, prompt_tokens)
+            uncached_d = prompt_tokens - self._cached(d, matches, prompt_tokens)
+            min_p_load = min(_load(c) for c in prefill)
+            if prompt_tokens > 0 and uncached_d <= cfg.local_prefill_max_tokens:
+                p = None
+                reason = (
+                    f"local prefill: {uncached_d} uncached tokens <= {cfg.local_prefill_max_tokens}; {reason}"
+                )
+            elif min_p_load >= cfg.prefill_saturation_load:
+                p = None
+                reason = f"local prefill: prefill pool saturated (min load {min_p_load}); {reason}"
+            else:
+                p, p_reason = self._score_pool(prefill, matches, prompt_tokens)
+                reason = f"{p_reason}; {reason}"
+
+        prefiller = p if p is not None else d
+        routed = self._cached(prefiller, matches, prompt_tokens)
+        uncached = max(prompt_tokens - routed, 0)
+        self._queued[prefiller.node_id] = self._queued.get(prefiller.node_id, 0) + uncached
+        if cfg.session_affinity and request.session_id is not None:
+            self._sessions[request.session_id] = d.node_id
+            self._sessions.move_to_end(request.session_id)
+            while len(self._sessions) > cfg.max_sessions:
+                self._sessions.popitem(last=False)
+        extra = {
+            "prompt_tokens": float(prompt_tokens),
+            "fleet_cached_tokens": float(fleet_blocks * bs),
+            "routed_cached_tokens": float(routed),
+            "uncached_tokens": float(uncached),
+            "queued_tokens": float(uncached),
+        }
+        return Decision(decode=d, prefill=p, policy=self.name, reason=reason, extra=extra)
+
+    def on_complete(self, decision: Decision) -> None:
+        node = (decision.prefill or decision.decode).node_id
+        left = self._queued.get(node, 0) - int(decision.extra.get("queued_tokens", 0))
+        if left > 0:
+            self._queued[node] = left
+        else:
+            self._queued.pop(node, None)
