@@ -17,6 +17,8 @@ from rich.console import Console
 from infra.errors import TandemError
 from infra.registry import Role
 from kv_transfer import ConnectorKind
+from router.admission.cli import keys_app
+from telemetry.cli import lake_app, telemetry_app
 
 app = typer.Typer(help="Tandem: prefill/decode disaggregated LLM serving on vLLM.", no_args_is_help=True)
 model_app = typer.Typer(help="Prepare and inspect models.", no_args_is_help=True)
@@ -24,6 +26,9 @@ bench_app = typer.Typer(help="Benchmarks (write JSON results, render plots, prin
                         no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
+app.add_typer(keys_app, name="keys")
+app.add_typer(telemetry_app, name="telemetry")
+app.add_typer(lake_app, name="lake")
 console = Console(stderr=True)
 
 
