@@ -44,6 +44,7 @@ def _clean_errors() -> Iterator[None]:
 
 def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
 
 
 @model_app.command("prepare")

@@ -33,7 +33,7 @@ from infra.errors import ConfigError, StoreError, UpstreamError
 from infra.model import resolve_model
 from infra.node_settings import NodeSettings
 from infra.registry import NodeInfo, NodeLoad, NodeRegistry, Role
-from kv_transfer import kv_transfer_config
+from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
 
 log = logging.getLogger("tandem.node")
 
@@ -80,6 +80,9 @@ def engine_env(settings: NodeSettings) -> dict[str, str]:
     if settings.cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cores
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if settings.connector is ConnectorKind.NIXL and settings.role is not Role.BOTH:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_HOOKS), env.get("PYTHONPATH")) if p)
+        env["TANDEM_NIXL_PROGRESS_THREAD"] = "1" if settings.nixl_progress_thread else "0"
     return env
 
 

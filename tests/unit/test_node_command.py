@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from infra.node import engine_command, engine_env
@@ -48,3 +49,26 @@ def test_engine_env_pins_cores_and_separates_nixl_ports() -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9103"
+
+
+def test_nixl_engines_start_with_the_hook_that_stops_the_busy_progress_thread() -> None:
+    from kv_transfer import ENGINE_HOOKS
+
+    env = engine_env(NodeSettings(role=Role.DECODE))
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ENGINE_HOOKS)
+    assert env["TANDEM_NIXL_PROGRESS_THREAD"] == "0"
+    assert engine_env(NodeSettings(role=Role.DECODE, nixl_progress_thread=True))["TANDEM_NIXL_PROGRESS_THREAD"] == "1"
+    assert str(ENGINE_HOOKS) not in engine_env(NodeSettings(role=Role.BOTH)).get("PYTHONPATH", "")
+
+
+def test_engine_hook_turns_the_progress_thread_off_in_a_real_interpreter() -> None:
+    import subprocess
+    import sys
+
+    from kv_transfer import ENGINE_HOOKS
+
+    code = ("import nixl_cu12._api as a; c = a.nixl_agent_config(num_threads=4); "
+            "print(c.enable_pthread, c.num_threads)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ENGINE_HOOKS)},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "4"]

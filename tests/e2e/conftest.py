@@ -1,0 +1,112 @@
+"""One real cluster for the whole end-to-end session, started through `tandem up` itself.
+
+1 prefill + 1 decode + 1 colocated (`both`) node, float32 weights (bit-stable greedy output), router,
+registry in its own Redis database. Node i listens on NODE_BASE + 10*i in that order.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from infra.registry import NODES_SET
+from tests.conftest import REDIS_E2E_URL
+
+ROUTER_PORT = 18000
+NODE_BASE = 18100
+START_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class LiveCluster:
+    url: str
+    prefill_url: str
+    decode_url: str
+    both_url: str
+    model: str
+    redis_url: str
+
+
+def _reader(stream, lines: queue.Queue) -> None:  # noqa: ANN001
+    for line in iter(stream.readline, ""):
+        lines.put(line)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
+    workdir = tmp_path_factory.mktemp("cluster")
+    redis.Redis.from_url(REDIS_E2E_URL).flushdb()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infra.cli", "up", "--prefill", "1", "--decode", "1", "--both", "1",
+         "--dtype", "float32", "--port", str(ROUTER_PORT), "--node-base-port", str(NODE_BASE),
+         "--redis-url", REDIS_E2E_URL, "--workdir", str(workdir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    seen: list[str] = []
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"tandem up not ready in {START_TIMEOUT_S} s:\n{''.join(seen[-40:])}") from None
+            seen.append(line)
+            if line.startswith("READY "):
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"tandem up exited {proc.returncode}:\n{''.join(seen[-40:])}")
+        model = httpx.get(f"http://127.0.0.1:{ROUTER_PORT}/v1/models").json()["data"][0]["id"]
+        yield LiveCluster(url=f"http://127.0.0.1:{ROUTER_PORT}", prefill_url=f"http://127.0.0.1:{NODE_BASE}",
+                          decode_url=f"http://127.0.0.1:{NODE_BASE + 10}",
+                          both_url=f"http://127.0.0.1:{NODE_BASE + 20}", model=model, redis_url=REDIS_E2E_URL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in sorted(Path(workdir, "logs").glob("*.log")):
+            # Kept on failure for the CI log: the tail of each process's output.
+            print(f"--- {log.name}\n{''.join(log.read_text(errors='replace').splitlines(True)[-15:])}")
+
+
+def engine_metric(base_url: str, name: str, **labels: str) -> float:
+    """Sum of one metric's samples on an engine, filtered by labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)  # polling an external process's state, with a deadline
+    return predicate()
+
+
+def registry_empty(redis_url: str) -> bool:
+    return redis.Redis.from_url(redis_url).scard(NODES_SET) == 0
