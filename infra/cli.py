@@ -160,5 +160,27 @@ def up(
         cluster.stop()
 
 
+@bench_app.command("pd")
+def bench_pd(
+    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
+        "results/bench-pd.json"),
+    concurrency: Annotated[list[int] | None, typer.Option(help="Concurrency levels (repeatable).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
+    requests: Annotated[int, typer.Option(help="Requests per level (0: max(8, 2 x concurrency)).")] = 0,
+    redis_url: Annotated[str, typer.Option(help="Registry Redis for the benchmark's clusters.")] = (
+        "redis://127.0.0.1:6379/9"),
+) -> None:
+    """Disaggregated (1P+1D) vs colocated (1 node): TTFT, ITL, E2E p50/p99 and output tokens/s at
+    concurrency 1, 8 and 32. Starts and stops its own clusters."""
+    from bench.pd import PdBenchConfig, run_pd_bench
+
+    cfg = PdBenchConfig(concurrencies=tuple(concurrency or (1, 8, 32)), max_tokens=max_tokens,
+                        requests_per_level=requests, redis_url=redis_url)
+    with _clean_errors():
+        s = run_pd_bench(out, cfg)
+    print(f"RESULT pd_ttft_p50_ms={s['pd_ttft_p50_ms']} colo_ttft_p50_ms={s['colo_ttft_p50_ms']} "
+          f"pd_tok_s={s['pd_tok_s']} colo_tok_s={s['colo_tok_s']}", flush=True)
+
+
 if __name__ == "__main__":
     app()

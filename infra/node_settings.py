@@ -42,9 +42,9 @@ class NodeSettings(BaseSettings):
     """CPU cores to pin the engine's threads to, e.g. "0" or "0-1" (VLLM_CPU_OMP_THREADS_BIND)."""
     enforce_eager: bool = True
     """Skip torch.compile: ~35 s start instead of 67-160 s on CPU (the compile cache is not reused)."""
-    nixl_progress_thread: bool = False
-    """Keep NIXL's UCX progress thread. It busy-polls a whole core even when idle, so it is off by
-    default (see kv_transfer/engine_hooks/sitecustomize.py)."""
+    nixl_progress_thread_idle: bool = True
+    """Run NIXL's busy-polling UCX progress thread at SCHED_IDLE priority, so it never takes a core
+    from the engine's compute threads (see kv_transfer/engine_hooks/sitecustomize.py)."""
     heartbeat_s: float = 2.0
     registry_ttl_s: float = 6.0
     startup_timeout_s: float = 600.0

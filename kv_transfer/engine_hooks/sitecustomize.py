@@ -2,34 +2,43 @@
 engine's PYTHONPATH; Python imports ``sitecustomize`` by itself at start-up).
 
 NIXL's UCX progress thread busy-polls a whole core for the life of the engine, even when idle (measured
-here: 5.0 s of CPU per 5 s). On a host with few cores that thread steals the core the engine computes
-on. vLLM's NixlConnector builds its agent config without a way to turn the thread off, so we change the
-default: with no progress thread, UCX makes progress inside the connector's own per-step calls
-(transfer-state checks and notification reads), and loopback transfers use one-sided shared-memory
-transports that need no progress from the target. ``TANDEM_NIXL_PROGRESS_THREAD=1`` restores NIXL's
-behaviour (e.g. for RDMA between hosts with cores to spare).
+here: 5.0 s of CPU per 5 s). On a host with few cores it steals the core the engine computes on, and
+OpenMP compute threads that lose their core stall each other at every barrier. Turning the thread off
+is not safe (transfers then stall waiting for progress on the prefill side), so instead the threads
+NIXL starts when vLLM creates its agent are moved to SCHED_IDLE: they still run whenever a core has
+nothing else to do (which is exactly when a transfer is being waited for), and never take a core from
+compute. ``TANDEM_NIXL_PROGRESS_THREAD`` = ``idle`` (default) | ``normal`` (NIXL as shipped).
 """
 
 import os
 
 
-def _quiet_nixl() -> None:
-    if os.environ.get("TANDEM_NIXL_PROGRESS_THREAD", "0") == "1":
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _demote_nixl_threads() -> None:
+    if os.environ.get("TANDEM_NIXL_PROGRESS_THREAD", "idle") != "idle":
         return
     try:
-        import nixl_cu12._api as api  # the build vllm's nixl_utils resolves `nixl._api` to on this host
+        import nixl_cu12._api as api  # what vLLM's nixl_utils resolves `nixl._api` to on this host
     except ImportError:
         return
-    original = api.nixl_agent_config.__init__
+    original = api.nixl_agent.__init__
     if getattr(original, "_tandem_patched", False):
         return
 
     def __init__(self, *args, **kwargs):  # noqa: N807, ANN001, ANN002, ANN003, ANN202
-        kwargs["enable_prog_thread"] = False
+        before = _threads()
         original(self, *args, **kwargs)
+        for tid in _threads() - before:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            except OSError:
+                pass  # the thread already ended, or the platform refuses: NIXL runs as shipped
 
     __init__._tandem_patched = True  # type: ignore[attr-defined]
-    api.nixl_agent_config.__init__ = __init__
+    api.nixl_agent.__init__ = __init__
 
 
-_quiet_nixl()
+_demote_nixl_threads()
