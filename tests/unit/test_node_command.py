@@ -74,5 +74,5 @@ def test_engine_hook_moves_nixl_threads_to_sched_idle_in_a_real_interpreter() ->
             "new = {int(t) for t in os.listdir('/proc/self/task')} - before\n"
             "print(len(new), sorted({os.sched_getscheduler(t) for t in new}) == [os.SCHED_IDLE])")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ENGINE_HOOKS)},
-                         capture_output=True, text=True, check=True).stdout.split()
+                         capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1].split()
     assert int(out[0]) >= 1 and out[1] == "True"
