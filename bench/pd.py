@@ -52,7 +52,8 @@ class PdBenchConfig:
 async def _measure(cluster: Cluster, cfg: PdBenchConfig, mode: str) -> list[LevelStats]:
     import httpx
 
-    model = httpx.get(f"{cluster.url}/v1/models").json()["data"][0]["id"]
+    async with httpx.AsyncClient() as client:
+        model = (await client.get(f"{cluster.url}/v1/models")).json()["data"][0]["id"]
     prompts = bench_prompts()
     # One warm-up request per prompt shape so the first measured request does not pay one-off costs.
     await run_level(cluster.url, model, prompts[:2], 1, 2, 4)

@@ -7,8 +7,8 @@ import contextlib
 import logging
 import signal
 import threading
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -71,7 +71,7 @@ def node(
                                            "and NIXL side-channel ports.")] = 8100,
     node_id: Annotated[str | None, typer.Option(help="Registry id (default: host name + random suffix).")] = None,
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Registry Redis.")] = "redis://127.0.0.1:6379/0",
-    connector: Annotated[ConnectorKind, typer.Option(help="KV connector for prefill/decode roles.")] = ConnectorKind.NIXL,
+    connector: Annotated[ConnectorKind, typer.Option(help="KV connector (prefill/decode roles).")] = ConnectorKind.NIXL,
     dtype: Annotated[str, typer.Option(help="bfloat16, or float32 for bit-stable greedy output.")] = "bfloat16",
     kv_cache_gib: Annotated[int, typer.Option(help="KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE).")] = 1,
     cores: Annotated[str | None, typer.Option(help="CPU cores for the engine, e.g. 0 or 0-1.")] = None,

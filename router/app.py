@@ -12,29 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
 
-import anyio
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from infra.errors import InvalidRequest, TandemError, ValidationFailed
 from infra.registry import NodeRegistry, Role
+from router.accounting import Accounting
 from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
-from router.openai_errors import error_from_exception, install_error_handlers
-from router.orchestrator import Kind, Orchestrator, RequestTrace, new_request_id, record_usage
+from router.openai_errors import install_error_handlers
+from router.orchestrator import Kind, Orchestrator, RequestTrace, new_request_id
 from router.policies import LeastLoaded, RoutingPolicy
+from router.responses import ResponseIndex
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import RouterSettings
+from router.sse import relay
 from router.tokenizer import PromptTokenizer
+from telemetry import Emitter, EmitterConfig
 
 T = TypeVar("T")
 
@@ -76,6 +78,30 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
 
 
+class Feedback(BaseModel):
+    response_id: str = Field(min_length=1)
+    rating: int
+    comment: str | None = None
+    labels: list[str] = Field(default_factory=list)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        raise ValidationFailed(f"{loc or 'body'}: {first.get('msg')}", param=loc or None,
+                               code="invalid_value") from exc
+
+
 def create_app(settings: RouterSettings | None = None) -> FastAPI:
     settings = settings or RouterSettings()
     metrics = RouterMetrics()
@@ -87,14 +113,25 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s)
         client = NodeClient(connect_timeout_s=settings.connect_timeout_s,
                             request_timeout_s=settings.request_timeout_s)
+        emitter = None
+        if settings.telemetry:
+            emitter = Emitter(EmitterConfig(redis_url=settings.telemetry_redis_url or settings.redis_url,
+                                            source=f"router-{settings.port}"), metrics=metrics.common)
+        responses = ResponseIndex(redis)
         await fleet.start()
         app.state.fleet = fleet
+        app.state.responses = responses
+        app.state.emitter = emitter
+        app.state.accounting = Accounting(metrics, emitter, responses)
         app.state.orchestrator = Orchestrator(settings, fleet, client, policy, PromptTokenizer(), metrics)
         try:
             yield
         finally:
             await fleet.stop()
             await client.aclose()
+            await responses.drain()
+            if emitter is not None:
+                await emitter.aclose()
             await redis.aclose()
 
     app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan)
@@ -102,26 +139,12 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    async def parse(request: Request, model: type[ChatCompletionRequest | CompletionRequest]) -> Any:
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-        if not isinstance(data, dict):
-            raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = ".".join(str(p) for p in first.get("loc", ()))
-            raise ValidationFailed(f"{loc or 'body'}: {first.get('msg')}", param=loc or None,
-                                   code="invalid_value") from exc
-
     async def serve(request: Request, kind: Kind, endpoint: str) -> Response:
         orch: Orchestrator = request.app.state.orchestrator
-        req = await parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-        trace = RequestTrace(request_id=new_request_id(kind), kind=kind, model=req.model)
+        accounting: Accounting = request.app.state.accounting
+        req = await _parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        trace = RequestTrace(request_id=new_request_id(kind), kind=kind, model=req.model, stream=req.stream,
+                             session_id=request.headers.get("x-session-id"))
         prefer = request.headers.get("x-tandem-route")
         if prefer not in (None, "colocated", "disaggregated"):
             raise InvalidRequest("x-tandem-route must be `colocated` or `disaggregated`", param="x-tandem-route")
@@ -129,7 +152,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             leg = await cancel_on_disconnect(request, orch.plan(kind, req, trace, prefer))  # type: ignore[arg-type]
             if not req.stream:
                 resp = await cancel_on_disconnect(request, orch.complete(leg, trace))
-                _finish(metrics, trace, endpoint, "ok")
+                accounting.finish(trace, endpoint, "ok", http_status=200)
                 return JSONResponse(resp)
             stack = AsyncExitStack()
             try:
@@ -138,13 +161,14 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
                 await stack.aclose()
                 raise
         except ClientDisconnected:
-            _finish(metrics, trace, endpoint, "client_disconnected")
+            accounting.finish(trace, endpoint, "cancelled", http_status=499)
             return Response(status_code=499)
         except TandemError as exc:
-            _finish(metrics, trace, endpoint, "error", exc)
+            status = "rejected" if exc.status_code < 500 or exc.status_code == 503 else "error"
+            accounting.finish(trace, endpoint, status, http_status=exc.status_code, exc=exc)
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(chunks, stack, trace, include_usage, metrics, endpoint),
+        return StreamingResponse(relay(chunks, stack, trace, include_usage, accounting, endpoint),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -155,6 +179,18 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve(request, "completion", "completions")
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request) -> JSONResponse:
+        fb: Feedback = await _parse(request, Feedback)
+        ref = await request.app.state.responses.lookup(fb.response_id)
+        emitter: Emitter | None = request.app.state.emitter
+        if emitter is not None:
+            emitter.emit("feedback", {"response_id": fb.response_id, "request_id": ref.request_id,
+                                      "session_id": ref.session_id, "tenant_id": ref.tenant_id,
+                                      "rating": fb.rating, "comment": fb.comment, "labels": fb.labels})
+        return JSONResponse({"object": "feedback", "response_id": fb.response_id, "status": "recorded"},
+                            status_code=202)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -180,76 +216,8 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         for n in fleet.nodes:
             labels = (n.info.node_id, n.info.role.value)
             metrics.inflight.labels(*labels).set(fleet.inflight(n.info.node_id))
-            metrics.queue_depth.labels(*labels).set(n.load.waiting)
             metrics.kv_usage.labels(*labels).set(n.load.kv_usage)
+            metrics.common.set_node_load(*labels, waiting=n.load.waiting, running=n.load.running)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _finish(metrics: RouterMetrics, trace: RequestTrace, endpoint: str, status: str,
-            exc: TandemError | None = None) -> None:
-    trace.finish = trace.finish or time.time()
-    trace.status = status
-    mode = trace.mode or "none"
-    metrics.requests.labels(endpoint, mode, status).inc()
-    if exc is not None:
-        trace.error = exc.message
-        metrics.errors.labels(type(exc).__name__).inc()
-        return
-    if status != "ok":
-        return
-    if trace.first_token:
-        metrics.ttft.labels(mode).observe(trace.first_token - trace.arrival)
-    metrics.e2e.labels(mode).observe(trace.finish - trace.arrival)
-    for a, b in zip(trace.token_times, trace.token_times[1:], strict=False):
-        metrics.itl.labels(mode).observe(b - a)
-    metrics.tokens.labels("prompt").inc(trace.prompt_tokens or 0)
-    metrics.tokens.labels("completion").inc(trace.completion_tokens or 0)
-    metrics.tokens.labels("cached").inc(trace.cached_tokens or 0)
-
-
-def _sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _sse(chunks: AsyncIterator[dict[str, Any]], stack: AsyncExitStack, trace: RequestTrace,
-               include_usage: bool, metrics: RouterMetrics, endpoint: str) -> AsyncIterator[bytes]:
-    status, error = "ok", None
-    try:
-        async for chunk in chunks:
-            chunk["id"] = trace.request_id
-            choices = chunk.get("choices") or []
-            if chunk.get("usage") and not choices:
-                record_usage(trace, chunk["usage"])
-                if not include_usage:
-                    continue
-            elif any(_has_token(c) for c in choices):
-                now = time.time()
-                trace.first_token = trace.first_token or now
-                trace.token_times.append(now)
-            if not include_usage:
-                chunk.pop("usage", None)
-            yield _sse_event(chunk)
-        yield b"data: [DONE]\n\n"
-    except TandemError as exc:
-        # The status line is long gone: report in-band, as OpenAI does, and end the stream.
-        status, error = "error", exc
-        yield _sse_event(error_from_exception(exc))
-    except (asyncio.CancelledError, GeneratorExit):
-        status = "client_disconnected"
-        raise
-    finally:
-        # Shielded: under cancellation every await would raise again, and the upstream stream must be
-        # closed for the engine to abort the request and free its blocks.
-        with anyio.CancelScope(shield=True):
-            await stack.aclose()
-        trace.finish = time.time()
-        _finish(metrics, trace, endpoint, status, error)
-
-
-def _has_token(choice: dict[str, Any]) -> bool:
-    delta = choice.get("delta")
-    if delta is not None:
-        return bool(delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"))
-    return bool(choice.get("text"))

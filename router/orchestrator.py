@@ -60,6 +60,13 @@ class RequestTrace:
     policy: str | None = None
     reason: str | None = None
     fallback: bool = False
+    stream: bool = False
+    session_id: str | None = None
+    tenant_id: str | None = None
+    decode_role: str | None = None
+    kv_connector: str | None = None
+    num_tool_calls: int = 0
+    finish_reason: str | None = None
     status: str = "ok"
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
@@ -72,7 +79,6 @@ class Leg:
     decision: Decision
     url: str
     body: dict[str, Any]
-    mode: RouteMode
 
 
 def new_request_id(kind: Kind) -> str:
@@ -134,11 +140,13 @@ class Orchestrator:
         await self._check_context(req, body, decision.decode, trace)
         path = _PATHS[kind]
         trace.decode_node = decision.decode.node_id
+        trace.decode_role = decision.decode.node.info.role.value
         if decision.prefill is None:
             trace.mode = "colocated"
-            return Leg(decision, decision.decode.node.info.url + path, body, "colocated")
+            return Leg(decision, decision.decode.node.info.url + path, body)
 
         trace.mode, trace.prefill_node = "disaggregated", decision.prefill.node_id
+        trace.kv_connector = decision.prefill.node.info.kv_connector
         trace.prefill_start = time.time()
         try:
             with self.fleet.track(decision.prefill):
@@ -153,10 +161,11 @@ class Orchestrator:
             trace.prefill_end = time.time()
             self.metrics.prefill_leg.observe(trace.prefill_end - trace.prefill_start)
         decode_body = dict(body)
-        if kv_params is not None:
+        if kv_params is None:
+            trace.mode, trace.kv_connector = "colocated", None
+        else:
             decode_body["kv_transfer_params"] = kv_params
-        return Leg(decision, decision.decode.node.info.url + path, decode_body,
-                   "disaggregated" if kv_params is not None else "colocated")
+        return Leg(decision, decision.decode.node.info.url + path, decode_body)
 
     async def _prefill(self, node: Candidate, path: str, body: dict[str, Any], trace: RequestTrace) -> dict:
         pbody = copy.deepcopy(body)
@@ -190,6 +199,9 @@ class Orchestrator:
         resp.pop("kv_transfer_params", None)
         resp["id"] = trace.request_id
         record_usage(trace, resp.get("usage"))
+        for choice in resp.get("choices") or []:
+            trace.finish_reason = choice.get("finish_reason") or trace.finish_reason
+            trace.num_tool_calls += len((choice.get("message") or {}).get("tool_calls") or [])
         return resp
 
     async def open_stream(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack) -> AsyncIterator[dict]:

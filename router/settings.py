@@ -32,5 +32,9 @@ class RouterSettings(BaseSettings):
     """Upper bound on one upstream call (a whole non-streamed answer, or the gap between two chunks)."""
     retry_after_s: float = 2.0
     """Retry-After sent with 503 when no node can take a request."""
+    telemetry: bool = True
+    """Emit a per-request record to the slow path (Redis Stream -> Parquet lake)."""
+    telemetry_redis_url: str | None = None
+    """Redis for telemetry streams; None uses redis_url."""
     default_max_tokens: int | None = None
     """max_tokens applied when a request gives none (None: up to the context window, as vLLM does)."""

@@ -26,7 +26,7 @@ class PromptTokenizer:
 
     async def _get(self, node: NodeInfo) -> Any | None:
         path = node.model_path
-        if not path or not Path(path).is_dir():
+        if not path:
             return None
         if path not in self._tokenizers:
             async with self._lock:
@@ -42,7 +42,9 @@ class PromptTokenizer:
         return await asyncio.to_thread(_count, tok, body)
 
 
-def _load(path: str) -> Any:
+def _load(path: str) -> Any | None:
+    if not Path(path).is_dir():
+        return None  # the node's model folder is not on this host
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -30,7 +30,7 @@ def test_client_disconnect_mid_stream_aborts_on_the_decode_node(cluster: LiveClu
     # Leaving the `with` closed the connection mid-stream.
     assert wait_for(lambda: _running(cluster.decode_url) == 0, timeout_s=15), "decode request not aborted"
     assert _running(cluster.prefill_url) == 0
-    assert wait_for(lambda: 'status="client_disconnected"' in httpx.get(f"{cluster.url}/metrics").text, 10)
+    assert wait_for(lambda: 'status="cancelled"' in httpx.get(f"{cluster.url}/metrics").text, 10)
 
 
 def test_prompt_beyond_context_window_is_400_and_router_keeps_serving(cluster: LiveCluster) -> None:

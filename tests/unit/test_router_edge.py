@@ -110,7 +110,7 @@ def test_unreachable_node_is_502_and_router_keeps_serving(client: TestClient) ->
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     metrics = client.get("/metrics").text
-    assert 'tandem_requests_total{endpoint="chat",mode="colocated",status="error"} 2.0' in metrics
+    assert 'tandem_requests_total{model="tiny",status="error"} 2.0' in metrics
     assert 'tandem_errors_total{type="UpstreamError"} 2.0' in metrics
 
 

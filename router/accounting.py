@@ -1,0 +1,39 @@
+"""What happens when a request ends, whatever way it ends: one record, to metrics and to the lake.
+
+Nothing here waits on I/O: the emitter only appends to its buffer, the response index writes from a
+background task, and Prometheus objects are in memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+from infra.errors import TandemError
+from router.metrics import RouterMetrics
+from router.orchestrator import RequestTrace
+from router.records import request_record
+from router.responses import ResponseIndex, ResponseRef
+from telemetry import Emitter
+
+
+class Accounting:
+    def __init__(self, metrics: RouterMetrics, emitter: Emitter | None, responses: ResponseIndex | None) -> None:
+        self.metrics = metrics
+        self.emitter = emitter
+        self.responses = responses
+
+    def finish(self, trace: RequestTrace, endpoint: str, status: str, *, http_status: int,
+               exc: TandemError | None = None) -> None:
+        trace.finish = trace.finish or time.time()
+        trace.status = status
+        if exc is not None:
+            trace.error = exc.message
+            self.metrics.errors.labels(type(exc).__name__).inc()
+        record = request_record(trace, endpoint=endpoint, http_status=http_status,
+                                error_type=type(exc).__name__ if exc else None)
+        self.metrics.common.observe_request(record)
+        if self.emitter is not None:
+            self.emitter.emit("requests", record)
+        if status == "ok" and self.responses is not None:
+            self.responses.remember(trace.request_id, ResponseRef(trace.request_id, trace.session_id,
+                                                                   trace.tenant_id))

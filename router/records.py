@@ -1,0 +1,36 @@
+"""A finished request's ``RequestTrace`` as a telemetry ``requests`` record (telemetry.schemas)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from router.orchestrator import RequestTrace
+
+
+def request_record(trace: RequestTrace, *, endpoint: str, http_status: int,
+                   error_type: str | None = None) -> dict[str, Any]:
+    gaps = [b - a for a, b in zip(trace.token_times, trace.token_times[1:], strict=False)]
+    decision = None
+    if trace.mode == "disaggregated":
+        decision = "pd"
+    elif trace.mode == "colocated":
+        decision = "decode_only" if trace.decode_role == "decode" else "colocated"
+    return {
+        "request_id": trace.request_id, "response_id": trace.request_id, "session_id": trace.session_id,
+        "tenant_id": trace.tenant_id, "model": trace.model, "endpoint": endpoint, "stream": trace.stream,
+        "prefill_node": trace.prefill_node if trace.mode == "disaggregated" else None,
+        "decode_node": trace.decode_node,
+        "t_arrival": trace.arrival, "t_routed": trace.routed, "t_prefill_start": trace.prefill_start,
+        "t_prefill_end": trace.prefill_end, "t_first_token": trace.first_token, "t_finish": trace.finish,
+        "ttft_s": trace.first_token - trace.arrival if trace.first_token else None,
+        "itl_mean_s": statistics.fmean(gaps) if gaps else None,
+        "itl_p99_s": statistics.quantiles(gaps, n=100, method="inclusive")[98] if len(gaps) > 1 else None,
+        "e2e_s": trace.finish - trace.arrival if trace.finish else None,
+        "prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.completion_tokens,
+        "cached_tokens": trace.cached_tokens, "engine_cached_tokens": trace.cached_tokens,
+        "routing_policy": trace.policy, "routing_decision": decision, "routing_reason": trace.reason,
+        "kv_connector": trace.kv_connector, "num_tool_calls": trace.num_tool_calls,
+        "finish_reason": trace.finish_reason, "status": trace.status, "http_status": http_status,
+        "error_type": error_type, "error_message": trace.error,
+    }
