@@ -128,7 +128,9 @@ def up(
     dtype: str = "bfloat16",
     kv_cache_gib: int = 1,
     connector: Annotated[ConnectorKind, typer.Option(help="KV connector.")] = ConnectorKind.NIXL,
-    workdir: Annotated[Path, typer.Option(help="Logs and embedded Redis data.")] = Path(".tandem"),
+    workdir: Annotated[Path, typer.Option(help="Logs, the telemetry lake and embedded Redis data.")] = Path(
+        ".tandem"),
+    lake: Annotated[Path | None, typer.Option(help="Parquet lake for telemetry (default: <workdir>/lake).")] = None,
 ) -> None:
     """Start a local cluster (Redis if needed, nodes, router) and run it until Ctrl-C or SIGTERM."""
     from infra.launcher import Cluster, ClusterSpec
@@ -137,7 +139,7 @@ def up(
         prefill, decode, both = 0, 0, max(both, 1)
     spec = ClusterSpec(prefill=prefill, decode=decode, both=both, model=model, router_port=port,
                        node_base_port=node_base_port, redis_url=redis_url, dtype=dtype, kv_cache_gib=kv_cache_gib,
-                       connector=connector.value, workdir=workdir)
+                       connector=connector.value, workdir=workdir, lake=lake)
     cluster = Cluster(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -148,7 +150,7 @@ def up(
             with console.status("starting cluster…") as status:
                 cluster.wait_ready(on_progress=lambda msg: status.update(f"starting cluster… {msg}"))
         console.print(f"Tandem is up: {cluster.url}/v1 ({prefill}P + {decode}D + {both} colocated; "
-                      f"logs in {cluster.logs})")
+                      f"logs in {cluster.logs}, telemetry lake in {cluster.lake})")
         print(f"READY {cluster.url}", flush=True)
         while not stop.wait(1.0):
             dead = cluster.dead_children()

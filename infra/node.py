@@ -82,7 +82,7 @@ def engine_env(settings: NodeSettings) -> dict[str, str]:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if settings.connector is ConnectorKind.NIXL and settings.role is not Role.BOTH:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_HOOKS), env.get("PYTHONPATH")) if p)
-        env["TANDEM_NIXL_PROGRESS_THREAD"] = "idle" if settings.nixl_progress_thread_idle else "normal"
+        env["TANDEM_NIXL_PROGRESS_THREAD"] = settings.nixl_progress_thread
     return env
 
 

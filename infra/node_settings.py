@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import uuid
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -42,9 +43,9 @@ class NodeSettings(BaseSettings):
     """CPU cores to pin the engine's threads to, e.g. "0" or "0-1" (VLLM_CPU_OMP_THREADS_BIND)."""
     enforce_eager: bool = True
     """Skip torch.compile: ~35 s start instead of 67-160 s on CPU (the compile cache is not reused)."""
-    nixl_progress_thread_idle: bool = True
-    """Run NIXL's busy-polling UCX progress thread at SCHED_IDLE priority, so it never takes a core
-    from the engine's compute threads (see kv_transfer/engine_hooks/sitecustomize.py)."""
+    nixl_progress_thread: Literal["idle", "normal"] = "idle"
+    """NIXL's UCX progress thread busy-polls a core: ``idle`` runs it at SCHED_IDLE priority, ``normal``
+    leaves NIXL as shipped. See kv_transfer/engine_hooks/sitecustomize.py."""
     heartbeat_s: float = 2.0
     registry_ttl_s: float = 6.0
     startup_timeout_s: float = 600.0

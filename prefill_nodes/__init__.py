@@ -10,10 +10,11 @@ from infra.node_settings import NodeSettings
 
 
 def engine_args(settings: NodeSettings) -> list[str]:
-    # A prefill node answers each request with one token, so its steps are all prompt work. A token
-    # budget of a whole context lets a long prompt go in one step instead of being chunked, which is
-    # what minimises time to first token when there is no decode batch to protect.
-    return ["--max-num-batched-tokens", str(settings.max_model_len)]
+    # A prefill node answers each request with one token, so its steps are all prompt work and a large
+    # token budget costs no decode stall: long prompts go in few big steps. Capped at 4096 because the
+    # engine's start-up profiling runs one step of the full budget (8192 float32 tokens took minutes on
+    # one CPU core), and past a few thousand tokens a step is compute-bound anyway.
+    return ["--max-num-batched-tokens", str(min(4096, settings.max_model_len))]
 
 
 __all__ = ["engine_args"]

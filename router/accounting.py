@@ -11,7 +11,7 @@ import time
 from infra.errors import TandemError
 from router.metrics import RouterMetrics
 from router.orchestrator import RequestTrace
-from router.records import request_record
+from router.records import request_record, tool_call_records
 from router.responses import ResponseIndex, ResponseRef
 from telemetry import Emitter
 
@@ -34,6 +34,8 @@ class Accounting:
         self.metrics.common.observe_request(record)
         if self.emitter is not None:
             self.emitter.emit("requests", record)
+            for row in tool_call_records(trace):
+                self.emitter.emit("tool_calls", row)
         if status == "ok" and self.responses is not None:
             self.responses.remember(trace.request_id, ResponseRef(trace.request_id, trace.session_id,
                                                                    trace.tenant_id))

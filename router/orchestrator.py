@@ -65,11 +65,20 @@ class RequestTrace:
     tenant_id: str | None = None
     decode_role: str | None = None
     kv_connector: str | None = None
-    num_tool_calls: int = 0
+    tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Tool calls in the answer by index: id, name, arguments (streamed fragments joined)."""
     finish_reason: str | None = None
     status: str = "ok"
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
+
+    def add_tool_call_delta(self, delta: dict[str, Any]) -> None:
+        """Merge one tool-call delta (streamed) or whole call (non-streamed) into ``tool_calls``."""
+        call = self.tool_calls.setdefault(int(delta.get("index", 0)), {"id": "", "name": "", "arguments": ""})
+        fn = delta.get("function") or {}
+        call["id"] = delta.get("id") or call["id"]
+        call["name"] = fn.get("name") or call["name"]
+        call["arguments"] += fn.get("arguments") or ""
 
 
 @dataclass
@@ -201,7 +210,8 @@ class Orchestrator:
         record_usage(trace, resp.get("usage"))
         for choice in resp.get("choices") or []:
             trace.finish_reason = choice.get("finish_reason") or trace.finish_reason
-            trace.num_tool_calls += len((choice.get("message") or {}).get("tool_calls") or [])
+            for i, call in enumerate((choice.get("message") or {}).get("tool_calls") or []):
+                trace.add_tool_call_delta({**call, "index": i})
         return resp
 
     async def open_stream(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack) -> AsyncIterator[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from typing import Any
 
@@ -30,7 +31,22 @@ def request_record(trace: RequestTrace, *, endpoint: str, http_status: int,
         "prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.completion_tokens,
         "cached_tokens": trace.cached_tokens, "engine_cached_tokens": trace.cached_tokens,
         "routing_policy": trace.policy, "routing_decision": decision, "routing_reason": trace.reason,
-        "kv_connector": trace.kv_connector, "num_tool_calls": trace.num_tool_calls,
+        "kv_connector": trace.kv_connector, "num_tool_calls": len(trace.tool_calls),
         "finish_reason": trace.finish_reason, "status": trace.status, "http_status": http_status,
         "error_type": error_type, "error_message": trace.error,
     }
+
+
+def tool_call_records(trace: RequestTrace) -> list[dict[str, Any]]:
+    rows = []
+    for index, call in sorted(trace.tool_calls.items()):
+        try:
+            json.loads(call["arguments"])
+            valid = True
+        except ValueError:
+            valid = False
+        rows.append({"request_id": trace.request_id, "response_id": trace.request_id,
+                     "session_id": trace.session_id, "tenant_id": trace.tenant_id, "model": trace.model,
+                     "call_index": index, "tool_call_id": call["id"], "tool_name": call["name"],
+                     "arguments": call["arguments"], "arguments_valid_json": valid})
+    return rows

@@ -47,8 +47,7 @@ async def relay(chunks: AsyncIterator[dict[str, Any]], stack: AsyncExitStack, tr
             for choice in choices:
                 trace.finish_reason = choice.get("finish_reason") or trace.finish_reason
                 for call in (choice.get("delta") or {}).get("tool_calls") or []:
-                    if call.get("id"):
-                        trace.num_tool_calls += 1
+                    trace.add_tool_call_delta(call)
             if any(_has_token(c) for c in choices):
                 now = time.time()
                 trace.first_token = trace.first_token or now

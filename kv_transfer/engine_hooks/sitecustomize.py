@@ -4,7 +4,7 @@ engine's PYTHONPATH; Python imports ``sitecustomize`` by itself at start-up).
 NIXL's UCX progress thread busy-polls a whole core for the life of the engine, even when idle (measured
 here: 5.0 s of CPU per 5 s). On a host with few cores it steals the core the engine computes on, and
 OpenMP compute threads that lose their core stall each other at every barrier. Turning the thread off
-is not safe (transfers then stall waiting for progress on the prefill side), so instead the threads
+is not safe (measured: transfers then never complete, whatever UCX_TLS), so instead the threads
 NIXL starts when vLLM creates its agent are moved to SCHED_IDLE: they still run whenever a core has
 nothing else to do (which is exactly when a transfer is being waited for), and never take a core from
 compute. ``TANDEM_NIXL_PROGRESS_THREAD`` = ``idle`` (default) | ``normal`` (NIXL as shipped).

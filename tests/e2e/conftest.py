@@ -37,6 +37,7 @@ class LiveCluster:
     both_url: str
     model: str
     redis_url: str
+    lake: Path
 
 
 def _reader(stream, lines: queue.Queue) -> None:  # noqa: ANN001
@@ -73,7 +74,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
         model = httpx.get(f"http://127.0.0.1:{ROUTER_PORT}/v1/models").json()["data"][0]["id"]
         yield LiveCluster(url=f"http://127.0.0.1:{ROUTER_PORT}", prefill_url=f"http://127.0.0.1:{NODE_BASE}",
                           decode_url=f"http://127.0.0.1:{NODE_BASE + 10}",
-                          both_url=f"http://127.0.0.1:{NODE_BASE + 20}", model=model, redis_url=REDIS_E2E_URL)
+                          both_url=f"http://127.0.0.1:{NODE_BASE + 20}", model=model, redis_url=REDIS_E2E_URL,
+                          lake=workdir / "lake")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -85,6 +87,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
         for log in sorted(Path(workdir, "logs").glob("*.log")):
             # Kept on failure for the CI log: the tail of each process's output.
             print(f"--- {log.name}\n{''.join(log.read_text(errors='replace').splitlines(True)[-15:])}")
+    # A clean stop deregisters every node at once (no waiting for heartbeats to lapse).
+    assert registry_empty(REDIS_E2E_URL), "nodes still registered after tandem up stopped"
 
 
 def engine_metric(base_url: str, name: str, **labels: str) -> float:

@@ -39,7 +39,7 @@ def test_kv_events_prefix_caching_and_loopback_ports() -> None:
 
 
 def test_role_specific_token_budgets() -> None:
-    assert _value(_args(Role.PREFILL, max_model_len=4096), "--max-num-batched-tokens") == "4096"
+    assert _value(_args(Role.PREFILL, max_model_len=8192), "--max-num-batched-tokens") == "4096"
     assert _value(_args(Role.DECODE, max_model_len=4096), "--max-num-batched-tokens") == "2048"
     assert "--max-num-batched-tokens" not in _args(Role.BOTH)
 
@@ -57,7 +57,7 @@ def test_nixl_engines_start_with_the_hook_that_demotes_the_busy_progress_thread(
     env = engine_env(NodeSettings(role=Role.DECODE))
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ENGINE_HOOKS)
     assert env["TANDEM_NIXL_PROGRESS_THREAD"] == "idle"
-    assert engine_env(NodeSettings(role=Role.DECODE, nixl_progress_thread_idle=False))[
+    assert engine_env(NodeSettings(role=Role.DECODE, nixl_progress_thread="normal"))[
         "TANDEM_NIXL_PROGRESS_THREAD"] == "normal"
     assert str(ENGINE_HOOKS) not in engine_env(NodeSettings(role=Role.BOTH)).get("PYTHONPATH", "")
 

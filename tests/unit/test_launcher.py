@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import pytest
+
+from infra import launcher
+from infra.registry import Role
+
+
+@pytest.mark.parametrize(("cores", "role", "has_pd", "expected"), [
+    ([0, 1], Role.PREFILL, True, "0"),
+    ([0, 1], Role.DECODE, True, "1"),
+    ([0, 1], Role.BOTH, True, "1"),  # beside a P/D pair: never spread over cores others compute on
+    ([0, 1], Role.BOTH, False, "0-1"),
+    ([0, 1, 2, 3], Role.PREFILL, True, "0-1"),
+    ([0, 1, 2, 3], Role.DECODE, True, "2-3"),
+    ([5], Role.DECODE, True, "5"),
+])
+def test_assign_cores(monkeypatch: pytest.MonkeyPatch, cores: list[int], role: Role, has_pd: bool,
+                      expected: str) -> None:
+    monkeypatch.setattr(launcher, "_cores", lambda: cores)
+    assert launcher.assign_cores(role, has_pd) == expected
