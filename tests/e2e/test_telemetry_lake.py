@@ -37,7 +37,8 @@ def test_every_request_lands_once_with_tool_call_and_feedback(cluster: LiveClust
         first = c.post("/v1/chat/completions", json=chat).json()
         streamed = c.post("/v1/chat/completions", json={**chat, "stream": True}).text
         assert streamed.rstrip().endswith("data: [DONE]")
-        c.post("/v1/completions", json={"model": cluster.model, "prompt": "1, 2, 3,", "max_tokens": 6}).raise_for_status()
+        completion = {"model": cluster.model, "prompt": "1, 2, 3,", "max_tokens": 6}
+        c.post("/v1/completions", json=completion).raise_for_status()
         tool = c.post("/v1/chat/completions", json={
             **chat, "max_tokens": 40, "tools": [TOOL],
             "messages": [{"role": "user", "content": "Open the README."}],
