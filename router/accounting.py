@@ -7,23 +7,29 @@ background task, and Prometheus objects are in memory.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from infra.errors import TandemError
+from router.admission.ratelimit import Admission
 from router.metrics import RouterMetrics
 from router.orchestrator import RequestTrace
 from router.records import request_record, tool_call_records
 from router.responses import ResponseIndex, ResponseRef
+from router.turns import TurnRecorder
 from telemetry import Emitter
 
 
 class Accounting:
-    def __init__(self, metrics: RouterMetrics, emitter: Emitter | None, responses: ResponseIndex | None) -> None:
+    def __init__(self, metrics: RouterMetrics, emitter: Emitter | None, responses: ResponseIndex | None,
+                 turns: TurnRecorder | None = None) -> None:
         self.metrics = metrics
         self.emitter = emitter
         self.responses = responses
+        self.turns = turns
 
     def finish(self, trace: RequestTrace, endpoint: str, status: str, *, http_status: int,
-               exc: TandemError | None = None) -> None:
+               exc: TandemError | None = None, admission: Admission | None = None,
+               messages: list[dict[str, Any]] | None = None) -> None:
         trace.finish = trace.finish or time.time()
         trace.status = status
         if exc is not None:
@@ -39,3 +45,5 @@ class Accounting:
         if status == "ok" and self.responses is not None:
             self.responses.remember(trace.request_id, ResponseRef(trace.request_id, trace.session_id,
                                                                    trace.tenant_id))
+        if self.turns is not None and admission is not None:
+            self.turns.after(trace, admission, messages)

@@ -25,6 +25,8 @@ from pydantic import BaseModel, Field, ValidationError
 from infra.errors import InvalidRequest, TandemError, ValidationFailed
 from infra.registry import NodeRegistry, Role
 from router.accounting import Accounting
+from router.admission.context import AdmissionContext, AdmissionSettings
+from router.admission.http import AdmissionDependencies
 from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
@@ -33,9 +35,12 @@ from router.orchestrator import Kind, Orchestrator, RequestTrace, new_request_id
 from router.policies import LeastLoaded, RoutingPolicy
 from router.responses import ResponseIndex
 from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.sessions.http import sessions_router
+from router.sessions.models import new_session_id
 from router.settings import RouterSettings
 from router.sse import relay
 from router.tokenizer import PromptTokenizer
+from router.turns import TurnRecorder
 from telemetry import Emitter, EmitterConfig
 
 T = TypeVar("T")
@@ -118,11 +123,15 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             emitter = Emitter(EmitterConfig(redis_url=settings.telemetry_redis_url or settings.redis_url,
                                             source=f"router-{settings.port}"), metrics=metrics.common)
         responses = ResponseIndex(redis)
+        admission = await AdmissionContext.create(settings.admission or AdmissionSettings(redis_url=settings.redis_url))
+        turns = TurnRecorder(admission)
+        app.include_router(sessions_router(admission.sessions, AdmissionDependencies(admission)))
         await fleet.start()
         app.state.fleet = fleet
         app.state.responses = responses
         app.state.emitter = emitter
-        app.state.accounting = Accounting(metrics, emitter, responses)
+        app.state.admission = admission
+        app.state.accounting = Accounting(metrics, emitter, responses, turns)
         app.state.orchestrator = Orchestrator(settings, fleet, client, policy, PromptTokenizer(), metrics)
         try:
             yield
@@ -130,6 +139,8 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             await fleet.stop()
             await client.aclose()
             await responses.drain()
+            await turns.drain()
+            await admission.close()
             if emitter is not None:
                 await emitter.aclose()
             await redis.aclose()
@@ -142,18 +153,34 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     async def serve(request: Request, kind: Kind, endpoint: str) -> Response:
         orch: Orchestrator = request.app.state.orchestrator
         accounting: Accounting = request.app.state.accounting
+        gate = request.app.state.admission.gate
+        # Authentication and the request-rate limit come first: an unauthenticated client learns
+        # nothing else about the request (401/429 before any 400).
+        admission = await gate.admit(request.headers.get("authorization"),
+                                     priority_header=request.headers.get("x-tandem-priority"))
         req = await _parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        session_id = request.headers.get("x-session-id") or (new_session_id() if kind == "chat" else None)
         trace = RequestTrace(request_id=new_request_id(kind), kind=kind, model=req.model, stream=req.stream,
-                             session_id=request.headers.get("x-session-id"))
+                             session_id=session_id, tenant_id=admission.tenant.tenant_id)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages] if kind == "chat" else None
+        headers = {"x-session-id": session_id} if session_id else {}
+
+        def finish(status: str, http_status: int, exc: TandemError | None = None) -> None:
+            accounting.finish(trace, endpoint, status, http_status=http_status, exc=exc, admission=admission,
+                              messages=messages)
+
+        async def charge(prompt_tokens: int, max_tokens: int | None) -> None:
+            await gate.charge_tokens(admission, prompt_tokens, max_tokens)
+
         prefer = request.headers.get("x-tandem-route")
         if prefer not in (None, "colocated", "disaggregated"):
             raise InvalidRequest("x-tandem-route must be `colocated` or `disaggregated`", param="x-tandem-route")
         try:
-            leg = await cancel_on_disconnect(request, orch.plan(kind, req, trace, prefer))  # type: ignore[arg-type]
+            leg = await cancel_on_disconnect(request, orch.plan(kind, req, trace, prefer, charge))  # type: ignore[arg-type]
             if not req.stream:
                 resp = await cancel_on_disconnect(request, orch.complete(leg, trace))
-                accounting.finish(trace, endpoint, "ok", http_status=200)
-                return JSONResponse(resp)
+                finish("ok", 200)
+                return JSONResponse(resp, headers=headers)
             stack = AsyncExitStack()
             try:
                 chunks = await cancel_on_disconnect(request, orch.open_stream(leg, trace, stack))
@@ -161,16 +188,15 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
                 await stack.aclose()
                 raise
         except ClientDisconnected:
-            accounting.finish(trace, endpoint, "cancelled", http_status=499)
+            finish("cancelled", 499)
             return Response(status_code=499)
         except TandemError as exc:
-            status = "rejected" if exc.status_code < 500 or exc.status_code == 503 else "error"
-            accounting.finish(trace, endpoint, status, http_status=exc.status_code, exc=exc)
+            finish("rejected" if exc.status_code < 500 or exc.status_code == 503 else "error", exc.status_code, exc)
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(relay(chunks, stack, trace, include_usage, accounting, endpoint),
+        return StreamingResponse(relay(chunks, stack, trace, include_usage, lambda st, e: finish(st, 200, e)),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -16,7 +16,7 @@ import copy
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,6 +35,7 @@ log = logging.getLogger("tandem.router")
 
 Kind = Literal["chat", "completion"]
 RouteMode = Literal["disaggregated", "colocated"]
+TokenCharge = Callable[[int, int | None], Awaitable[None]]
 _PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -71,6 +72,8 @@ class RequestTrace:
     status: str = "ok"
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    """The answer's text as it was sent (for the session's turn record)."""
 
     def add_tool_call_delta(self, delta: dict[str, Any]) -> None:
         """Merge one tool-call delta (streamed) or whole call (non-streamed) into ``tool_calls``."""
@@ -136,8 +139,9 @@ class Orchestrator:
 
     # -- legs ---------------------------------------------------------------------------------------
     async def plan(self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, trace: RequestTrace,
-                   prefer: RouteMode | None = None) -> Leg:
-        """Validate, route and run the prefill leg. Returns the decode leg to run."""
+                   prefer: RouteMode | None = None, charge: TokenCharge | None = None) -> Leg:
+        """Validate, route and run the prefill leg. Returns the decode leg to run. ``charge`` is called
+        with (prompt tokens, max_tokens) once they are known, before any node works (token limits)."""
         req.check_supported()
         pools = self.fleet.pools(req.model)
         body = req.body()
@@ -147,6 +151,8 @@ class Orchestrator:
         trace.routed = time.time()
         trace.policy, trace.reason = decision.policy, decision.reason
         await self._check_context(req, body, decision.decode, trace)
+        if charge is not None:
+            await charge(trace.prompt_tokens or 0, req.requested_max_tokens())
         path = _PATHS[kind]
         trace.decode_node = decision.decode.node_id
         trace.decode_role = decision.decode.node.info.role.value
@@ -210,6 +216,7 @@ class Orchestrator:
         record_usage(trace, resp.get("usage"))
         for choice in resp.get("choices") or []:
             trace.finish_reason = choice.get("finish_reason") or trace.finish_reason
+            trace.content.append((choice.get("message") or {}).get("content") or choice.get("text") or "")
             for i, call in enumerate((choice.get("message") or {}).get("tool_calls") or []):
                 trace.add_tool_call_delta({**call, "index": i})
         return resp

@@ -6,6 +6,8 @@ import enum
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from router.admission.context import AdmissionSettings
+
 
 class FallbackPolicy(enum.StrEnum):
     """What to do when the prefill leg fails for a reason that is not the client's (node died,
@@ -36,5 +38,8 @@ class RouterSettings(BaseSettings):
     """Emit a per-request record to the slow path (Redis Stream -> Parquet lake)."""
     telemetry_redis_url: str | None = None
     """Redis for telemetry streams; None uses redis_url."""
+    admission: AdmissionSettings | None = None
+    """Keys, rate limits and sessions; None reads them from the environment (TANDEM_*) with this
+    router's redis_url."""
     default_max_tokens: int | None = None
     """max_tokens applied when a request gives none (None: up to the context window, as vLLM does)."""

@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
 
 from infra.errors import TandemError
-from router.accounting import Accounting
 from router.openai_errors import error_from_exception
 from router.orchestrator import RequestTrace, record_usage
 
@@ -33,8 +32,12 @@ def _has_token(choice: dict[str, Any]) -> bool:
     return bool(choice.get("text"))
 
 
+OnFinish = Callable[[str, TandemError | None], None]
+"""Called once when the stream ends: (status, error)."""
+
+
 async def relay(chunks: AsyncIterator[dict[str, Any]], stack: AsyncExitStack, trace: RequestTrace,
-                include_usage: bool, accounting: Accounting, endpoint: str) -> AsyncIterator[bytes]:
+                include_usage: bool, on_finish: OnFinish) -> AsyncIterator[bytes]:
     status, error = "ok", None
     try:
         async for chunk in chunks:
@@ -46,6 +49,7 @@ async def relay(chunks: AsyncIterator[dict[str, Any]], stack: AsyncExitStack, tr
                     continue
             for choice in choices:
                 trace.finish_reason = choice.get("finish_reason") or trace.finish_reason
+                trace.content.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
                 for call in (choice.get("delta") or {}).get("tool_calls") or []:
                     trace.add_tool_call_delta(call)
             if any(_has_token(c) for c in choices):
@@ -68,4 +72,4 @@ async def relay(chunks: AsyncIterator[dict[str, Any]], stack: AsyncExitStack, tr
         with anyio.CancelScope(shield=True):
             await stack.aclose()
         trace.finish = time.time()
-        accounting.finish(trace, endpoint, status, http_status=200, exc=error)
+        on_finish(status, error)

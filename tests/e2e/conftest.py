@@ -23,6 +23,7 @@ import redis
 
 from infra.registry import NODES_SET
 from tests.conftest import REDIS_E2E_URL
+from tests.helpers import wait_for  # noqa: F401 - re-exported for the e2e tests
 
 ROUTER_PORT = 18000
 NODE_BASE = 18100
@@ -101,15 +102,6 @@ def engine_metric(base_url: str, name: str, **labels: str) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)  # polling an external process's state, with a deadline
-    return predicate()
 
 
 def registry_empty(redis_url: str) -> bool:

@@ -76,3 +76,37 @@ def test_engine_hook_moves_nixl_threads_to_sched_idle_in_a_real_interpreter() ->
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ENGINE_HOOKS)},
                          capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1].split()
     assert int(out[0]) >= 1 and out[1] == "True"
+
+
+def test_parse_cores() -> None:
+    from infra.node import parse_cores
+
+    assert parse_cores("0") == {0}
+    assert parse_cores("0-2") == {0, 1, 2}
+    assert parse_cores("0,2-3") == {0, 2, 3}
+
+
+def test_pin_process_tree_pins_children_threads() -> None:
+    import subprocess
+    import sys
+
+    from infra.node import pin_process_tree
+
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\ntime.sleep(30)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        import psutil
+
+        from tests.helpers import wait_for
+
+        assert wait_for(lambda: len(psutil.Process(parent.pid).children()) == 1, timeout_s=10)
+        target = {sorted(os.sched_getaffinity(0))[-1]}
+        assert pin_process_tree(parent.pid, target) >= 2
+        child = psutil.Process(parent.pid).children()[0]
+        assert os.sched_getaffinity(parent.pid) == target and os.sched_getaffinity(child.pid) == target
+    finally:
+        for p in psutil.Process(parent.pid).children():
+            p.kill()
+        parent.kill()
+        parent.wait()

@@ -1,0 +1,61 @@
+"""After a request: settle its token reservation and record its chat turn in the session store.
+
+Runs as a background task once the answer has been delivered, so neither Redis round trip nor the
+session read ever sits on the fast path. A failure here is logged and counted, never surfaced: the
+client already has its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from infra.errors import TandemError
+from router.admission.context import AdmissionContext
+from router.admission.ratelimit import Admission
+from router.orchestrator import RequestTrace
+from router.sessions.models import Message, ToolCall, Turn, Usage, conversation, new_messages
+
+log = logging.getLogger("tandem.router.turns")
+
+
+class TurnRecorder:
+    def __init__(self, ctx: AdmissionContext) -> None:
+        self.ctx = ctx
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def after(self, trace: RequestTrace, admission: Admission | None, messages: list[dict[str, Any]] | None) -> None:
+        task = asyncio.create_task(self._after(trace, admission, messages))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _after(self, trace: RequestTrace, admission: Admission | None,
+                     messages: list[dict[str, Any]] | None) -> None:
+        try:
+            if admission is not None:
+                await self.ctx.gate.settle(admission, trace.completion_tokens or 0)
+            if messages is not None and trace.session_id and trace.status == "ok" and admission is not None:
+                tenant = admission.tenant.tenant_id
+                request_messages = msgspec.convert(messages, list[Message], strict=False)
+                history = conversation(await self.ctx.sessions.get_history(tenant, trace.session_id))
+                calls = [{"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+                         for _, c in sorted(trace.tool_calls.items())]
+                response = Message(role="assistant", content="".join(trace.content) or None,
+                                   tool_calls=msgspec.convert(calls, list[ToolCall]) or None)
+                self.ctx.sessions.record_turn(Turn(
+                    turn_id=trace.request_id, session_id=trace.session_id, tenant_id=tenant,
+                    created_at=trace.finish or time.time(), messages=new_messages(history, request_messages),
+                    response=response, model=trace.model,
+                    usage=Usage(prompt_tokens=trace.prompt_tokens or 0,
+                                completion_tokens=trace.completion_tokens or 0,
+                                total_tokens=(trace.prompt_tokens or 0) + (trace.completion_tokens or 0))))
+        except (TandemError, msgspec.ValidationError) as exc:
+            log.warning("after-request work for %s failed: %s", trace.request_id, exc)
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
