@@ -144,9 +144,23 @@ class Cluster:
             if on_progress:
                 on_progress(f"nodes ready {len(live)}/{len(want)}, router {'up' if router_ok else 'starting'}")
             if live == want and router_ok and self._router_sees(want):
+                self._warm_up()
                 return
             time.sleep(1.0)  # polling child processes that have no readiness callback
         raise ConfigError(f"cluster not ready after {self.spec.startup_timeout_s:.0f} s; logs in {self.logs}")
+
+    def _warm_up(self) -> None:
+        """One tiny request down each path before saying READY, so the first user request does not pay
+        one-off costs (the router loading the tokenizer, the first NIXL handshake between P and D)."""
+        model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        routes = (["disaggregated"] if self.spec.prefill and self.spec.decode else []) + (
+            ["colocated"] if self.spec.both else [])
+        for route in routes:
+            resp = httpx.post(f"{self.url}/v1/chat/completions", timeout=self.spec.startup_timeout_s,
+                              headers={"x-tandem-route": route, "x-session-id": "tandem-warm-up"},
+                              json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            if resp.status_code != 200:
+                raise ConfigError(f"warm-up request ({route}) failed: {resp.status_code} {resp.text[:300]}")
 
     def _router_sees(self, want: set[str]) -> bool:
         """The router's own view includes every node (its registry refresh has caught up)."""
