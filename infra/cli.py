@@ -184,5 +184,33 @@ def bench_pd(
           f"pd_tok_s={s['pd_tok_s']} colo_tok_s={s['colo_tok_s']}", flush=True)
 
 
+@bench_app.command("telemetry")
+def bench_telemetry(
+    out: Annotated[Path, typer.Option(help="JSON results.")] = Path("results/bench-telemetry.json"),
+    events: Annotated[int, typer.Option(help="Request events pre-filled for the lake-writer run.")] = 200_000,
+    concurrency: Annotated[int, typer.Option(help="Concurrency of the TTFT on/off comparison.")] = 32,
+    rounds: Annotated[int, typer.Option(help="Alternating on/off rounds.")] = 3,
+    redis_url: Annotated[str, typer.Option(help="Redis for streams and the benchmark's registry.")] = (
+        "redis://127.0.0.1:6379/9"),
+) -> None:
+    """(a) lake-writer throughput in request events/s from a pre-filled stream; (b) router TTFT p50
+    with telemetry on vs off at the given concurrency, same node, alternating rounds."""
+    import json
+
+    from bench.telemetry import run_events_throughput
+    from bench.telemetry_ttft import run_ttft_on_off
+
+    with _clean_errors():
+        with console.status("lake writer: draining a pre-filled stream…"):
+            writer = run_events_throughput(redis_url, events)
+        console.print(f"lake writer: {writer['events_per_s']} events/s")
+        with console.status("TTFT with telemetry on vs off…"):
+            ttft = run_ttft_on_off(redis_url, concurrency=concurrency, rounds=rounds)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "telemetry", "lake_writer": writer, "ttft": ttft}, indent=2))
+    print(f"RESULT events_per_s={writer['events_per_s']} ttft_on_ms={ttft['ttft_on_ms']} "
+          f"ttft_off_ms={ttft['ttft_off_ms']}", flush=True)
+
+
 if __name__ == "__main__":
     app()
