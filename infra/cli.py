@@ -77,6 +77,8 @@ def node(
     cores: Annotated[str | None, typer.Option(help="CPU cores for the engine, e.g. 0 or 0-1.")] = None,
     max_model_len: Annotated[int, typer.Option(help="Context window in tokens.")] = 8192,
     block_size: Annotated[int | None, typer.Option(help="KV block size (default: the engine's).")] = None,
+    tool_call_parser: Annotated[str | None, typer.Option(help="vLLM tool-call parser ('' turns tools off).")] = (
+        "pythonic"),
     engine_arg: Annotated[list[str] | None, typer.Option(help="Extra `vllm serve` argument (repeatable).")] = None,
     log_dir: Annotated[Path | None, typer.Option(help="Write the engine's log here.")] = None,
     log_level: str = "info",
@@ -88,7 +90,7 @@ def node(
     _logging(log_level)
     kwargs = dict(role=role, model=model, port=port, redis_url=redis_url, connector=connector, dtype=dtype,
                   kv_cache_gib=kv_cache_gib, cores=cores, max_model_len=max_model_len, block_size=block_size,
-                  extra_engine_args=engine_arg or [], log_dir=log_dir)
+                  extra_engine_args=engine_arg or [], log_dir=log_dir, tool_call_parser=tool_call_parser or None)
     if node_id:
         kwargs["node_id"] = node_id
     with _clean_errors():

@@ -61,6 +61,8 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
         cmd.append("--enforce-eager")
     if settings.block_size:
         cmd += ["--block-size", str(settings.block_size)]
+    if settings.tool_call_parser:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_call_parser]
     if settings.role is not Role.BOTH:
         kv_config = kv_transfer_config(settings.connector)
         if kv_config:

@@ -49,6 +49,9 @@ class NodeSettings(BaseSettings):
     heartbeat_s: float = 2.0
     registry_ttl_s: float = 6.0
     startup_timeout_s: float = 600.0
+    tool_call_parser: str | None = "pythonic"
+    """vLLM tool-call parser for ``tools`` / ``tool_choice`` (auto tool choice on). ``pythonic`` needs no
+    special tokens, which the default model lacks (hermes needs <tool_call>); None turns tools off."""
     extra_engine_args: list[str] = Field(default_factory=list)
     log_dir: Path | None = None
     """Where the engine's stdout/stderr go; None inherits the node's."""

@@ -35,6 +35,7 @@ def test_kv_events_prefix_caching_and_loopback_ports() -> None:
     assert events["endpoint"] == "tcp://127.0.0.1:9101"
     assert events["replay_endpoint"] == "tcp://127.0.0.1:9102"
     assert "--enable-prefix-caching" in cmd
+    assert _value(cmd, "--tool-call-parser") == "pythonic" and "--enable-auto-tool-choice" in cmd
     assert _value(cmd, "--host") == "127.0.0.1" and _value(cmd, "--port") == "9100"
 
 
