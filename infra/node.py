@@ -48,6 +48,11 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
         "--dtype", settings.dtype,
         "--max-model-len", str(settings.max_model_len),
         "--enable-prefix-caching",
+        # Routing keys are these block hashes, recomputed by the router (router/kv_index/block_keys.py):
+        # sha256 of canonical CBOR does not depend on the node's Python/pickle, so router and node agree.
+        "--prefix-caching-hash-algo", "sha256_cbor",
+        # usage.prompt_tokens_details.cached_tokens: the engine-confirmed part of the hit-rate breakdown.
+        "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
         "--kv-events-config", json.dumps({
             "enable_kv_cache_events": True,

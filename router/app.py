@@ -28,11 +28,12 @@ from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
 from router.fleet import Fleet
+from router.kv_index import FleetIndex, KVEventSubscribers
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.openai_errors import install_error_handlers
 from router.orchestrator import Kind, Orchestrator, RequestTrace, new_request_id
-from router.policies import LeastLoaded, RoutingPolicy
+from router.policies import CacheAware, LeastLoaded, RoundRobin, RoutingPolicy
 from router.responses import ResponseIndex
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sessions.http import sessions_router
@@ -45,14 +46,17 @@ from telemetry import Emitter, EmitterConfig
 
 T = TypeVar("T")
 
-_POLICIES: dict[str, type] = {"least_loaded": LeastLoaded}
+POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    try:
-        return _POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(_POLICIES)}") from None
+def make_policy(name: str, index: FleetIndex) -> RoutingPolicy:
+    if name == "cache_aware":
+        return CacheAware(index)
+    if name == "least_loaded":
+        return LeastLoaded()
+    if name == "round_robin":
+        return RoundRobin()
+    raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
 
 
 class ClientDisconnected(Exception):
@@ -110,12 +114,15 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
 def create_app(settings: RouterSettings | None = None) -> FastAPI:
     settings = settings or RouterSettings()
     metrics = RouterMetrics()
-    policy = make_policy(settings.policy)
+    # The fleet KV index exists whatever the policy: every request gets its hit-rate breakdown.
+    index = FleetIndex()
+    policy = make_policy(settings.policy, index)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = aioredis.from_url(settings.redis_url)
-        fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s)
+        subscribers = KVEventSubscribers(index)
+        fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
         client = NodeClient(connect_timeout_s=settings.connect_timeout_s,
                             request_timeout_s=settings.request_timeout_s)
         emitter = None
@@ -132,11 +139,13 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         app.state.emitter = emitter
         app.state.admission = admission
         app.state.accounting = Accounting(metrics, emitter, responses, turns)
-        app.state.orchestrator = Orchestrator(settings, fleet, client, policy, PromptTokenizer(), metrics)
+        app.state.orchestrator = Orchestrator(settings, fleet, client, policy, PromptTokenizer(), metrics, index)
+        app.state.index, app.state.subscribers = index, subscribers
         try:
             yield
         finally:
             await fleet.stop()
+            await subscribers.close()
             await client.aclose()
             await responses.drain()
             await turns.drain()

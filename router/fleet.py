@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
-from infra.errors import ModelNotFound, StoreError
+import zmq
+
+from infra.errors import ModelNotFound, StoreError, TandemError
 from infra.registry import LiveNode, NodeRegistry, Role
 from router.policies.base import Candidate
 
@@ -29,8 +31,10 @@ class Pools:
 
 
 class Fleet:
-    def __init__(self, registry: NodeRegistry, *, refresh_s: float = 0.5) -> None:
+    def __init__(self, registry: NodeRegistry, *, refresh_s: float = 0.5,
+                 on_refresh: Callable[[list[LiveNode]], Awaitable[None]] | None = None) -> None:
         self._registry = registry
+        self._on_refresh = on_refresh
         self._refresh_s = refresh_s
         self._nodes: list[LiveNode] = []
         self._inflight: Counter[str] = Counter()
@@ -51,6 +55,13 @@ class Fleet:
             self._nodes = await self._registry.live_nodes()
         except StoreError as exc:
             log.warning("registry unreadable, keeping last view: %s", exc)
+            return
+        if self._on_refresh is not None:
+            try:
+                await self._on_refresh(self._nodes)
+            except (TandemError, OSError, zmq.ZMQError) as exc:
+                # The KV index follows the fleet on a best-effort basis; routing must go on without it.
+                log.warning("fleet refresh hook failed: %s", exc)
 
     async def _loop(self) -> None:
         while True:

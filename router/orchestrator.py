@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from infra.errors import EngineRejected, InvalidRequest, TandemError, Unavailable, UpstreamError
+from infra.registry import NodeInfo
 from kv_transfer import prefill_request_params
 from router.fleet import Fleet, Pools
+from router.kv_index import BlockHasher, FleetIndex
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.policies.base import Candidate, Decision, RoutingPolicy, RoutingRequest
@@ -55,6 +57,10 @@ class RequestTrace:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    fleet_cached_tokens: int | None = None
+    routed_cached_tokens: int | None = None
+    engine_cached_tokens: int | None = None
+    """Prompt tokens the engine that prefilled reused (the prefill node's figure in P/D)."""
     mode: RouteMode | None = None
     prefill_node: str | None = None
     decode_node: str | None = None
@@ -99,7 +105,9 @@ def new_request_id(kind: Kind) -> str:
 
 class Orchestrator:
     def __init__(self, settings: RouterSettings, fleet: Fleet, client: NodeClient, policy: RoutingPolicy,
-                 tokenizer: PromptTokenizer, metrics: RouterMetrics) -> None:
+                 tokenizer: PromptTokenizer, metrics: RouterMetrics, index: FleetIndex | None = None) -> None:
+        self.index = index
+        self._hashers: dict[tuple[str, int], BlockHasher] = {}
         self.settings = settings
         self.fleet = fleet
         self.client = client
@@ -108,8 +116,7 @@ class Orchestrator:
         self.metrics = metrics
 
     # -- routing ------------------------------------------------------------------------------------
-    def _select(self, trace: RequestTrace, pools: Pools, prefer: RouteMode | None) -> Decision:
-        rr = RoutingRequest(request_id=trace.request_id, model=trace.model)
+    def _select(self, rr: RoutingRequest, pools: Pools, prefer: RouteMode | None) -> Decision:
         pd_ok = bool(pools.prefill and pools.decode)
         if prefer != "colocated" and pd_ok:
             return self.policy.select(rr, pools.prefill, pools.decode)
@@ -117,25 +124,48 @@ class Orchestrator:
             return self.policy.select(rr, [], pools.colocated)
         if pools.decode:  # decode nodes can prefill for themselves; slower, but serves
             return self.policy.select(rr, [], pools.decode)
-        raise Unavailable(f"no node can serve `{trace.model}` now (no decode or colocated node is live)",
+        raise Unavailable(f"no node can serve `{rr.model}` now (no decode or colocated node is live)",
                           retry_after=self.settings.retry_after_s)
 
-    async def _check_context(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any],
-                             node: Candidate, trace: RequestTrace) -> None:
-        limit = node.node.info.max_model_len
+    async def _prompt_ids(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any],
+                          node: NodeInfo, trace: RequestTrace) -> list[int] | None:
+        """The prompt's token ids, after checking that prompt and completion fit the context window."""
+        limit = node.max_model_len
         max_tokens = req.requested_max_tokens() or self.settings.default_max_tokens
         if max_tokens is not None and max_tokens >= limit:
             raise InvalidRequest(
                 f"max_tokens={max_tokens} does not fit this model's context window of {limit} tokens",
                 param="max_tokens", code="context_length_exceeded")
-        n = await self.tokenizer.count(node.node.info, body)
-        trace.prompt_tokens = n
+        ids = await self.tokenizer.token_ids(node, body)
+        n = trace.prompt_tokens = len(ids) if ids is not None else None
         if n is not None and n + (max_tokens or 1) > limit:
             raise InvalidRequest(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{n + (max_tokens or 1)} tokens ({n} in the messages, {max_tokens or 1} in the completion). "
                 "Please reduce the length of the messages or completion.",
                 param="messages" if "messages" in body else "prompt", code="context_length_exceeded")
+        return ids
+
+    def _hit_breakdown(self, rr: RoutingRequest, decision: Decision, trace: RequestTrace) -> None:
+        """fleet_cached_tokens (best prefix anywhere) and routed_cached_tokens (on the node that will
+        prefill), from the fleet KV index, whatever the policy. Like vLLM, the last prompt token is
+        always recomputed, so at most (n-1)//block_size blocks count."""
+        if self.index is None or not rr.block_keys:
+            return
+        prefiller = decision.prefill or decision.decode
+        bs = prefiller.node.info.block_size
+        cap = (len(rr.prompt_token_ids) - 1) // bs if bs else 0
+        matches = self.index.longest_prefix(rr.model, rr.block_keys)
+        trace.fleet_cached_tokens = min(max(matches.values(), default=0), cap) * bs
+        trace.routed_cached_tokens = min(matches.get(prefiller.node_id, 0), cap) * bs
+
+    def _keys(self, node: NodeInfo, ids: list[int] | None) -> tuple[int, ...]:
+        if ids is None or self.index is None or node.block_size <= 0:
+            return ()
+        hasher = self._hashers.get((node.model, node.block_size))
+        if hasher is None:
+            hasher = self._hashers[(node.model, node.block_size)] = BlockHasher(node.block_size, "sha256_cbor")
+        return tuple(hasher.keys(ids))
 
     # -- legs ---------------------------------------------------------------------------------------
     async def plan(self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, trace: RequestTrace,
@@ -147,12 +177,23 @@ class Orchestrator:
         body = req.body()
         if self.settings.default_max_tokens and req.requested_max_tokens() is None:
             body["max_tokens"] = self.settings.default_max_tokens
-        decision = self._select(trace, pools, prefer)
-        trace.routed = time.time()
-        trace.policy, trace.reason = decision.policy, decision.reason
-        await self._check_context(req, body, decision.decode, trace)
+        reference = (pools.decode or pools.colocated or pools.prefill)[0].node.info  # same model everywhere
+        ids = await self._prompt_ids(req, body, reference, trace)
         if charge is not None:
             await charge(trace.prompt_tokens or 0, req.requested_max_tokens())
+        rr = RoutingRequest(request_id=trace.request_id, model=trace.model, prompt_token_ids=tuple(ids or ()),
+                            session_id=trace.session_id, block_keys=self._keys(reference, ids))
+        decision = self._select(rr, pools, prefer)
+        trace.routed = time.time()
+        trace.policy, trace.reason = decision.policy, decision.reason
+        self._hit_breakdown(rr, decision, trace)
+        try:
+            return await self._legs(kind, body, decision, trace)
+        except BaseException:
+            self.policy.on_complete(decision)
+            raise
+
+    async def _legs(self, kind: Kind, body: dict[str, Any], decision: Decision, trace: RequestTrace) -> Leg:
         path = _PATHS[kind]
         trace.decode_node = decision.decode.node_id
         trace.decode_role = decision.decode.node.info.role.value
@@ -189,6 +230,8 @@ class Orchestrator:
         pbody["max_tokens"] = 1
         pbody["kv_transfer_params"] = prefill_request_params()
         resp = await self.client.post_json(node.node.info.url + path, pbody, self._headers(trace))
+        details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+        trace.engine_cached_tokens = details.get("cached_tokens")
         params = resp.get("kv_transfer_params")
         if not params:
             raise UpstreamError(f"prefill node {node.node_id} returned no kv_transfer_params "
@@ -207,8 +250,11 @@ class Orchestrator:
         return {"X-Request-Id": trace.request_id}
 
     async def complete(self, leg: Leg, trace: RequestTrace) -> dict[str, Any]:
-        with self.fleet.track(leg.decision.decode):
-            resp = await self.client.post_json(leg.url, leg.body, self._headers(trace))
+        try:
+            with self.fleet.track(leg.decision.decode):
+                resp = await self.client.post_json(leg.url, leg.body, self._headers(trace))
+        finally:
+            self.policy.on_complete(leg.decision)
         now = time.time()
         trace.first_token = trace.finish = now
         resp.pop("kv_transfer_params", None)
@@ -227,16 +273,27 @@ class Orchestrator:
         body["stream"] = True
         # Always ask the engine for usage (telemetry needs it); it is only forwarded if the client asked.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        stack.callback(self.policy.on_complete, leg.decision)
         stack.enter_context(self.fleet.track(leg.decision.decode))
         return await stack.enter_async_context(self.client.open_stream(leg.url, body, self._headers(trace)))
 
 
 def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
+    """Take the decode engine's usage into the trace, and put the hit-rate breakdown into the usage the
+    client sees: ``prompt_tokens_details.cached_tokens`` is the engine figure of the engine that
+    prefilled (in P/D the decode node reports the transferred KV as cached, which is no cache hit)."""
     if not usage:
         return
     trace.prompt_tokens = usage.get("prompt_tokens", trace.prompt_tokens)
     trace.completion_tokens = usage.get("completion_tokens")
     details = usage.get("prompt_tokens_details") or {}
-    trace.cached_tokens = details.get("cached_tokens")
+    if trace.mode != "disaggregated":
+        trace.engine_cached_tokens = details.get("cached_tokens")
+    trace.cached_tokens = trace.engine_cached_tokens
+    usage["prompt_tokens_details"] = {**details, "cached_tokens": trace.engine_cached_tokens or 0}
+    usage["tandem"] = {"fleet_cached_tokens": trace.fleet_cached_tokens,
+                       "routed_cached_tokens": trace.routed_cached_tokens,
+                       "engine_cached_tokens": trace.engine_cached_tokens,
+                       "policy": trace.policy, "mode": trace.mode, "reason": trace.reason}
 
 

@@ -1,9 +1,9 @@
-"""Counting prompt tokens in the router with the served model's own tokenizer and chat template.
+"""Prompt token ids in the router, with the served model's own tokenizer and chat template.
 
-Used before any node is involved, so an over-long request is refused with a 400 instead of occupying
-a prefill node (and, in P/D, KV blocks held for a decode that would then refuse it). Nodes register
-their model folder; a router on another host without that folder skips the check and lets the
-engine refuse instead.
+Used before any node is involved: an over-long request is refused with a 400 instead of occupying a
+prefill node (and, in P/D, KV blocks held for a decode that would then refuse it), and the routing
+keys are computed from exactly the tokens the engine will hash. Nodes register their model folder; a
+router on another host without that folder skips both and lets the engine refuse instead.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from jinja2 import TemplateError
 
 from infra.registry import NodeInfo
 
@@ -34,12 +36,18 @@ class PromptTokenizer:
                     self._tokenizers[path] = await asyncio.to_thread(_load, path)
         return self._tokenizers[path]
 
-    async def count(self, node: NodeInfo, body: dict[str, Any]) -> int | None:
-        """Prompt length in tokens as the engine will see it, or None when it cannot be known here."""
+    async def token_ids(self, node: NodeInfo, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the engine will see them, or None when they cannot be known here."""
         tok = await self._get(node)
         if tok is None:
             return None
-        return await asyncio.to_thread(_count, tok, body)
+        try:
+            return await asyncio.to_thread(_token_ids, tok, body)
+        except (TemplateError, ValueError, TypeError, KeyError) as exc:
+            # The engine renders the same template and will answer this request with its own error;
+            # the router only loses its length check and routing keys for it.
+            log.warning("cannot render prompt for %s: %s", node.model, exc)
+            return None
 
 
 def _load(path: str) -> Any | None:
@@ -50,16 +58,19 @@ def _load(path: str) -> Any | None:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _count(tok: Any, body: dict[str, Any]) -> int:
+def _token_ids(tok: Any, body: dict[str, Any]) -> list[int]:
     if "messages" in body:
+        # As vLLM does before rendering: a message without content (an assistant turn that only calls
+        # tools) renders as empty text, not as a missing attribute.
+        messages = [{**m, "content": m.get("content") or ""} for m in body["messages"]]
         ids = tok.apply_chat_template(
-            body["messages"], tools=body.get("tools"), add_generation_prompt=True, tokenize=True,
+            messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=True,
             **(body.get("chat_template_kwargs") or {}),
         )
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping)
             ids = ids["input_ids"]
-        return len(ids)
+        return list(ids)
     prompt = body.get("prompt")
     if isinstance(prompt, list):
-        return len(prompt)
-    return len(tok(prompt or "")["input_ids"])
+        return list(prompt)
+    return list(tok(prompt or "")["input_ids"])

@@ -34,7 +34,8 @@ def test_kv_events_prefix_caching_and_loopback_ports() -> None:
     assert events["enable_kv_cache_events"] is True
     assert events["endpoint"] == "tcp://127.0.0.1:9101"
     assert events["replay_endpoint"] == "tcp://127.0.0.1:9102"
-    assert "--enable-prefix-caching" in cmd
+    assert "--enable-prefix-caching" in cmd and _value(cmd, "--prefix-caching-hash-algo") == "sha256_cbor"
+    assert "--enable-prompt-tokens-details" in cmd
     assert _value(cmd, "--tool-call-parser") == "pythonic" and "--enable-auto-tool-choice" in cmd
     assert _value(cmd, "--host") == "127.0.0.1" and _value(cmd, "--port") == "9100"
 

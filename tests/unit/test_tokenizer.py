@@ -1,0 +1,35 @@
+"""The router's prompt rendering with the real default model's tokenizer and chat template."""
+
+from __future__ import annotations
+
+import asyncio
+
+from infra.model import default_model_dir
+from infra.registry import NodeInfo, Role
+from router.tokenizer import PromptTokenizer
+
+NODE = NodeInfo(node_id="n", role=Role.BOTH, model="m", url="u", block_size=16, max_model_len=8192,
+                kv_connector="none", model_path=str(default_model_dir()))
+
+
+def _ids(body: dict) -> list[int] | None:
+    return asyncio.run(PromptTokenizer().token_ids(NODE, body))
+
+
+def test_tool_call_turns_without_content_render() -> None:
+    base = [{"role": "user", "content": "Open the README."}]
+    with_tools = [*base, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": "{\"path\": \"README\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "# Tandem"}]
+    short, long = _ids({"messages": base}), _ids({"messages": with_tools})
+    assert short and long and len(long) > len(short)
+    assert long[: len(short) - 3] == short[: len(short) - 3]  # same prefix up to the generation prompt
+
+
+def test_completion_prompts_and_token_lists() -> None:
+    assert _ids({"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert len(_ids({"prompt": "hello world"}) or []) >= 2
+
+
+def test_unrenderable_messages_fall_back_to_no_ids() -> None:
+    assert _ids({"messages": "not a list"}) is None
