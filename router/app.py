@@ -28,6 +28,7 @@ from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
 from router.fleet import Fleet
+from router.kv_activity import KVActivity
 from router.kv_index import FleetIndex, KVEventSubscribers
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
@@ -121,19 +122,22 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = aioredis.from_url(settings.redis_url)
-        subscribers = KVEventSubscribers(index)
-        fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
         client = NodeClient(connect_timeout_s=settings.connect_timeout_s,
                             request_timeout_s=settings.request_timeout_s)
-        emitter = None
+        emitter = activity = None
         if settings.telemetry:
             emitter = Emitter(EmitterConfig(redis_url=settings.telemetry_redis_url or settings.redis_url,
                                             source=f"router-{settings.port}"), metrics=metrics.common)
+            activity = KVActivity(emitter, lambda node_id: fleet.role_and_usage(node_id))
+        subscribers = KVEventSubscribers(index, on_event=activity.observe if activity else None)
+        fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
         responses = ResponseIndex(redis)
         admission = await AdmissionContext.create(settings.admission or AdmissionSettings(redis_url=settings.redis_url))
         turns = TurnRecorder(admission)
         app.include_router(sessions_router(admission.sessions, AdmissionDependencies(admission)))
         await fleet.start()
+        if activity is not None:
+            activity.start()
         app.state.fleet = fleet
         app.state.responses = responses
         app.state.emitter = emitter
@@ -146,6 +150,8 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         finally:
             await fleet.stop()
             await subscribers.close()
+            if activity is not None:
+                await activity.stop()
             await client.aclose()
             await responses.drain()
             await turns.drain()

@@ -103,5 +103,11 @@ class Fleet:
                 if self._inflight[i] <= 0:
                     del self._inflight[i]
 
+    def role_and_usage(self, node_id: str) -> tuple[str, float] | None:
+        for n in self._nodes:
+            if n.info.node_id == node_id:
+                return n.info.role.value, n.load.kv_usage
+        return None
+
     def inflight(self, node_id: str) -> int:
         return self._inflight[node_id]

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from infra.errors import EngineRejected, InvalidRequest, TandemError, Unavailable, UpstreamError
@@ -29,6 +29,7 @@ from router.kv_index import BlockHasher, FleetIndex
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.policies.base import Candidate, Decision, RoutingPolicy, RoutingRequest
+from router.policies.least_loaded import LeastLoaded
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import FallbackPolicy, RouterSettings
 from router.tokenizer import PromptTokenizer
@@ -119,7 +120,12 @@ class Orchestrator:
     def _select(self, rr: RoutingRequest, pools: Pools, prefer: RouteMode | None) -> Decision:
         pd_ok = bool(pools.prefill and pools.decode)
         if prefer != "colocated" and pd_ok:
-            return self.policy.select(rr, pools.prefill, pools.decode)
+            decision = self.policy.select(rr, pools.prefill, pools.decode)
+            if prefer == "disaggregated" and decision.prefill is None:
+                # The policy chose a local prefill; the client asked for the P/D path explicitly.
+                prefill = LeastLoaded().select(rr, pools.prefill, [decision.decode]).prefill
+                decision = replace(decision, prefill=prefill, reason=f"{decision.reason}; P/D forced by header")
+            return decision
         if pools.colocated:
             return self.policy.select(rr, [], pools.colocated)
         if pools.decode:  # decode nodes can prefill for themselves; slower, but serves

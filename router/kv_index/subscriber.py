@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -35,10 +35,13 @@ import zmq.asyncio
 
 from infra.registry import LiveNode, NodeInfo
 from router.kv_index.block_keys import BlockHasher, external_key
-from router.kv_index.events import REPLAY_END_SEQ, BlockStored, decode_batch
+from router.kv_index.events import REPLAY_END_SEQ, BlockStored, KVEvent, decode_batch
 from router.kv_index.index import FleetIndex, ModelIndex
 
 log = logging.getLogger(__name__)
+
+EventObserver = Callable[[str, KVEvent], None]
+"""Called for every applied event with the node id (telemetry aggregates them); must not block."""
 
 
 @dataclass(slots=True)
@@ -78,8 +81,10 @@ class KVEventSubscriber:
         replay_timeout_s: float = 2.0,
         retry_delay_s: float = 1.0,
         hasher: BlockHasher | None = None,
+        on_event: EventObserver | None = None,
     ) -> None:
         self.index = index
+        self.on_event = on_event
         self.node_id = node_id
         self.events_endpoint = events_endpoint
         self.replay_endpoint = replay_endpoint
@@ -236,6 +241,8 @@ class KVEventSubscriber:
             if self.hasher is not None and isinstance(ev, BlockStored):
                 self._check_keys(ev)
             self.index.apply(self.node_id, ev)
+            if self.on_event is not None:
+                self.on_event(self.node_id, ev)
 
     def _check_keys(self, ev: BlockStored) -> None:
         hasher = self.hasher
@@ -280,8 +287,10 @@ class KVEventSubscribers:
         hashers: dict[str, BlockHasher] | None = None,
         topic: str = "",
         replay_timeout_s: float = 2.0,
+        on_event: EventObserver | None = None,
     ) -> None:
         self.index = index
+        self._on_event = on_event
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self._hashers = hashers or {}
@@ -311,6 +320,7 @@ class KVEventSubscribers:
                 topic=self._topic,
                 replay_timeout_s=self._replay_timeout_s,
                 hasher=self._hashers.get(info.model),
+                on_event=self._on_event,
             )
             self._subs[node_id] = (_identity(info), sub)
             sub.start()

@@ -71,6 +71,11 @@ def test_every_request_lands_once_with_tool_call_and_feedback(cluster: LiveClust
     assert call["tool_name"] == "read_file" and call["request_id"] == tool["id"]
     assert call["tool_call_id"] == calls[0]["id"] and call["arguments_valid_json"]
 
+    # KV cache activity: the engines' KV events, aggregated per node and interval by the router.
+    kv_sql = "SELECT * FROM kv_events WHERE blocks_stored > 0"
+    assert wait_for(lambda: len(_rows(cluster, kv_sql)) >= 1, timeout_s=40), "no kv_events rows"
+    assert {r["role"] for r in _rows(cluster, kv_sql)} & {"prefill", "decode"}
+
     fb_sql = f"SELECT * FROM feedback WHERE session_id = '{session}'"
     assert wait_for(lambda: len(_rows(cluster, fb_sql)) == 1, timeout_s=30)
     [row] = _rows(cluster, fb_sql)
