@@ -57,7 +57,7 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
         "--kv-events-config", json.dumps({
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": settings.kv_events_endpoint,
+            "endpoint": settings.kv_events_bind,
             "replay_endpoint": settings.kv_replay_endpoint,
             "topic": "kv-events",
         }),
@@ -80,6 +80,8 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
 
 
 def engine_env(settings: NodeSettings) -> dict[str, str]:
+    if settings.kv_events_endpoint.startswith("ipc://"):
+        Path(settings.kv_events_endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = settings.host

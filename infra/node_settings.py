@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Literal
@@ -61,8 +62,22 @@ class NodeSettings(BaseSettings):
         return f"http://{self.host}:{self.port}"
 
     @property
+    def is_loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1")
+
+    @property
     def kv_events_endpoint(self) -> str:
+        """Where subscribers connect. vLLM's publisher binds only wildcard and ipc endpoints (it
+        *connects* to anything else), so a loopback node publishes on an ipc socket and a node on a
+        real interface binds tcp://*:port+1 (see kv_events_bind)."""
+        if self.is_loopback:
+            return f"ipc://{Path(tempfile.gettempdir()) / 'tandem'}/kv-events-{self.port}.sock"
         return f"tcp://{self.host}:{self.port + 1}"
+
+    @property
+    def kv_events_bind(self) -> str:
+        """The endpoint given to vLLM's publisher (bind form)."""
+        return self.kv_events_endpoint if self.is_loopback else f"tcp://*:{self.port + 1}"
 
     @property
     def kv_replay_endpoint(self) -> str:

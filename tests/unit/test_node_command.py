@@ -32,12 +32,18 @@ def test_kv_events_prefix_caching_and_loopback_ports() -> None:
     cmd = _args(Role.DECODE)
     events = json.loads(_value(cmd, "--kv-events-config"))
     assert events["enable_kv_cache_events"] is True
-    assert events["endpoint"] == "tcp://127.0.0.1:9101"
+    # vLLM binds only wildcard/ipc publisher endpoints: loopback nodes publish on ipc.
+    assert events["endpoint"].startswith("ipc://") and events["endpoint"].endswith("kv-events-9100.sock")
     assert events["replay_endpoint"] == "tcp://127.0.0.1:9102"
     assert "--enable-prefix-caching" in cmd and _value(cmd, "--prefix-caching-hash-algo") == "sha256_cbor"
     assert "--enable-prompt-tokens-details" in cmd
     assert _value(cmd, "--tool-call-parser") == "pythonic" and "--enable-auto-tool-choice" in cmd
     assert _value(cmd, "--host") == "127.0.0.1" and _value(cmd, "--port") == "9100"
+
+
+def test_a_node_on_a_real_interface_binds_its_publisher_on_all_interfaces() -> None:
+    s = NodeSettings(role=Role.DECODE, host="10.1.2.3", port=9100)
+    assert s.kv_events_bind == "tcp://*:9101" and s.kv_events_endpoint == "tcp://10.1.2.3:9101"
 
 
 def test_role_specific_token_budgets() -> None:
