@@ -102,7 +102,8 @@ def router(
     host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port of the OpenAI-compatible API.")] = 8000,
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Registry Redis.")] = "redis://127.0.0.1:6379/0",
-    policy: Annotated[str, typer.Option(help="Routing policy.")] = "least_loaded",
+    policy: Annotated[str, typer.Option(help="Routing policy: cache_aware, least_loaded or round_robin.")] = (
+        "least_loaded"),
     log_level: str = "info",
 ) -> None:
     """Run the router: OpenAI API (SSE), P/D orchestration over the nodes in the registry."""
@@ -113,7 +114,9 @@ def router(
 
     _logging(log_level)
     settings = RouterSettings(host=host, port=port, redis_url=redis_url, policy=policy)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, access_log=False)
+    with _clean_errors():
+        app_ = create_app(settings)
+    uvicorn.run(app_, host=host, port=port, log_level=log_level, access_log=False)
 
 
 @app.command()
@@ -133,6 +136,8 @@ def up(
     workdir: Annotated[Path, typer.Option(help="Logs, the telemetry lake and embedded Redis data.")] = Path(
         ".tandem"),
     lake: Annotated[Path | None, typer.Option(help="Parquet lake for telemetry (default: <workdir>/lake).")] = None,
+    policy: Annotated[str, typer.Option(help="Routing policy: cache_aware, least_loaded or round_robin.")] = (
+        "least_loaded"),
 ) -> None:
     """Start a local cluster (Redis if needed, nodes, router) and run it until Ctrl-C or SIGTERM."""
     from infra.launcher import Cluster, ClusterSpec
@@ -141,7 +146,7 @@ def up(
         prefill, decode, both = 0, 0, max(both, 1)
     spec = ClusterSpec(prefill=prefill, decode=decode, both=both, model=model, router_port=port,
                        node_base_port=node_base_port, redis_url=redis_url, dtype=dtype, kv_cache_gib=kv_cache_gib,
-                       connector=connector.value, workdir=workdir, lake=lake)
+                       connector=connector.value, workdir=workdir, lake=lake, policy=policy)
     cluster = Cluster(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 
-from infra.errors import InvalidRequest, TandemError, ValidationFailed
+from infra.errors import ConfigError, InvalidRequest, TandemError, ValidationFailed
 from infra.registry import NodeRegistry, Role
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
@@ -57,7 +57,7 @@ def make_policy(name: str, index: FleetIndex) -> RoutingPolicy:
         return LeastLoaded()
     if name == "round_robin":
         return RoundRobin()
-    raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
+    raise ConfigError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
 
 
 class ClientDisconnected(Exception):
