@@ -219,5 +219,33 @@ def bench_telemetry(
           f"ttft_off_ms={ttft['ttft_off_ms']}", flush=True)
 
 
+cluster_app = typer.Typer(help="Inspect a running cluster.", no_args_is_help=True)
+app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("status")
+def cluster_status(
+    url: Annotated[str, typer.Option(envvar="TANDEM_URL", help="Router base URL.")] = "http://127.0.0.1:8000",
+) -> None:
+    """Nodes, roles, load, KV usage and cached blocks, as the router sees them (GET /cluster)."""
+    import httpx
+    from rich.table import Table
+
+    try:
+        data = httpx.get(f"{url}/cluster", timeout=10).json()
+    except httpx.HTTPError as exc:
+        console.print(f"[red]error:[/red] router at {url} unreachable: {exc}")
+        raise typer.Exit(1) from exc
+    table = Table(title=f"Tandem cluster at {url} (policy {data['policy']})")
+    for col in ("node", "role", "running", "waiting", "KV usage", "cached blocks", "KV blocks", "events ok"):
+        table.add_column(col)
+    for n in data["nodes"]:
+        ev = n["kv_events"]
+        table.add_row(n["node_id"], n["role"], str(n["running"]), str(n["waiting"]), f"{n['kv_usage']:.0%}",
+                      str(n["cached_blocks"]), str(n["num_kv_blocks"]),
+                      "-" if ev is None else ("yes" if not (ev["lost"] or ev["key_mismatches"]) else "NO"))
+    Console().print(table)
+
+
 if __name__ == "__main__":
     app()

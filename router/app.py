@@ -248,6 +248,27 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         return JSONResponse({"status": "ok" if serving else "no_nodes", "nodes": roles},
                             status_code=200 if serving else 503)
 
+    @app.get("/cluster")
+    async def cluster(request: Request) -> dict[str, Any]:
+        """Admin view: every live node with its role, load, KV usage, cached blocks in the router's
+        index and its KV-event stream health."""
+        fleet: Fleet = request.app.state.fleet
+        blocks = {node: n for per_model in request.app.state.index.block_counts().values()
+                  for node, n in per_model.items()}
+        events = request.app.state.subscribers.stats()
+        nodes = []
+        for n in sorted(fleet.nodes, key=lambda n: (n.info.role.value, n.info.node_id)):
+            st = events.get(n.info.node_id)
+            nodes.append({
+                "node_id": n.info.node_id, "role": n.info.role.value, "model": n.info.model, "url": n.info.url,
+                "running": n.load.running, "waiting": n.load.waiting, "kv_usage": n.load.kv_usage,
+                "num_kv_blocks": n.info.num_kv_blocks, "block_size": n.info.block_size,
+                "cached_blocks": blocks.get(n.info.node_id, 0), "router_inflight": fleet.inflight(n.info.node_id),
+                "kv_events": {"applied_batches": st.applied_batches, "gaps": st.gaps, "lost": st.lost,
+                              "key_mismatches": st.key_mismatches} if st else None,
+            })
+        return {"object": "cluster", "policy": settings.policy, "nodes": nodes}
+
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
         fleet: Fleet = request.app.state.fleet

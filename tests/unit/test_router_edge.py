@@ -128,3 +128,11 @@ def test_failed_prefill_leg_falls_back_to_decode_node(client_with) -> None:  # n
     with client_with([_node("p-0", Role.PREFILL), _node("d-0", Role.DECODE)]) as c:
         _assert_openai_error(c.post("/v1/chat/completions", json=_chat()), 502)
         assert "tandem_prefill_fallbacks_total 1.0" in c.get("/metrics").text
+
+
+def test_cluster_view_lists_live_nodes(client_with) -> None:  # noqa: ANN001
+    with client_with([_node("p-0", Role.PREFILL), _node("d-0", Role.DECODE)]) as c:
+        data = c.get("/cluster").json()
+        assert data["policy"] == "least_loaded"
+        assert [(n["node_id"], n["role"]) for n in data["nodes"]] == [("d-0", "decode"), ("p-0", "prefill")]
+        assert all(n["cached_blocks"] == 0 and n["router_inflight"] == 0 for n in data["nodes"])
