@@ -238,7 +238,7 @@ def cluster_status(
         raise typer.Exit(1) from exc
     table = Table(title=f"Tandem cluster at {url} (policy {data['policy']})")
     for col in ("node", "role", "running", "waiting", "KV usage", "cached blocks", "KV blocks", "events ok"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=(col == "node"))
     for n in data["nodes"]:
         ev = n["kv_events"]
         table.add_row(n["node_id"], n["role"], str(n["running"]), str(n["waiting"]), f"{n['kv_usage']:.0%}",
