@@ -6,7 +6,6 @@ a lost write only means that one response cannot receive feedback.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import msgspec
@@ -14,6 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from infra.errors import NotFound, StoreError
+from router.background import TaskSet
 
 log = logging.getLogger("tandem.router.responses")
 TTL_S = 7 * 24 * 3600
@@ -28,12 +28,10 @@ class ResponseRef(msgspec.Struct, frozen=True):
 class ResponseIndex:
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
 
     def remember(self, response_id: str, ref: ResponseRef) -> None:
-        task = asyncio.create_task(self._write(response_id, ref))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._write(response_id, ref))
 
     async def _write(self, response_id: str, ref: ResponseRef) -> None:
         try:
@@ -51,5 +49,4 @@ class ResponseIndex:
         return msgspec.msgpack.decode(raw, type=ResponseRef)
 
     async def drain(self) -> None:
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.drain()

@@ -7,7 +7,6 @@ client already has its answer.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -17,6 +16,7 @@ import msgspec
 from infra.errors import TandemError
 from router.admission.context import AdmissionContext
 from router.admission.ratelimit import Admission
+from router.background import TaskSet
 from router.orchestrator import RequestTrace
 from router.sessions.models import Message, ToolCall, Turn, Usage, conversation, new_messages
 
@@ -26,12 +26,10 @@ log = logging.getLogger("tandem.router.turns")
 class TurnRecorder:
     def __init__(self, ctx: AdmissionContext) -> None:
         self.ctx = ctx
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
 
     def after(self, trace: RequestTrace, admission: Admission | None, messages: list[dict[str, Any]] | None) -> None:
-        task = asyncio.create_task(self._after(trace, admission, messages))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._after(trace, admission, messages))
 
     async def _after(self, trace: RequestTrace, admission: Admission | None,
                      messages: list[dict[str, Any]] | None) -> None:
@@ -57,5 +55,4 @@ class TurnRecorder:
             log.warning("after-request work for %s failed: %s", trace.request_id, exc)
 
     async def drain(self) -> None:
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.drain()
