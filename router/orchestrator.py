@@ -12,7 +12,6 @@ reason that is not the client's follows ``prefill_fallback``: prefill on the dec
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 import uuid
@@ -230,7 +229,7 @@ class Orchestrator:
         return Leg(decision, decision.decode.node.info.url + path, decode_body)
 
     async def _prefill(self, node: Candidate, path: str, body: dict[str, Any], trace: RequestTrace) -> dict:
-        pbody = copy.deepcopy(body)
+        pbody = dict(body)  # only top-level keys change; the messages are shared, not copied
         for k in ("stream", "stream_options", "max_completion_tokens"):
             pbody.pop(k, None)
         pbody["max_tokens"] = 1
