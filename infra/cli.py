@@ -71,7 +71,9 @@ def node(
                                            "and NIXL side-channel ports.")] = 8100,
     node_id: Annotated[str | None, typer.Option(help="Registry id (default: host name + random suffix).")] = None,
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Registry Redis.")] = "redis://127.0.0.1:6379/0",
-    connector: Annotated[ConnectorKind, typer.Option(help="KV connector (prefill/decode roles).")] = ConnectorKind.NIXL,
+    connector: Annotated[ConnectorKind, typer.Option(
+        help="KV connector (prefill/decode roles): tandem (ours), nixl (vLLM's NixlConnector, the baseline) "
+             "or none.")] = ConnectorKind.TANDEM,
     dtype: Annotated[str, typer.Option(help="bfloat16, or float32 for bit-stable greedy output.")] = "bfloat16",
     kv_cache_gib: Annotated[int, typer.Option(help="KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE).")] = 1,
     cores: Annotated[str | None, typer.Option(help="CPU cores for the engine, e.g. 0 or 0-1.")] = None,
@@ -132,7 +134,8 @@ def up(
                          "127.0.0.1:6379 if it answers, else start an embedded one).")] = None,
     dtype: str = "bfloat16",
     kv_cache_gib: int = 1,
-    connector: Annotated[ConnectorKind, typer.Option(help="KV connector.")] = ConnectorKind.NIXL,
+    connector: Annotated[ConnectorKind, typer.Option(
+        help="KV connector: tandem (ours) or nixl (baseline).")] = ConnectorKind.TANDEM,
     workdir: Annotated[Path, typer.Option(help="Logs, the telemetry lake and embedded Redis data.")] = Path(
         ".tandem"),
     lake: Annotated[Path | None, typer.Option(help="Parquet lake for telemetry (default: <workdir>/lake).")] = None,

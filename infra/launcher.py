@@ -37,7 +37,7 @@ class ClusterSpec:
     redis_port: int = 6390
     dtype: str = "bfloat16"
     kv_cache_gib: int = 1
-    connector: str = "nixl"
+    connector: str = "tandem"
     max_model_len: int = 8192
     policy: str = "least_loaded"
     workdir: Path = field(default_factory=lambda: Path(".tandem"))

@@ -69,7 +69,8 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
     if settings.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_call_parser]
     if settings.role is not Role.BOTH:
-        kv_config = kv_transfer_config(settings.connector)
+        kv_config = kv_transfer_config(settings.connector, extra=settings.kv_connector_extra,
+                                       load_failure_policy=settings.kv_load_failure_policy)
         if kv_config:
             cmd += ["--kv-transfer-config", kv_config]
     if settings.role is Role.PREFILL:

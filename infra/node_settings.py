@@ -29,10 +29,22 @@ class NodeSettings(BaseSettings):
     """Name clients use in ``model``; defaults to the folder name."""
     host: str = "127.0.0.1"
     port: int = 8100
-    """HTTP port of the engine. Side ports: port+1 KV events (PUB), port+2 event replay, port+3 NIXL."""
+    """HTTP port of the engine. Side ports: port+1 KV events (PUB), port+2 event replay, port+3 KV block
+    server (tandem connector) or NIXL side channel."""
     node_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
     redis_url: str = "redis://127.0.0.1:6379/0"
-    connector: ConnectorKind = ConnectorKind.NIXL
+    connector: ConnectorKind = ConnectorKind.TANDEM
+    kv_transport: Literal["auto", "tcp", "ipc", "shm"] = "auto"
+    """Tandem connector: how this node pulls KV. auto = shm (cross-memory copy) when the prefill node is
+    on this host, else tcp."""
+    kv_checksum: Literal["auto", "always", "never"] = "auto"
+    """Tandem connector: verify an xxh3 checksum per segment (auto: on for tcp/ipc frames, off for shm)."""
+    kv_lease_s: float = 30.0
+    """Tandem connector: how long a prefill node holds a request's blocks for its decode node, at most."""
+    kv_transfer_timeout_s: float = 10.0
+    """Tandem connector: how long a decode node waits for one pull before prefilling itself."""
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    """When a pull fails: recompute the prompt on the decode node, or fail the request."""
     dtype: str = "bfloat16"
     """Weights/activations dtype. Tests use float32, where greedy outputs are bit-stable."""
     max_model_len: int = 8192
@@ -86,3 +98,10 @@ class NodeSettings(BaseSettings):
     @property
     def nixl_port(self) -> int:
         return self.port + 3
+
+    @property
+    def kv_connector_extra(self) -> dict[str, object]:
+        """The tandem connector's ``kv_connector_extra_config`` (kv_transfer.settings.ConnectorSettings)."""
+        return {"host": self.host, "port": self.nixl_port, "transport": self.kv_transport,
+                "checksum": self.kv_checksum, "lease_s": self.kv_lease_s,
+                "transfer_timeout_s": self.kv_transfer_timeout_s}

@@ -27,6 +27,7 @@ from infra.registry import NodeRegistry, Role
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
+from router.background import TaskSet
 from router.fleet import Fleet
 from router.kv_activity import KVActivity
 from router.kv_index import FleetIndex, KVEventSubscribers
@@ -145,6 +146,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         app.state.accounting = Accounting(metrics, emitter, responses, turns)
         app.state.orchestrator = Orchestrator(settings, fleet, client, policy, PromptTokenizer(), metrics, index)
         app.state.index, app.state.subscribers = index, subscribers
+        app.state.kv_tasks = kv_tasks = TaskSet()
         try:
             yield
         finally:
@@ -155,6 +157,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             await client.aclose()
             await responses.drain()
             await turns.drain()
+            await kv_tasks.drain()
             await admission.close()
             if emitter is not None:
                 await emitter.aclose()
@@ -190,22 +193,28 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         prefer = request.headers.get("x-tandem-route")
         if prefer not in (None, "colocated", "disaggregated"):
             raise InvalidRequest("x-tandem-route must be `colocated` or `disaggregated`", param="x-tandem-route")
+        kv_tasks: TaskSet = request.app.state.kv_tasks
+        leg = None
         try:
             leg = await cancel_on_disconnect(request, orch.plan(kind, req, trace, prefer, charge))  # type: ignore[arg-type]
             if not req.stream:
-                resp = await cancel_on_disconnect(request, orch.complete(leg, trace))
+                resp = await cancel_on_disconnect(request, orch.complete(leg, trace, kv_tasks.spawn))
                 finish("ok", 200)
                 return JSONResponse(resp, headers=headers)
             stack = AsyncExitStack()
             try:
-                chunks = await cancel_on_disconnect(request, orch.open_stream(leg, trace, stack))
+                chunks = await cancel_on_disconnect(request, orch.open_stream(leg, trace, stack, kv_tasks.spawn))
             except BaseException:
                 await stack.aclose()
                 raise
         except ClientDisconnected:
+            if leg is not None:  # the decode node may never have seen the request: free P's blocks now
+                orch.abandon(leg, "client disconnected", kv_tasks.spawn)
             finish("cancelled", 499)
             return Response(status_code=499)
         except TandemError as exc:
+            if leg is not None:
+                orch.abandon(leg, f"request failed: {exc.message}", kv_tasks.spawn)
             finish("rejected" if exc.status_code < 500 or exc.status_code == 503 else "error", exc.status_code, exc)
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

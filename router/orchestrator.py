@@ -8,6 +8,9 @@
 Everything up to the opening of the decode leg happens before the router answers, so any refusal
 (bad request, no node, engine 4xx) still gets a proper HTTP status. A prefill leg that fails for a
 reason that is not the client's follows ``prefill_fallback``: prefill on the decode node, or 502.
+A decode leg that fails before its first token (decode node dead, refusing, or dying mid-transfer)
+releases the prefill node's lease and, under the same policy, is served once more by the prefill node
+itself, which still has the prompt in its prefix cache; the client sees one answer either way.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Literal
 from infra.errors import EngineRejected, InvalidRequest, TandemError, Unavailable, UpstreamError
 from infra.registry import NodeInfo
 from kv_transfer import prefill_request_params
+from kv_transfer.control import is_tandem_params, release_lease
 from router.fleet import Fleet, Pools
 from router.kv_index import BlockHasher, FleetIndex
 from router.metrics import RouterMetrics
@@ -254,10 +258,39 @@ class Orchestrator:
     def _headers(self, trace: RequestTrace) -> dict[str, str]:
         return {"X-Request-Id": trace.request_id}
 
-    async def complete(self, leg: Leg, trace: RequestTrace) -> dict[str, Any]:
+    def abandon(self, leg: Leg, reason: str, background: Callable[[Awaitable[Any]], None]) -> None:
+        """The router gives up on a planned leg: free the prefill node's lease now, off the fast path."""
+        params = leg.body.get("kv_transfer_params")
+        if is_tandem_params(params):
+            background(release_lease(params, reason))
+
+    def _retry_leg(self, leg: Leg, trace: RequestTrace, exc: TandemError) -> Leg:
+        """The decode leg failed before any token: serve the request on the prefill node instead."""
+        retryable = isinstance(exc, UpstreamError) and not (isinstance(exc, EngineRejected) and exc.status_code < 500)
+        prefill = leg.decision.prefill
+        if not retryable or prefill is None or self.settings.prefill_fallback is FallbackPolicy.ERROR:
+            raise exc
+        log.warning("decode leg on %s failed (%s); serving on prefill node %s", trace.decode_node, exc.message,
+                    prefill.node_id)
+        self.metrics.fallbacks.inc()
+        trace.fallback, trace.mode, trace.decode_node = True, "colocated", prefill.node_id
+        trace.reason = f"{trace.reason}; decode leg failed, served by the prefill node"
+        body = {k: v for k, v in leg.body.items() if k != "kv_transfer_params"}
+        return Leg(replace(leg.decision, decode=prefill, prefill=None), prefill.node.info.url + leg.url[
+            len(leg.decision.decode.node.info.url):], body)
+
+    async def complete(self, leg: Leg, trace: RequestTrace,
+                       background: Callable[[Awaitable[Any]], None] | None = None) -> dict[str, Any]:
         try:
-            with self.fleet.track(leg.decision.decode):
-                resp = await self.client.post_json(leg.url, leg.body, self._headers(trace))
+            try:
+                with self.fleet.track(leg.decision.decode):
+                    resp = await self.client.post_json(leg.url, leg.body, self._headers(trace))
+            except UpstreamError as exc:
+                if background is not None:
+                    self.abandon(leg, f"decode leg failed: {exc.message}", background)
+                retry = self._retry_leg(leg, trace, exc)
+                with self.fleet.track(retry.decision.decode):
+                    resp = await self.client.post_json(retry.url, retry.body, self._headers(trace))
         finally:
             self.policy.on_complete(leg.decision)
         now = time.time()
@@ -272,15 +305,42 @@ class Orchestrator:
                 trace.add_tool_call_delta({**call, "index": i})
         return resp
 
-    async def open_stream(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack) -> AsyncIterator[dict]:
-        """Open the decode stream (refusals raise here); its lifetime is bound to ``stack``."""
+    async def open_stream(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack,
+                          background: Callable[[Awaitable[Any]], None] | None = None) -> AsyncIterator[dict]:
+        """Open the decode stream and wait for its first chunk, so that refusals and a decode node that
+        dies before the first token raise here (and can be retried, or answered with a proper HTTP
+        status); the stream's lifetime is bound to ``stack``."""
+        stack.callback(self.policy.on_complete, leg.decision)
+        try:
+            return await self._open_once(leg, trace, stack)
+        except UpstreamError as exc:
+            if background is not None:
+                self.abandon(leg, f"decode leg failed: {exc.message}", background)
+            return await self._open_once(self._retry_leg(leg, trace, exc), trace, stack)
+
+    async def _open_once(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack) -> AsyncIterator[dict]:
         body = dict(leg.body)
         body["stream"] = True
         # Always ask the engine for usage (telemetry needs it); it is only forwarded if the client asked.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        stack.callback(self.policy.on_complete, leg.decision)
-        stack.enter_context(self.fleet.track(leg.decision.decode))
-        return await stack.enter_async_context(self.client.open_stream(leg.url, body, self._headers(trace)))
+        attempt = AsyncExitStack()
+        try:
+            attempt.enter_context(self.fleet.track(leg.decision.decode))
+            chunks = await attempt.enter_async_context(self.client.open_stream(leg.url, body, self._headers(trace)))
+            first = await anext(chunks, None)
+        except BaseException:
+            await attempt.aclose()
+            raise
+        stack.push_async_exit(attempt)
+        return _prepend(first, chunks)
+
+
+async def _prepend(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict]:
+    if first is None:
+        return
+    yield first
+    async for chunk in rest:
+        yield chunk
 
 
 def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:

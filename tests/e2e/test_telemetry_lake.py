@@ -59,7 +59,7 @@ def test_every_request_lands_once_with_tool_call_and_feedback(cluster: LiveClust
         assert r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"]
         assert r["prompt_tokens"] > 0 and r["completion_tokens"] > 0
         assert r["decode_node"] and r["routing_policy"] == "least_loaded" and r["routing_decision"] == "pd"
-        assert r["prefill_node"] and r["kv_connector"] == "nixl"
+        assert r["prefill_node"] and r["kv_connector"] == "tandem"
         assert r["t_arrival"] <= r["t_routed"] <= r["t_prefill_start"] <= r["t_prefill_end"] <= r["t_finish"]
     assert {r["endpoint"] for r in rows} == {"chat", "completions"}
     assert sorted(r["stream"] for r in rows) == [False, False, False, True]

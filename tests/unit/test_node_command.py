@@ -20,10 +20,16 @@ def _value(cmd: list[str], flag: str) -> str:
     return cmd[cmd.index(flag) + 1]
 
 
-def test_prefill_and_decode_get_the_nixl_connector_both_gets_none() -> None:
+def test_prefill_and_decode_get_the_tandem_connector_by_default_both_gets_none() -> None:
     for role in (Role.PREFILL, Role.DECODE):
         cfg = json.loads(_value(_args(role), "--kv-transfer-config"))
-        assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+        assert cfg["kv_connector"] == "TandemConnector"
+        assert cfg["kv_connector_module_path"] == "kv_transfer.connector"
+        assert cfg["kv_load_failure_policy"] == "recompute"
+        extra = cfg["kv_connector_extra_config"]
+        assert extra["port"] == 9103 and extra["host"] == "127.0.0.1" and extra["transport"] == "auto"
+        nixl = json.loads(_value(_args(role, connector=ConnectorKind.NIXL), "--kv-transfer-config"))
+        assert nixl["kv_connector"] == "NixlConnector" and nixl["kv_buffer_device"] == "cpu"
     assert "--kv-transfer-config" not in _args(Role.BOTH)
     assert "--kv-transfer-config" not in _args(Role.DECODE, connector=ConnectorKind.NONE)
 
@@ -62,10 +68,10 @@ def test_engine_env_pins_cores_and_separates_nixl_ports() -> None:
 def test_nixl_engines_start_with_the_hook_that_demotes_the_busy_progress_thread() -> None:
     from kv_transfer import ENGINE_HOOKS
 
-    env = engine_env(NodeSettings(role=Role.DECODE))
+    env = engine_env(NodeSettings(role=Role.DECODE, connector=ConnectorKind.NIXL))
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ENGINE_HOOKS)
     assert env["TANDEM_NIXL_PROGRESS_THREAD"] == "idle"
-    assert engine_env(NodeSettings(role=Role.DECODE, nixl_progress_thread="normal"))[
+    assert engine_env(NodeSettings(role=Role.DECODE, connector=ConnectorKind.NIXL, nixl_progress_thread="normal"))[
         "TANDEM_NIXL_PROGRESS_THREAD"] == "normal"
     assert str(ENGINE_HOOKS) not in engine_env(NodeSettings(role=Role.BOTH)).get("PYTHONPATH", "")
 

@@ -1,0 +1,54 @@
+"""What the scheduler half tells the worker half each engine step (vLLM pickles it across)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class RecvSpec:
+    """Decode side: pull these remote blocks into these local ones."""
+
+    request_id: str
+    transfer_id: str
+    endpoints: dict[str, str]
+    host_id: str
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    lease_deadline: float
+    """Wall clock: the prefill node frees the blocks then, pulled or not."""
+    transport: str | None = None
+    """Per-request choice (``kv_transfer_params["transport"]``), else the node's setting."""
+
+
+@dataclass
+class LeaseSpec:
+    """Prefill side: hold these blocks for a remote decode until ``deadline`` (wall clock)."""
+
+    transfer_id: str
+    block_ids: list[int]
+    deadline: float
+
+
+@dataclass
+class ReleaseSpec:
+    """Decode side: tell a prefill node to free a lease without pulling it."""
+
+    endpoints: dict[str, str]
+    host_id: str
+    transfer_id: str
+    reason: str
+
+
+@dataclass
+class TandemMetadata(KVConnectorMetadata):
+    recvs: list[RecvSpec] = field(default_factory=list)
+    leases: list[LeaseSpec] = field(default_factory=list)
+    releases: list[ReleaseSpec] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    """Decode side: requests aborted while their pull was in flight."""
+
+    def empty(self) -> bool:
+        return not (self.recvs or self.leases or self.releases or self.cancels)

@@ -1,0 +1,162 @@
+"""The decode side's puller: a few threads that each pull one request's blocks from its prefill node
+into this engine's cache, then acknowledge (Done) so the prefill node frees them. A failed pull is an
+outcome like any other: it is reported back to the engine as a load error on the request's blocks.
+
+Threads block in ``zmq.poll`` with the transfer's deadline: none spins. A socket that saw a failure
+is closed and never reused (its state is unknown; a late frame must not land in the next transfer).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import zmq
+
+from kv_transfer import wire
+from kv_transfer.layout import KVLayout
+from kv_transfer.stats import TransferStats
+from kv_transfer.transports import TransferFailed, transport_for
+
+log = logging.getLogger("tandem.kv.puller")
+
+
+@dataclass
+class PullJob:
+    request_id: str
+    transfer_id: str
+    endpoint: str
+    transport: str
+    segments: list[wire.Segment]
+    local_block_ids: list[int]
+    deadline: float
+    """time.monotonic() by which the pull must be complete."""
+    checksum: bool = True
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class PullOutcome:
+    request_id: str
+    ok: bool
+    local_block_ids: list[int]
+    nbytes: int = 0
+    seconds: float = 0.0
+    reason: str = ""
+
+
+class Puller:
+    def __init__(self, layout: KVLayout, stats: TransferStats, *, threads: int = 4) -> None:
+        self.layout = layout
+        self.stats = stats
+        self._ctx = zmq.Context.instance()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tandem-kv-pull")
+        self._local = threading.local()
+        self._jobs: dict[str, PullJob] = {}
+        self._lock = threading.Lock()
+        self.outcomes: queue.SimpleQueue[PullOutcome] = queue.SimpleQueue()
+
+    def submit(self, job: PullJob) -> None:
+        with self._lock:
+            self._jobs[job.request_id] = job
+        self._pool.submit(self._run, job)
+
+    def cancel(self, request_id: str) -> bool:
+        """Abandon a pull (request aborted): it ends as a failed outcome and the lease is released."""
+        with self._lock:
+            job = self._jobs.get(request_id)
+        if job is not None:
+            job.cancelled.set()
+        return job is not None
+
+    def release(self, endpoint: str, transfer_id: str, reason: str) -> None:
+        """Tell a prefill node to free a lease we will not pull (no room here, full local hit, abort)."""
+        self._pool.submit(self._send_release, endpoint, transfer_id, reason)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- pool threads ----------------------------------------------------------------------------------
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        socks: dict[str, zmq.Socket] = self._local.__dict__.setdefault("socks", {})
+        sock = socks.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(endpoint)
+            socks[endpoint] = sock
+        return sock
+
+    def _discard(self, endpoint: str) -> None:
+        sock = self._local.__dict__.get("socks", {}).pop(endpoint, None)
+        if sock is not None:
+            sock.close(0)
+
+    def _send_release(self, endpoint: str, transfer_id: str, reason: str) -> None:
+        try:
+            sock = self._socket(endpoint)
+            sock.send(wire.encode(wire.Release(transfer_id, reason)))
+            if not sock.poll(2000):  # the Ack; a dead prefill node has nothing left to free
+                self._discard(endpoint)
+                return
+            sock.recv()
+        except zmq.ZMQError as exc:
+            log.warning("release of %s at %s failed: %s", transfer_id, endpoint, exc)
+            self._discard(endpoint)
+
+    def _run(self, job: PullJob) -> None:
+        t0 = time.perf_counter()
+        sock = None
+        try:
+            if job.cancelled.is_set():
+                raise TransferFailed("cancelled before it started")
+            sock = self._socket(job.endpoint)
+            pull = wire.Pull(job.transfer_id, job.segments, job.transport, job.checksum)
+            sock.send(wire.encode(pull))
+            nbytes = transport_for(job.transport).receive(sock, pull, self.layout, job.deadline)
+            if job.cancelled.is_set():
+                raise TransferFailed("cancelled")
+            sock.send(wire.encode(wire.Done(job.transfer_id, True)))
+            seconds = time.perf_counter() - t0
+            self.stats.record_recv(nbytes, sum(s.count for s in job.segments), seconds)
+            self._finish(PullOutcome(job.request_id, True, job.local_block_ids, nbytes, seconds))
+        except TransferFailed as exc:
+            self._fail(job, sock, exc.reason, refused=exc.refused)
+        except Exception as exc:  # never lose an outcome: the engine waits for it
+            log.exception("pull %s crashed", job.transfer_id)
+            self._fail(job, sock, f"{type(exc).__name__}: {exc}", refused=False)
+
+    def _fail(self, job: PullJob, sock: zmq.Socket | None, reason: str, *, refused: bool) -> None:
+        log.warning("pull %s for %s failed: %s", job.transfer_id, job.request_id, reason)
+        with self.stats.lock:
+            self.stats.recv_failed += 1
+            self.stats.rejected += int(refused)
+        if sock is not None:
+            self._discard(job.endpoint)
+        if not refused:  # tell the prefill node, on a fresh socket, so it frees the lease now
+            self._send_done(job.endpoint, job.transfer_id, reason)
+        self._finish(PullOutcome(job.request_id, False, job.local_block_ids, reason=reason))
+
+    def _send_done(self, endpoint: str, transfer_id: str, reason: str) -> None:
+        try:
+            sock = self._socket(endpoint)
+            sock.send(wire.encode(wire.Done(transfer_id, False, reason)), zmq.NOBLOCK)
+            # Release too: if the lease never left HELD (we failed before the server saw our Pull),
+            # Done is refused by the state machine and Release ends it instead.
+            sock.send(wire.encode(wire.Release(transfer_id, reason)), zmq.NOBLOCK)
+            if sock.poll(1000):
+                sock.recv()
+            else:
+                self._discard(endpoint)
+        except zmq.ZMQError:
+            self._discard(endpoint)
+
+    def _finish(self, outcome: PullOutcome) -> None:
+        with self._lock:
+            self._jobs.pop(outcome.request_id, None)
+        self.outcomes.put(outcome)

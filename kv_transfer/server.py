@@ -1,0 +1,267 @@
+"""The prefill side's block server: one thread, one ROUTER socket bound on tcp and ipc, serving the
+blocks of leased requests to decode nodes that pull them, and moving each lease through its states
+(``lease.py``). It sleeps in ``zmq.poll`` until a message comes or the next lease deadline passes:
+nothing spins while the node is idle."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import xxhash
+import zmq
+
+from kv_transfer import wire
+from kv_transfer.layout import KVLayout
+from kv_transfer.lease import LeaseError, LeaseState, LeaseTable
+from kv_transfer.stats import TransferStats
+
+log = logging.getLogger("tandem.kv.server")
+
+PARK_S = 10.0
+"""How long a Pull may wait for its lease to appear (the Pull can overtake the engine step that hands
+the lease to this worker)."""
+
+
+@dataclass
+class _Parked:
+    ident: bytes
+    pull: wire.Pull
+    since: float
+
+
+def checksum(view) -> int:  # noqa: ANN001 - any buffer
+    return xxhash.xxh3_64_intdigest(view)
+
+
+class BlockServer:
+    def __init__(self, layout: KVLayout, leases: LeaseTable, endpoints: list[str], stats: TransferStats,
+                 *, faults: bool = False) -> None:
+        self.layout = layout
+        self.leases = leases
+        self.endpoints = endpoints
+        self.stats = stats
+        self.faults_enabled = faults
+        self._armed: dict[str, float] = {}
+        self._ctx = zmq.Context.instance()
+        self._wake_addr = f"inproc://tandem-kv-wake-{id(self)}"
+        self._wake_lock = threading.Lock()
+        self._wake_push: zmq.Socket | None = None
+        self._parked: dict[str, _Parked] = {}
+        self._held: dict[str, tuple[_Parked, float]] = {}
+        """Pulls delayed by the ``hold`` fault, with when to serve them."""
+        self._early_release: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tandem-kv-server", daemon=True)
+
+    # -- engine thread side ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait(10)
+        if self._error is not None:
+            raise self._error
+
+    def offer(self, transfer_id: str, block_ids: list[int], deadline: float) -> None:
+        """A new lease (from the scheduler's metadata): add it and wake the server."""
+        if self._armed.pop("expire", None) is not None:
+            deadline = time.time() - 1
+        self.leases.add(transfer_id, block_ids, deadline)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_push is None:
+                self._wake_push = self._ctx.socket(zmq.PUSH)
+                self._wake_push.connect(self._wake_addr)
+            self._wake_push.send(b"", zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._wake()
+            self._thread.join(5)
+
+    # -- server thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            for ep in self.endpoints:
+                if ep.startswith("ipc://"):
+                    path = ep[len("ipc://"):]
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    if os.path.exists(path):
+                        os.unlink(path)
+                sock.bind(ep)
+            wake = self._ctx.socket(zmq.PULL)
+            wake.bind(self._wake_addr)
+        except BaseException as exc:  # bind failure: report to start()
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(self._timeout_ms()))
+                if wake in events:
+                    while wake.poll(0):
+                        wake.recv()
+                if sock in events:
+                    while sock.poll(0):
+                        self._handle(sock, sock.recv_multipart(copy=False))
+                self._housekeeping(sock)
+        finally:
+            sock.close(0)
+            wake.close(0)
+
+    def _timeout_ms(self) -> int:
+        nexts = [p.since + PARK_S for p in self._parked.values()] + [until for _, until in self._held.values()]
+        deadline = self.leases.next_deadline()
+        if deadline is not None:
+            nexts.append(deadline - time.time() + time.monotonic())
+        if not nexts:
+            return 5000
+        return max(1, min(5000, int((min(nexts) - time.monotonic()) * 1000) + 1))
+
+    def _housekeeping(self, sock: zmq.Socket) -> None:
+        for lease in self.leases.expire():
+            log.warning("lease %s expired (%s)", lease.transfer_id, lease.reason)
+        now = time.monotonic()
+        for tid in list(self._early_release):
+            if self.leases.get(tid) is not None:
+                self._release(tid, "released before its lease arrived")
+                del self._early_release[tid]
+            elif now - self._early_release[tid] > PARK_S:
+                del self._early_release[tid]
+        for tid, (parked, until) in list(self._held.items()):
+            if now >= until:
+                del self._held[tid]
+                self._parked[tid] = parked
+        for tid, parked in list(self._parked.items()):
+            if self.leases.get(tid) is not None:
+                del self._parked[tid]
+                self._serve(sock, parked.ident, parked.pull)
+            elif now - parked.since > PARK_S:
+                del self._parked[tid]
+                self._reply(sock, parked.ident, wire.Reject(tid, "unknown or ended lease"))
+
+    def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        try:
+            msg = wire.decode(frames[1].buffer)
+        except Exception as exc:  # a peer speaking something else: say so, keep serving
+            log.warning("undecodable message from a peer: %s", exc)
+            return
+        if isinstance(msg, wire.Pull):
+            ended = self.leases.ended_state(msg.transfer_id)
+            if "hold" in self._armed and ended is None:
+                self._held[msg.transfer_id] = (_Parked(ident, msg, time.monotonic()),
+                                               time.monotonic() + self._armed.pop("hold"))
+                log.warning("fault injection: holding pull %s", msg.transfer_id)
+                return
+            if ended is not None:
+                self._reply(sock, ident, wire.Reject(msg.transfer_id, f"lease already {ended}"))
+            elif self.leases.get(msg.transfer_id) is None:
+                self._parked[msg.transfer_id] = _Parked(ident, msg, time.monotonic())
+            else:
+                self._serve(sock, ident, msg)
+        elif isinstance(msg, wire.Done):
+            self._finish(msg)
+        elif isinstance(msg, wire.Release):
+            if self.leases.get(msg.transfer_id) is None:
+                self._parked.pop(msg.transfer_id, None)
+                self._early_release[msg.transfer_id] = time.monotonic()
+            else:
+                self._release(msg.transfer_id, msg.reason)
+            self._reply(sock, ident, wire.Ack())
+        elif isinstance(msg, wire.Fault):
+            if self.faults_enabled:
+                self._armed[msg.kind] = msg.seconds
+            self._reply(sock, ident, wire.Ack(ok=self.faults_enabled))
+
+    def _reply(self, sock: zmq.Socket, ident: bytes, msg: wire.Message) -> None:
+        sock.send_multipart([ident, wire.encode(msg)])
+
+    def _release(self, tid: str, reason: str) -> None:
+        try:
+            self.leases.move(tid, LeaseState.RELEASED, reason)
+        except LeaseError as exc:
+            log.info("release of %s ignored: %s", tid, exc)
+
+    def _finish(self, msg: wire.Done) -> None:
+        try:
+            lease = self.leases.move(msg.transfer_id, LeaseState.DONE if msg.ok else LeaseState.FAILED,
+                                     msg.reason)
+        except LeaseError as exc:
+            log.info("Done for %s ignored: %s", msg.transfer_id, exc)
+            return
+        if not msg.ok:
+            log.warning("decode node failed transfer %s: %s", msg.transfer_id, msg.reason)
+            self.stats.failed_transfers += 1
+        else:
+            self.stats.record_send(lease.block_ids, time.time() - lease.created)
+
+    def _serve(self, sock: zmq.Socket, ident: bytes, pull: wire.Pull) -> None:
+        tid = pull.transfer_id
+        lease = self.leases.get(tid)
+        if lease is None or lease.state is not LeaseState.HELD:
+            self._reply(sock, ident, wire.Reject(tid, f"lease is {lease.state if lease else 'gone'}"))
+            return
+        nblocks = self.layout.layers[0].shape[0]
+        leased = set(lease.block_ids)
+        for s in pull.segments:
+            if s.count <= 0 or s.remote < 0 or s.remote + s.count > nblocks or \
+                    any(b not in leased for b in range(s.remote, s.remote + s.count)):
+                self._reply(sock, ident, wire.Reject(tid, f"segment {s} is outside the lease"))
+                return
+        self.leases.move(tid, LeaseState.SENDING)
+        try:
+            if pull.transport == "shm":
+                self._grant(sock, ident, pull)
+            else:
+                self._send_frames(sock, ident, pull)
+        except (zmq.ZMQError, OSError) as exc:
+            log.warning("sending %s failed: %s", tid, exc)
+            self.leases.move(tid, LeaseState.HELD, f"send failed: {exc}")
+            return
+        if self.leases.get(tid) is not None:
+            self.leases.move(tid, LeaseState.AWAIT_ACK)
+
+    def _send_frames(self, sock: zmq.Socket, ident: bytes, pull: wire.Pull) -> None:
+        lay = self.layout
+        for layer in range(lay.num_layers):
+            spans = [lay.span(layer, s.remote, s.count) for s in pull.segments]
+            sums = [checksum(v) for v in spans] if pull.checksum else []
+            if "corrupt" in self._armed and spans:
+                self._armed.pop("corrupt")
+                bad = spans[0].copy()
+                bad[len(bad) // 2] ^= 0xFF
+                spans[0] = bad
+            header = wire.LayerHeader(pull.transfer_id, layer, [s.remote for s in pull.segments], lay.dtype,
+                                      lay.block_shape, [v.nbytes for v in spans], sums)
+            sock.send_multipart([ident, wire.encode(header), *spans], copy=False)
+            if layer == 0 and "stall" in self._armed:
+                self._stall(self._armed.pop("stall"))
+        sock.send_multipart([ident, wire.encode(wire.End(pull.transfer_id, lay.num_layers))])
+
+    def _stall(self, seconds: float) -> None:
+        log.warning("fault injection: stalling a transfer for %.1f s", seconds)
+        self._stop.wait(seconds)
+
+    def _grant(self, sock: zmq.Socket, ident: bytes, pull: wire.Pull) -> None:
+        lay = self.layout
+        sums = [[checksum(lay.span(layer, s.remote, s.count)) for s in pull.segments]
+                for layer in range(lay.num_layers)] if pull.checksum else []
+        grant = wire.Grant(pull.transfer_id, os.getpid(), [lay.address(i) for i in range(lay.num_layers)],
+                           [lay.block_nbytes] * lay.num_layers, sums)
+        self._reply(sock, ident, grant)

@@ -1,0 +1,80 @@
+"""The connector's settings: ``kv_connector_extra_config`` of ``--kv-transfer-config`` (written by the
+node from its own settings, see ``kv_transfer.config``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from functools import cache
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+Transport = Literal["auto", "tcp", "ipc", "shm"]
+
+
+class ConnectorSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    """Address decode nodes reach this node's block server at (advertised in kv_transfer_params)."""
+    port: int = 14579
+    """Block server's tcp port (the node uses its port + 3)."""
+    bind_host: str | None = None
+    """Interface to bind; None: ``host`` when it is loopback, else every interface."""
+    transport: Transport = "auto"
+    """How a decode node pulls: ``auto`` = ``shm`` (one kernel copy) when both nodes are on one host,
+    else ``tcp``. ``ipc`` = ZeroMQ over a Unix socket (one host)."""
+    checksum: Literal["auto", "always", "never"] = "auto"
+    """xxh3-64 of every segment, verified on arrival. ``auto``: on for tcp/ipc frames, off for shm
+    (a kernel copy within one host has no wire to corrupt)."""
+    lease_s: float = 30.0
+    """How long a prefill node holds a request's blocks for its decode node, at most."""
+    transfer_timeout_s: float = 10.0
+    """How long a decode node waits for one pull before giving up (a load error)."""
+    reject_when_full: bool = True
+    """A decode node without free blocks for a transfer releases the prefill node's lease at once and
+    prefills locally when room appears, rather than keep remote blocks pinned while it queues."""
+    pull_threads: int = 4
+
+    @property
+    def ipc_path(self) -> str:
+        return os.path.join(tempfile.gettempdir(), "tandem", f"kv-data-{self.port}.sock")
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        """What decode nodes connect to."""
+        return {"tcp": f"tcp://{self.host}:{self.port}", "ipc": f"ipc://{self.ipc_path}"}
+
+    @property
+    def bind_endpoints(self) -> list[str]:
+        loopback = self.host.startswith("127.") or self.host in ("localhost", "::1")
+        host = self.bind_host or (self.host if loopback else "*")
+        return [f"tcp://{host}:{self.port}", f"ipc://{self.ipc_path}"]
+
+    def choose_transport(self, remote_host_id: str, requested: str | None = None) -> str:
+        """``requested``: a per-request choice from kv_transfer_params (benchmarks), else the setting."""
+        want = requested if requested in ("auto", "tcp", "ipc", "shm") else self.transport
+        same_host = remote_host_id == host_id()
+        if want == "auto":
+            return "shm" if same_host else "tcp"
+        if want in ("shm", "ipc") and not same_host:
+            return "tcp"  # a one-host transport cannot reach another host
+        return want
+
+    def checksum_for(self, transport: str) -> bool:
+        if self.checksum == "auto":
+            return transport != "shm"
+        return self.checksum == "always"
+
+
+@cache
+def host_id() -> str:
+    """Same value for every process of one machine (boot): decides whether one-host transports apply."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

@@ -1,0 +1,148 @@
+"""Data transports for a pull, behind one small interface. Control always goes over the pull's
+ZeroMQ socket (tcp across hosts, ipc on one host); the data either follows on that socket as raw
+frames received straight into the destination blocks (``FrameTransport``: ``tcp``, ``ipc``), or is
+copied by the decode process out of the prefill process's memory with one kernel copy
+(``CmaTransport``: ``shm``, Linux cross-memory attach, ``process_vm_readv``).
+
+``receive`` raises ``TransferFailed`` with a reason on anything that is not a complete, verified copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Protocol
+
+import xxhash
+import zmq
+
+from kv_transfer import wire
+from kv_transfer.layout import KVLayout
+
+
+class TransferFailed(Exception):
+    """The pull did not deliver every block intact; ``reason`` says why (it travels in Done/metrics)."""
+
+    def __init__(self, reason: str, *, refused: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.refused = refused
+        """The prefill node said no (unknown/expired lease): nothing to acknowledge."""
+
+
+class Transport(Protocol):
+    name: str
+
+    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float) -> int:
+        """Receive every segment of ``pull`` into ``layout``; returns the bytes moved."""
+        ...
+
+
+def _recv_msg(sock: zmq.Socket, deadline: float) -> wire.Message:
+    left_ms = int((deadline - time.monotonic()) * 1000)
+    if left_ms <= 0 or not sock.poll(left_ms):
+        raise TransferFailed("timed out waiting for the prefill node")
+    msg = wire.decode(sock.recv())
+    if isinstance(msg, wire.Reject):
+        raise TransferFailed(f"prefill node refused: {msg.reason}", refused=True)
+    return msg
+
+
+def _drain(sock: zmq.Socket) -> None:
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv()
+
+
+class FrameTransport:
+    """Blocks as raw ZeroMQ frames, each received into its destination range (``recv_into``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float) -> int:
+        total = 0
+        seen = 0
+        while True:
+            msg = _recv_msg(sock, deadline)
+            if isinstance(msg, wire.End):
+                if msg.transfer_id != pull.transfer_id:
+                    continue  # the tail of an earlier, abandoned pull on this socket
+                if seen != layout.num_layers:
+                    raise TransferFailed(f"got {seen} of {layout.num_layers} layers")
+                return total
+            if not isinstance(msg, wire.LayerHeader) or msg.transfer_id != pull.transfer_id:
+                _drain(sock)
+                continue
+            if msg.dtype != layout.dtype or msg.shape != layout.block_shape:
+                _drain(sock)
+                raise TransferFailed(f"layout mismatch: remote {msg.dtype}{msg.shape}, "
+                                     f"local {layout.dtype}{layout.block_shape}")
+            for i, seg in enumerate(pull.segments):
+                if not sock.getsockopt(zmq.RCVMORE):
+                    raise TransferFailed(f"layer {msg.layer}: {i} of {len(pull.segments)} segments")
+                dest = layout.span(msg.layer, seg.local, seg.count)
+                n = sock.recv_into(dest)
+                if n != dest.nbytes:
+                    _drain(sock)
+                    raise TransferFailed(f"layer {msg.layer} segment {i}: {n} bytes, expected {dest.nbytes}")
+                if msg.checksums and xxhash.xxh3_64_intdigest(dest) != msg.checksums[i]:
+                    _drain(sock)
+                    raise TransferFailed(f"bad checksum in layer {msg.layer} segment {i}")
+                total += n
+            _drain(sock)
+            seen += 1
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_IOV_MAX = 1024
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def process_vm_readv(pid: int, pairs: list[tuple[int, int, int]]) -> None:
+    """Copy (local address, remote address, nbytes) ranges out of process ``pid``."""
+    for i in range(0, len(pairs), _IOV_MAX):
+        chunk = pairs[i:i + _IOV_MAX]
+        local = (_IoVec * len(chunk))(*[_IoVec(la, n) for la, _, n in chunk])
+        remote = (_IoVec * len(chunk))(*[_IoVec(ra, n) for _, ra, n in chunk])
+        want = sum(n for _, _, n in chunk)
+        got = _libc.process_vm_readv(pid, local, len(chunk), remote, len(chunk), 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise TransferFailed(f"process_vm_readv from pid {pid}: errno {err}")
+        if got != want:  # partial copies happen only at unmapped pages: the lease's memory is gone
+            raise TransferFailed(f"process_vm_readv copied {got} of {want} bytes")
+
+
+class CmaTransport:
+    """One host: the prefill node answers with a Grant (its pid and cache addresses); this process
+    copies the leased blocks straight into its own cache with one kernel copy."""
+
+    name = "shm"
+
+    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float) -> int:
+        msg = _recv_msg(sock, deadline)
+        if not isinstance(msg, wire.Grant) or msg.transfer_id != pull.transfer_id:
+            raise TransferFailed(f"expected a Grant, got {type(msg).__name__}")
+        if len(msg.layer_addresses) != layout.num_layers or any(b != layout.block_nbytes for b in msg.block_nbytes):
+            raise TransferFailed("layout mismatch between prefill and decode caches")
+        bn = layout.block_nbytes
+        pairs = [(layout.span(layer, s.local, s.count).ctypes.data, base + s.remote * bn, s.count * bn)
+                 for layer, base in enumerate(msg.layer_addresses) for s in pull.segments]
+        process_vm_readv(msg.pid, pairs)
+        if msg.checksums:
+            for layer in range(layout.num_layers):
+                for i, s in enumerate(pull.segments):
+                    if xxhash.xxh3_64_intdigest(layout.span(layer, s.local, s.count)) != msg.checksums[layer][i]:
+                        raise TransferFailed(f"bad checksum in layer {layer} segment {i}")
+        return sum(n for _, _, n in pairs)
+
+
+def transport_for(name: str) -> Transport:
+    if name in ("tcp", "ipc"):
+        return FrameTransport(name)
+    if name == "shm":
+        return CmaTransport()
+    raise ValueError(f"unknown transport {name!r} (tcp, ipc, shm)")

@@ -1,0 +1,121 @@
+"""Worker half of the tandem connector: owns the block server (prefill side), the puller (decode
+side) and the lease table, and turns their outcomes into what vLLM's worker contract expects:
+``finished_sending`` (leases ended: free the prefill blocks), ``finished_recving`` and
+``failed_recving`` (pulls ended), and the local blocks of failed pulls as load errors (vLLM then
+recomputes them or fails the request, per ``kv_load_failure_policy``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+
+from kv_transfer import wire
+from kv_transfer.layout import KVLayout
+from kv_transfer.lease import LeaseTable
+from kv_transfer.metadata import TandemMetadata
+from kv_transfer.puller import Puller, PullJob, PullOutcome
+from kv_transfer.server import BlockServer
+from kv_transfer.settings import ConnectorSettings
+from kv_transfer.stats import COUNTS, LISTS, TransferStats
+
+log = logging.getLogger("tandem.kv.worker")
+
+
+class TandemWorker:
+    def __init__(self, settings: ConnectorSettings, engine_id: str, num_blocks: int) -> None:
+        self.settings = settings
+        self.engine_id = engine_id
+        self.num_blocks = num_blocks
+        self.stats = TransferStats()
+        self.leases = LeaseTable(holder=engine_id)
+        self.server: BlockServer | None = None
+        self.puller: Puller | None = None
+        self._seen_finished: set[str] = set()
+        self._ended_unreported: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._last_gauges = (0, 0, 0)
+
+    def register(self, layout: KVLayout) -> None:
+        self.server = BlockServer(layout, self.leases, self.settings.bind_endpoints, self.stats,
+                                  faults=os.environ.get("TANDEM_KV_FAULTS") == "1")
+        self.server.start()
+        self.puller = Puller(layout, self.stats, threads=self.settings.pull_threads)
+        log.info("tandem connector: %d layers, %d blocks of %d bytes; block server on %s",
+                 layout.num_layers, layout.layers[0].shape[0], layout.block_nbytes, self.settings.bind_endpoints)
+
+    def start(self, meta: TandemMetadata) -> None:
+        """Act on one step's metadata; never blocks on the network."""
+        assert self.server is not None and self.puller is not None, "register_kv_caches was not called"
+        for lease in meta.leases:
+            self.server.offer(lease.transfer_id, lease.block_ids, lease.deadline)
+        for spec in meta.releases:
+            self.puller.release(self._endpoint(spec.endpoints, self.settings.choose_transport(spec.host_id)),
+                                spec.transfer_id, spec.reason)
+        for spec in meta.recvs:
+            transport = self.settings.choose_transport(spec.host_id, spec.transport)
+            deadline = time.monotonic() + min(self.settings.transfer_timeout_s,
+                                              max(0.0, spec.lease_deadline - time.time()))
+            try:
+                segments = wire.segments_of(spec.remote_block_ids, spec.local_block_ids)
+            except ValueError as exc:  # the prefill node holds fewer blocks than we need: recompute
+                self.puller.outcomes.put(PullOutcome(spec.request_id, False, spec.local_block_ids, reason=str(exc)))
+                self.puller.release(self._endpoint(spec.endpoints, transport), spec.transfer_id, str(exc))
+                continue
+            self.puller.submit(PullJob(spec.request_id, spec.transfer_id, self._endpoint(spec.endpoints, transport),
+                                       transport, segments, spec.local_block_ids, deadline,
+                                       checksum=self.settings.checksum_for(transport)))
+        for request_id in meta.cancels:
+            self.puller.cancel(request_id)
+
+    @staticmethod
+    def _endpoint(endpoints: dict[str, str], transport: str) -> str:
+        # shm moves data by cross-memory attach but still talks over the one-host socket
+        return endpoints["ipc" if transport in ("ipc", "shm") else "tcp"]
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        # vLLM accepts a finished_sending id only once the scheduler has told us the request
+        # finished (this call or an earlier one); a lease can end before that (an expired one).
+        self._seen_finished |= finished_req_ids
+        ended = self.leases.take_ended()
+        self.stats.record_outcomes([lease.state.value for lease in ended])
+        self._ended_unreported |= {lease.transfer_id for lease in ended}
+        sending = self._ended_unreported & self._seen_finished
+        self._ended_unreported -= sending
+        self._seen_finished -= sending
+        recving: set[str] = set()
+        failed: set[str] = set()
+        assert self.puller is not None
+        while True:
+            try:
+                outcome = self.puller.outcomes.get_nowait()
+            except queue.Empty:
+                break
+            recving.add(outcome.request_id)
+            if not outcome.ok:
+                failed.add(outcome.request_id)
+                self._load_errors.update(outcome.local_block_ids)
+        return sending, recving, failed
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def stats_snapshot(self) -> dict | None:
+        """What accumulated since the last step, or None when nothing did (vLLM then sends nothing)."""
+        gauges = (len(self.leases), self.leases.leased_blocks(), self.leases.sending())
+        snap = self.stats.snapshot(*gauges)
+        moved = any(snap[k] for k in (*LISTS, *COUNTS, "lease_outcomes"))
+        if not moved and gauges == self._last_gauges:
+            return None
+        self._last_gauges = gauges
+        snap["changed"] = True
+        return snap
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.puller is not None:
+            self.puller.close()

@@ -1,0 +1,177 @@
+"""Block server and puller in two real processes over real sockets: every transport delivers the exact
+bytes into the right blocks, and every failure (bad checksum, expired lease, unknown lease, stall past
+the deadline, release) ends the lease and reports the pull as failed, never a hang."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import tempfile
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import zmq
+
+from kv_transfer import wire
+from kv_transfer.layout import KVLayout
+from kv_transfer.puller import Puller, PullJob
+from kv_transfer.stats import TransferStats
+
+LAYERS, BLOCKS, SHAPE = 3, 32, (3, 16, 128)
+
+
+def _source() -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [rng.standard_normal((BLOCKS, *SHAPE), dtype=np.float32) for _ in range(LAYERS)]
+
+
+def _serve(conn, endpoints: list[str]) -> None:  # noqa: ANN001 - runs in the child process
+    from kv_transfer.lease import LeaseTable
+    from kv_transfer.server import BlockServer
+
+    arrays = _source()
+    leases = LeaseTable("child")
+    server = BlockServer(KVLayout.from_arrays(arrays), leases, endpoints, TransferStats(), faults=True)
+    server.start()
+    conn.send("ready")
+    ended: list[tuple[str, str]] = []
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "offer":
+            server.offer(*cmd[1:])
+        elif cmd[0] == "ended":
+            ended += [(lease.transfer_id, lease.state.value) for lease in leases.take_ended()]
+            conn.send(ended)
+        elif cmd[0] == "stop":
+            server.close()
+            return
+
+
+class Remote:
+    def __init__(self) -> None:
+        d = tempfile.mkdtemp(prefix="tandem-kv-test-")
+        with zmq.Context.instance().socket(zmq.REP) as s:  # a free port, picked by the kernel
+            port = s.bind_to_random_port("tcp://127.0.0.1")
+        self.tcp, self.ipc = f"tcp://127.0.0.1:{port}", f"ipc://{d}/kv.sock"
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, [self.tcp, self.ipc]), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(30) and self.conn.recv() == "ready"
+
+    def offer(self, tid: str, ids: list[int], ttl: float = 30.0) -> None:
+        self.conn.send(("offer", tid, ids, time.time() + ttl))
+
+    def ended(self, tid: str, timeout: float = 10.0) -> str:
+        """The lease's terminal state, waiting for it (the server acts asynchronously)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.conn.send(("ended",))
+            states = dict(self.conn.recv())
+            if tid in states:
+                return states[tid]
+            time.sleep(0.05)  # polling another process's table; no event crosses the pipe for this
+        raise AssertionError(f"lease {tid} never ended")
+
+    def fault(self, kind: str, seconds: float = 0.0) -> None:
+        with zmq.Context.instance().socket(zmq.DEALER) as s:
+            s.connect(self.tcp)
+            s.send(wire.encode(wire.Fault(kind, seconds)))
+            assert s.poll(5000)
+            assert wire.decode(s.recv()) == wire.Ack(True)
+
+    def close(self) -> None:
+        self.conn.send(("stop",))
+        self.proc.join(10)
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[Remote]:
+    r = Remote()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def local() -> tuple[list[np.ndarray], Puller]:
+    arrays = [np.zeros((BLOCKS, *SHAPE), np.float32) for _ in range(LAYERS)]
+    puller = Puller(KVLayout.from_arrays(arrays), TransferStats())
+    yield arrays, puller
+    puller.close()
+
+
+def _pull(remote: Remote, puller: Puller, tid: str, transport: str, remote_ids: list[int], local_ids: list[int],
+          timeout: float = 5.0, checksum: bool = True):  # noqa: ANN202
+    ep = remote.tcp if transport == "tcp" else remote.ipc
+    puller.submit(PullJob(tid, tid, ep, transport, wire.segments_of(remote_ids, local_ids), local_ids,
+                          time.monotonic() + timeout, checksum=checksum))
+    return puller.outcomes.get(timeout=timeout + 10)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc", "shm"])
+def test_each_transport_moves_the_exact_blocks(remote: Remote, local, transport: str) -> None:  # noqa: ANN001
+    arrays, puller = local
+    src = _source()
+    remote_ids, local_ids = [2, 3, 4, 9, 30], [0, 1, 2, 17, 5]
+    tid = f"ok-{transport}"
+    remote.offer(tid, remote_ids)
+    out = _pull(remote, puller, tid, transport, remote_ids, local_ids)
+    assert out.ok, out.reason
+    assert out.nbytes == LAYERS * len(remote_ids) * src[0][0].nbytes
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(arrays[layer][local_ids], src[layer][remote_ids])
+        untouched = [b for b in range(BLOCKS) if b not in local_ids]
+        assert not arrays[layer][untouched].any()
+    assert remote.ended(tid) == "done"
+
+
+def test_a_corrupted_frame_fails_the_pull_and_the_lease(remote: Remote, local) -> None:  # noqa: ANN001
+    _, puller = local
+    remote.offer("bad", [1, 2])
+    remote.fault("corrupt")
+    out = _pull(remote, puller, "bad", "tcp", [1, 2], [3, 4])
+    assert not out.ok and "checksum" in out.reason and out.local_block_ids == [3, 4]
+    assert remote.ended("bad") == "failed"
+
+
+def test_an_expired_lease_is_refused(remote: Remote, local) -> None:  # noqa: ANN001
+    _, puller = local
+    remote.fault("expire")
+    remote.offer("late", [5])
+    assert remote.ended("late") == "expired"
+    out = _pull(remote, puller, "late", "tcp", [5], [6])
+    assert not out.ok and "refused" in out.reason
+
+
+def test_a_stalled_transfer_fails_at_its_deadline_and_the_lease_still_ends(remote: Remote, local) -> None:  # noqa: ANN001
+    _, puller = local
+    remote.offer("stall", [7, 8], ttl=3.0)
+    remote.fault("stall", 2.5)
+    t0 = time.monotonic()
+    out = _pull(remote, puller, "stall", "tcp", [7, 8], [7, 8], timeout=1.0)
+    assert not out.ok and "timed out" in out.reason and time.monotonic() - t0 < 5
+    assert remote.ended("stall") in ("failed", "expired")
+
+
+def test_release_frees_a_lease_nobody_pulls_even_before_it_arrives(remote: Remote, local) -> None:  # noqa: ANN001
+    _, puller = local
+    remote.offer("rel", [10])
+    puller.release(remote.tcp, "rel", "decode node has no room")
+    assert remote.ended("rel") == "released"
+    puller.release(remote.tcp, "early", "client gone")  # the Release overtakes the lease
+    remote.offer("early", [11])
+    assert remote.ended("early") == "released"
+
+
+def test_a_dead_prefill_node_fails_the_pull_at_its_deadline(local) -> None:  # noqa: ANN001
+    _, puller = local
+    with zmq.Context.instance().socket(zmq.REP) as s:
+        port = s.bind_to_random_port("tcp://127.0.0.1")
+    t0 = time.monotonic()
+    puller.submit(PullJob("dead", "dead", f"tcp://127.0.0.1:{port}", "tcp", [wire.Segment(0, 0, 1)], [0],
+                          time.monotonic() + 1.0))
+    out = puller.outcomes.get(timeout=10)
+    assert not out.ok and "timed out" in out.reason and time.monotonic() - t0 < 5
+
+
