@@ -194,6 +194,27 @@ def bench_pd(
           f"pd_tok_s={s['pd_tok_s']} colo_tok_s={s['colo_tok_s']}", flush=True)
 
 
+@bench_app.command("kv-transfer")
+def bench_kv_transfer(
+    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
+        "results/bench-kv-transfer.json"),
+    size: Annotated[list[int] | None, typer.Option(help="Prompt sizes in tokens (repeatable; default 1000, "
+                                                        "4000, 7500).")] = None,
+    repeats: Annotated[int, typer.Option(help="Requests per size and transport.")] = 3,
+    nixl: Annotated[bool, typer.Option(help="Also measure NixlConnector (default UCX and UCX_TLS=tcp).")] = True,
+    redis_url: Annotated[str, typer.Option(help="Registry Redis for the benchmark's clusters.")] = (
+        "redis://127.0.0.1:6379/9"),
+) -> None:
+    """KV transfer time and GB/s per transport (our ZeroMQ tcp, ipc and shared-memory copy; NixlConnector
+    default and over tcp) on real engines, against an in-process memcpy, plus TTFT P/D vs colocated.
+    Starts and stops its own clusters, one at a time."""
+    from bench.kv_transfer import KvBenchConfig, run_kv_transfer_bench
+
+    cfg = KvBenchConfig(sizes=tuple(size or (1000, 4000, 7500)), repeats=repeats, nixl=nixl, redis_url=redis_url)
+    with _clean_errors():
+        run_kv_transfer_bench(out, cfg)
+
+
 @bench_app.command("telemetry")
 def bench_telemetry(
     out: Annotated[Path, typer.Option(help="JSON results.")] = Path("results/bench-telemetry.json"),

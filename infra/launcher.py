@@ -182,6 +182,10 @@ class Cluster:
             _wait(proc, timeout_s)
         self.procs.clear()
 
+    def role_urls(self, role: str) -> list[str]:
+        """Engine URLs of this cluster's nodes of one role (prefill, decode, both), in start order."""
+        return [url for node_id, url in self.node_urls.items() if self.node_ids[node_id].value == role]
+
     def __enter__(self) -> Cluster:
         self.start()
         try:

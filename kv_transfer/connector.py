@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_transfer.layout import KVLayout
-from kv_transfer.metadata import TandemMetadata
+from kv_transfer.metadata import TandemMetadata, TransferReports
 from kv_transfer.prom import TandemKVStats, TandemPromMetrics
 from kv_transfer.scheduler import TandemScheduler
 from kv_transfer.settings import ConnectorSettings
@@ -87,6 +87,9 @@ class TandemConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.take_load_errors()
 
+    def build_connector_worker_meta(self) -> TransferReports | None:
+        return self._worker.take_reports() if self._worker is not None else None
+
     def get_kv_connector_stats(self) -> TandemKVStats | None:
         if self._worker is None:
             return None
@@ -117,7 +120,9 @@ class TandemConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(set(connector_output.finished_recving or ()))
+        meta = connector_output.kv_connector_worker_meta
+        self._scheduler.update_connector_output(set(connector_output.finished_recving or ()),
+                                                meta.reports if isinstance(meta, TransferReports) else None)
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -52,3 +52,17 @@ class TandemMetadata(KVConnectorMetadata):
 
     def empty(self) -> bool:
         return not (self.recvs or self.leases or self.releases or self.cancels)
+
+
+@dataclass
+class TransferReports(KVConnectorWorkerMetadata):
+    """Worker → scheduler: how each finished pull went (bytes, seconds, transport, ok, reason, wall-clock
+    start and end), so the decode engine can return it with the request (``tandem_transfer`` in its
+    kv_transfer_params) for the router's per-request record."""
+
+    reports: dict[str, dict] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, TransferReports):
+            self.reports.update(other.reports)
+        return self

@@ -47,6 +47,13 @@ class PullOutcome:
     nbytes: int = 0
     seconds: float = 0.0
     reason: str = ""
+    transport: str = ""
+    started: float = 0.0
+    """Wall clock."""
+
+    def report(self) -> dict:
+        return {"ok": self.ok, "bytes": self.nbytes, "seconds": round(self.seconds, 6), "transport": self.transport,
+                "reason": self.reason, "start": self.started, "end": self.started + self.seconds}
 
 
 class Puller:
@@ -110,7 +117,7 @@ class Puller:
             self._discard(endpoint)
 
     def _run(self, job: PullJob) -> None:
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         sock = None
         try:
             if job.cancelled.is_set():
@@ -124,14 +131,16 @@ class Puller:
             sock.send(wire.encode(wire.Done(job.transfer_id, True)))
             seconds = time.perf_counter() - t0
             self.stats.record_recv(nbytes, sum(s.count for s in job.segments), seconds)
-            self._finish(PullOutcome(job.request_id, True, job.local_block_ids, nbytes, seconds))
+            self._finish(PullOutcome(job.request_id, True, job.local_block_ids, nbytes, seconds, "", job.transport,
+                                     wall0))
         except TransferFailed as exc:
-            self._fail(job, sock, exc.reason, refused=exc.refused)
+            self._fail(job, sock, exc.reason, refused=exc.refused, started=wall0)
         except Exception as exc:  # never lose an outcome: the engine waits for it
             log.exception("pull %s crashed", job.transfer_id)
-            self._fail(job, sock, f"{type(exc).__name__}: {exc}", refused=False)
+            self._fail(job, sock, f"{type(exc).__name__}: {exc}", refused=False, started=wall0)
 
-    def _fail(self, job: PullJob, sock: zmq.Socket | None, reason: str, *, refused: bool) -> None:
+    def _fail(self, job: PullJob, sock: zmq.Socket | None, reason: str, *, refused: bool,
+              started: float) -> None:
         log.warning("pull %s for %s failed: %s", job.transfer_id, job.request_id, reason)
         with self.stats.lock:
             self.stats.recv_failed += 1
@@ -140,7 +149,8 @@ class Puller:
             self._discard(job.endpoint)
         if not refused:  # tell the prefill node, on a fresh socket, so it frees the lease now
             self._send_done(job.endpoint, job.transfer_id, reason)
-        self._finish(PullOutcome(job.request_id, False, job.local_block_ids, reason=reason))
+        self._finish(PullOutcome(job.request_id, False, job.local_block_ids, reason=reason, transport=job.transport,
+                                 started=started, seconds=time.time() - started))
 
     def _send_done(self, endpoint: str, transfer_id: str, reason: str) -> None:
         try:

@@ -37,6 +37,7 @@ class TandemScheduler:
         self.kv_cache_manager: KVCacheManager | None = None
         self._meta = TandemMetadata()
         self._inflight: set[str] = set()
+        self._reports: dict[str, dict] = {}
 
     # -- decode side -----------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -88,8 +89,12 @@ class TandemScheduler:
                                          params["remote_host_id"], remote, local, params["lease_deadline"],
                                          params.get("transport")))
 
-    def update_connector_output(self, finished_recving: set[str]) -> None:
+    def update_connector_output(self, finished_recving: set[str], reports: dict[str, dict] | None) -> None:
         self._inflight.difference_update(finished_recving)
+        if reports:
+            self._reports.update(reports)
+            while len(self._reports) > 10_000:  # reports of requests aborted mid-pull are never claimed
+                del self._reports[next(iter(self._reports))]
 
     # -- both ------------------------------------------------------------------------------------------
     def build_connector_meta(self) -> TandemMetadata:
@@ -102,6 +107,9 @@ class TandemScheduler:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        report = self._reports.pop(request.request_id, None)
+        if report is not None:  # decode side, after its pull: tell the router how the transfer went
+            return False, {"tandem_transfer": report}
         if params.get("do_remote_prefill") and "transfer_id" in params:
             # Finished (aborted) before it was ever scheduled: nobody will pull; free the lease now.
             self._release(request, "request ended before its transfer", forget=True)

@@ -14,7 +14,7 @@ import time
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
-from kv_transfer.metadata import TandemMetadata
+from kv_transfer.metadata import TandemMetadata, TransferReports
 from kv_transfer.puller import Puller, PullJob, PullOutcome
 from kv_transfer.server import BlockServer
 from kv_transfer.settings import ConnectorSettings
@@ -35,6 +35,7 @@ class TandemWorker:
         self._seen_finished: set[str] = set()
         self._ended_unreported: set[str] = set()
         self._load_errors: set[int] = set()
+        self._reports: dict[str, dict] = {}
         self._last_gauges = (0, 0, 0)
 
     def register(self, layout: KVLayout) -> None:
@@ -94,10 +95,17 @@ class TandemWorker:
             except queue.Empty:
                 break
             recving.add(outcome.request_id)
+            self._reports[outcome.request_id] = outcome.report()
             if not outcome.ok:
                 failed.add(outcome.request_id)
                 self._load_errors.update(outcome.local_block_ids)
         return sending, recving, failed
+
+    def take_reports(self) -> TransferReports | None:
+        if not self._reports:
+            return None
+        out, self._reports = TransferReports(self._reports), {}
+        return out
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

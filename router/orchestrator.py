@@ -76,6 +76,9 @@ class RequestTrace:
     tenant_id: str | None = None
     decode_role: str | None = None
     kv_connector: str | None = None
+    transfer: dict[str, Any] | None = None
+    """How the KV transfer went, as the decode engine reported it (tandem connector, non-streamed
+    answers): ok, bytes, seconds, transport, reason, start, end."""
     tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
     """Tool calls in the answer by index: id, name, arguments (streamed fragments joined)."""
     finish_reason: str | None = None
@@ -268,7 +271,9 @@ class Orchestrator:
         """The decode leg failed before any token: serve the request on the prefill node instead."""
         retryable = isinstance(exc, UpstreamError) and not (isinstance(exc, EngineRejected) and exc.status_code < 500)
         prefill = leg.decision.prefill
-        if not retryable or prefill is None or self.settings.prefill_fallback is FallbackPolicy.ERROR:
+        # Only a P/D leg whose prefill succeeded: its prefill node is alive and has the prompt cached.
+        if not retryable or prefill is None or "kv_transfer_params" not in leg.body \
+                or self.settings.prefill_fallback is FallbackPolicy.ERROR:
             raise exc
         log.warning("decode leg on %s failed (%s); serving on prefill node %s", trace.decode_node, exc.message,
                     prefill.node_id)
@@ -295,7 +300,7 @@ class Orchestrator:
             self.policy.on_complete(leg.decision)
         now = time.time()
         trace.first_token = trace.finish = now
-        resp.pop("kv_transfer_params", None)
+        trace.transfer = (resp.pop("kv_transfer_params", None) or {}).get("tandem_transfer")
         resp["id"] = trace.request_id
         record_usage(trace, resp.get("usage"))
         for choice in resp.get("choices") or []:

@@ -17,6 +17,7 @@ def request_record(trace: RequestTrace, *, endpoint: str, http_status: int,
         decision = "pd"
     elif trace.mode == "colocated":
         decision = "decode_only" if trace.decode_role == "decode" else "colocated"
+    xfer = trace.transfer or {}
     return {
         "request_id": trace.request_id, "response_id": trace.request_id, "session_id": trace.session_id,
         "tenant_id": trace.tenant_id, "model": trace.model, "endpoint": endpoint, "stream": trace.stream,
@@ -33,6 +34,8 @@ def request_record(trace: RequestTrace, *, endpoint: str, http_status: int,
         "routed_cached_tokens": trace.routed_cached_tokens, "engine_cached_tokens": trace.engine_cached_tokens,
         "routing_policy": trace.policy, "routing_decision": decision, "routing_reason": trace.reason,
         "kv_connector": trace.kv_connector, "num_tool_calls": len(trace.tool_calls),
+        "t_transfer_start": xfer.get("start"), "t_transfer_end": xfer.get("end"),
+        "transfer_bytes": xfer.get("bytes"), "transfer_s": xfer.get("seconds"),
         "finish_reason": trace.finish_reason, "status": trace.status, "http_status": http_status,
         "error_type": error_type, "error_message": trace.error,
     }

@@ -1,0 +1,288 @@
+"""`tandem bench kv-transfer`: how fast KV moves from a prefill to a decode engine, per transport, on
+real engines, against NixlConnector and an in-process memcpy of the same bytes.
+
+For prompts of about 1k, 4k and 7.5k tokens (fresh text each time, so no prefix cache shortens a
+transfer), the bench runs the two legs itself, straight to the engines: a prefill request that leases
+its blocks, then a decode request carrying the prefill's kv_transfer_params. With our connector the
+decode request names the transport (``kv_transfer_params["transport"]``: tcp, ipc, shm), so one
+cluster measures all three. Transfer time and bytes come from the decode engine's own metrics
+(``tandem_kv_transfer_seconds`` / ``_bytes``; NIXL's ``vllm:nixl_xfer_time_seconds`` /
+``vllm:nixl_bytes_transferred``), read before and after each request.
+
+Clusters, one after the other (never two at once: two cores):
+  1. tandem connector: 1 prefill + 1 decode + 1 colocated node (TTFT P/D vs colocated through the
+     router, and the three transports);
+  2. NixlConnector as configured by default (UCX picks its transports);
+  3. NixlConnector with UCX_TLS=tcp (the cross-host baseline).
+The memcpy ceiling copies the same number of bytes, in blocks of the engine's block size, between two
+arrays in this process.
+
+Last line: ``RESULT best_gbps=... memcpy_gbps=... nixl_gbps=... tcp_gbps=... nixl_tcp_gbps=...
+ttft_pd_ms=... ttft_colo_ms=...`` (figures at the largest prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from rich.console import Console
+
+from bench.loadgen import run_level
+from infra.launcher import Cluster, ClusterSpec
+from kv_transfer import prefill_request_params
+
+console = Console(stderr=True)
+
+TRANSPORTS = ("tcp", "ipc", "shm")
+
+
+@dataclass(frozen=True)
+class KvBenchConfig:
+    sizes: tuple[int, ...] = (1000, 4000, 7500)
+    """Approximate prompt tokens."""
+    repeats: int = 3
+    redis_url: str = "redis://127.0.0.1:6379/9"
+    router_port: int = 18500
+    node_base_port: int = 18600
+    dtype: str = "bfloat16"
+    kv_cache_gib: int = 2
+    nixl: bool = True
+
+
+def prompt_text(tokens: int, tag: str) -> str:
+    """About ``tokens`` tokens of code-like text (the default tokenizer gives ~3 tokens per item here),
+    opened by a unique tag so no cache anywhere has seen its first block."""
+    items = " ".join(f"v{i % 89}" for i in range(int(tokens / 2.9)))
+    return f"[{tag}] Continue this sequence: {items}"
+
+
+def _metric(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name == name:
+                total += s.value
+    return total
+
+
+@dataclass
+class Sample:
+    transport: str
+    tokens: int
+    nbytes: float
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def _two_legs(prefill: str, decode: str, model: str, prompt: str, transport: str | None, nixl: bool,
+              client: httpx.Client) -> int:
+    """One P/D request done by hand; returns the prompt's token count."""
+    params: dict[str, Any] = prefill_request_params()
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    first = client.post(f"{prefill}/v1/completions", json={**body, "kv_transfer_params": params})
+    first.raise_for_status()
+    kv = first.json()["kv_transfer_params"]
+    if transport and not nixl:
+        kv["transport"] = transport
+    second = client.post(f"{decode}/v1/completions", json={**body, "kv_transfer_params": kv})
+    second.raise_for_status()
+    return first.json()["usage"]["prompt_tokens"]
+
+
+def measure_transfers(cluster: Cluster, model: str, cfg: KvBenchConfig, *, nixl: bool, label: str,
+                      transports: tuple[str | None, ...]) -> list[Sample]:
+    prefill, decode = cluster.role_urls("prefill")[0], cluster.role_urls("decode")[0]
+    secs_name, bytes_name = (("vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum") if nixl
+                             else ("tandem_kv_transfer_seconds_sum", "tandem_kv_transfer_bytes_total"))
+    samples: list[Sample] = []
+    with httpx.Client(timeout=600) as client:
+        _two_legs(prefill, decode, model, prompt_text(300, f"warm-{uuid.uuid4().hex}"), transports[0], nixl, client)
+        for size in cfg.sizes:
+            for transport in transports:
+                for _ in range(cfg.repeats):
+                    s0, b0 = _metric(decode, secs_name), _metric(decode, bytes_name)
+                    tokens = _two_legs(prefill, decode, model, prompt_text(size, uuid.uuid4().hex), transport, nixl,
+                                       client)
+                    # the decode engine's metrics are updated from its stats stream: wait for this transfer
+                    end = time.monotonic() + 30
+                    while _metric(decode, bytes_name) == b0 and time.monotonic() < end:
+                        time.sleep(0.2)  # metrics offer no notification
+                    s1, b1 = _metric(decode, secs_name), _metric(decode, bytes_name)
+                    name = label if transport is None else f"{label}-{transport}"
+                    samples.append(Sample(name, tokens, b1 - b0, s1 - s0))
+                    console.print(f"{name:>12} {tokens:5d} tok  {(b1 - b0) / 1e6:8.1f} MB  "
+                                  f"{(s1 - s0) * 1000:8.1f} ms  {samples[-1].gbps:6.2f} GB/s")
+    return samples
+
+
+def memcpy_ceiling(nbytes: int, block_nbytes: int, repeats: int = 5) -> float:
+    """GB/s of an in-process copy of ``nbytes`` in engine-sized blocks (the same work a transfer does,
+    minus everything between two processes)."""
+    blocks = max(1, nbytes // block_nbytes)
+    src = np.random.default_rng(0).integers(0, 255, size=(blocks, block_nbytes), dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in first, as a warm engine cache is
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return src.nbytes / best / 1e9
+
+
+def ttft(cluster: Cluster, model: str, tokens: int, route: str, repeats: int) -> float:
+    import asyncio
+
+    prompts = [[{"role": "user", "content": prompt_text(tokens, uuid.uuid4().hex)}] for _ in range(repeats)]
+    _, results = asyncio.run(run_level(cluster.url, model, prompts, 1, repeats, 8,
+                                       headers={"x-tandem-route": route}))
+    return statistics.median(r.ttft_s for r in results if r.ok) * 1000
+
+
+@contextmanager
+def _env(**values: str) -> Any:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _cluster(cfg: KvBenchConfig, workdir: Path, connector: str, both: int) -> Cluster:
+    """Not started: ``_start`` starts it with progress on the console."""
+    return Cluster(ClusterSpec(prefill=1, decode=1, both=both, router_port=cfg.router_port,
+                               node_base_port=cfg.node_base_port, redis_url=cfg.redis_url, dtype=cfg.dtype,
+                               kv_cache_gib=cfg.kv_cache_gib, connector=connector, workdir=workdir))
+
+
+@contextmanager
+def _started(cluster: Cluster, what: str) -> Any:
+    """Start a cluster with progress on the console; yields the served model's name; always stops it."""
+    try:
+        with console.status(f"starting {what} cluster…") as status:
+            cluster.start()
+            cluster.wait_ready(on_progress=lambda msg: status.update(f"{what}: {msg}"))
+        yield httpx.get(f"{cluster.url}/v1/models").json()["data"][0]["id"]
+    finally:
+        cluster.stop()
+
+
+def run_kv_transfer_bench(out: Path, cfg: KvBenchConfig | None = None) -> dict[str, Any]:
+    cfg = cfg or KvBenchConfig()
+    workdir = Path(".tandem") / "bench-kv-transfer"
+    samples: list[Sample] = []
+    ttfts: dict[str, float] = {}
+    cluster = _cluster(cfg, workdir / "tandem", "tandem", both=1)
+    with _started(cluster, "tandem") as model:
+        samples += measure_transfers(cluster, model, cfg, nixl=False, label="tandem", transports=TRANSPORTS)
+        top = max(cfg.sizes)
+        ttfts["pd"] = ttft(cluster, model, top, "disaggregated", cfg.repeats)
+        ttfts["colo"] = ttft(cluster, model, top, "colocated", cfg.repeats)
+        console.print(f"TTFT at {top} tokens: P/D {ttfts['pd']:.0f} ms, colocated {ttfts['colo']:.0f} ms")
+        block_nbytes = int(_block_nbytes(samples))
+    if cfg.nixl:
+        for label, env in (("nixl", {}), ("nixl_tcp", {"UCX_TLS": "tcp"})):
+            cluster = _cluster(cfg, workdir / label, "nixl", both=0)
+            with _env(**env), _started(cluster, label) as model:
+                samples += measure_transfers(cluster, model, cfg, nixl=True, label=label, transports=(None,))
+    result = summarise(samples, cfg, ttfts, block_nbytes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    png = out.with_suffix(".png")
+    plot(result, png)
+    console.print(f"wrote {out} and {png}")
+    return result
+
+
+def _block_nbytes(samples: list[Sample]) -> float:
+    """Bytes of one 128-token block across all layers, from the largest tandem sample."""
+    s = max((x for x in samples if x.transport.startswith("tandem")), key=lambda x: x.tokens)
+    return s.nbytes / -(-s.tokens // 128)
+
+
+def summarise(samples: list[Sample], cfg: KvBenchConfig, ttfts: dict[str, float], block_nbytes: int) -> dict:
+    by: dict[str, dict[int, list[Sample]]] = {}
+    for s in samples:
+        size = min(cfg.sizes, key=lambda x: abs(x - s.tokens))
+        by.setdefault(s.transport, {}).setdefault(size, []).append(s)
+    table = {name: {str(size): {"tokens": int(statistics.median(x.tokens for x in xs)),
+                                "mbytes": round(statistics.median(x.nbytes for x in xs) / 1e6, 2),
+                                "ms": round(statistics.median(x.seconds for x in xs) * 1000, 2),
+                                "gbps": round(statistics.median(x.gbps for x in xs), 3)}
+                     for size, xs in sizes.items()}
+             for name, sizes in by.items()}
+    top = str(max(cfg.sizes))
+    top_bytes = int(table["tandem-shm"][top]["mbytes"] * 1e6)
+    memcpy = memcpy_ceiling(top_bytes, block_nbytes)
+
+    def g(name: str) -> float | None:
+        return table.get(name, {}).get(top, {}).get("gbps")
+
+    ours = {t: g(f"tandem-{t}") for t in TRANSPORTS}
+    result = {
+        "config": cfg.__dict__ | {"sizes": list(cfg.sizes)},
+        "transfers": table,
+        "samples": [s.__dict__ | {"gbps": round(s.gbps, 3)} for s in samples],
+        "memcpy_gbps": round(memcpy, 3),
+        "ttft_ms": {k: round(v, 1) for k, v in ttfts.items()},
+        "best_gbps": max(v for v in ours.values() if v is not None),
+        "tcp_gbps": ours["tcp"], "nixl_gbps": g("nixl"), "nixl_tcp_gbps": g("nixl_tcp"),
+    }
+    result["targets"] = {
+        "best_vs_memcpy": round(result["best_gbps"] / memcpy, 3),
+        "best_at_least_60pct_memcpy": result["best_gbps"] >= 0.6 * memcpy,
+        "best_not_slower_than_nixl": result["nixl_gbps"] is None or result["best_gbps"] >= result["nixl_gbps"],
+        "tcp_not_slower_than_nixl_tcp": result["nixl_tcp_gbps"] is None or (
+            result["tcp_gbps"] or 0) >= result["nixl_tcp_gbps"],
+    }
+    console.print(json.dumps(result["targets"]))
+    print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in (
+        ("best_gbps", result["best_gbps"]), ("memcpy_gbps", result["memcpy_gbps"]), ("nixl_gbps", result["nixl_gbps"]),
+        ("tcp_gbps", result["tcp_gbps"]), ("nixl_tcp_gbps", result["nixl_tcp_gbps"]),
+        ("ttft_pd_ms", ttfts.get("pd")), ("ttft_colo_ms", ttfts.get("colo")))), flush=True)
+    return result
+
+
+def _fmt(v: float | None) -> str:
+    return "na" if v is None else f"{v:.3f}" if v < 100 else f"{v:.1f}"
+
+
+def plot(result: dict[str, Any], out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, sizes in sorted(result["transfers"].items()):
+        xs = sorted(sizes, key=int)
+        ax1.plot([sizes[x]["tokens"] for x in xs], [sizes[x]["gbps"] for x in xs], marker="o", label=name)
+        ax2.plot([sizes[x]["tokens"] for x in xs], [sizes[x]["ms"] for x in xs], marker="o", label=name)
+    ax1.axhline(result["memcpy_gbps"], color="grey", linestyle="--", label="memcpy ceiling")
+    ax1.set(xlabel="prompt tokens", ylabel="effective GB/s", title="KV transfer throughput")
+    ax2.set(xlabel="prompt tokens", ylabel="transfer time (ms)", title="Per-request transfer time")
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
