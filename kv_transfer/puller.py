@@ -66,6 +66,8 @@ class Puller:
         self._jobs: dict[str, PullJob] = {}
         self._lock = threading.Lock()
         self.outcomes: queue.SimpleQueue[PullOutcome] = queue.SimpleQueue()
+        self._ucx = None
+        self._ucx_lock = threading.Lock()
 
     def submit(self, job: PullJob) -> None:
         with self._lock:
@@ -123,9 +125,14 @@ class Puller:
             if job.cancelled.is_set():
                 raise TransferFailed("cancelled before it started")
             sock = self._socket(job.endpoint)
-            pull = wire.Pull(job.transfer_id, job.segments, job.transport, job.checksum)
+            if job.transport == "ucx":
+                transport = self._ucx_receiver()
+                pull = wire.Pull(job.transfer_id, job.segments, "ucx", job.checksum, transport.target(self.layout))
+            else:
+                transport = transport_for(job.transport)
+                pull = wire.Pull(job.transfer_id, job.segments, job.transport, job.checksum)
             sock.send(wire.encode(pull))
-            nbytes = transport_for(job.transport).receive(sock, pull, self.layout, job.deadline)
+            nbytes = transport.receive(sock, pull, self.layout, job.deadline)
             if job.cancelled.is_set():
                 raise TransferFailed("cancelled")
             sock.send(wire.encode(wire.Done(job.transfer_id, True)))
@@ -138,6 +145,17 @@ class Puller:
         except Exception as exc:  # never lose an outcome: the engine waits for it
             log.exception("pull %s crashed", job.transfer_id)
             self._fail(job, sock, f"{type(exc).__name__}: {exc}", refused=False, started=wall0)
+
+    def _ucx_receiver(self):  # noqa: ANN202 - kv_transfer.ucx.UcxReceiver, imported only when used
+        from kv_transfer.ucx import UcxError, UcxReceiver
+
+        with self._ucx_lock:
+            if self._ucx is None:
+                try:
+                    self._ucx = UcxReceiver()
+                except UcxError as exc:
+                    raise TransferFailed(f"ucx unavailable: {exc}") from exc
+            return self._ucx
 
     def _fail(self, job: PullJob, sock: zmq.Socket | None, reason: str, *, refused: bool,
               started: float) -> None:

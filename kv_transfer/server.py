@@ -54,6 +54,9 @@ class BlockServer:
         self._held: dict[str, tuple[_Parked, float]] = {}
         """Pulls delayed by the ``hold`` fault, with when to serve them."""
         self._early_release: dict[str, float] = {}
+        self._ucx = None
+        """UcxSender, started at the first ``ucx`` pull (importing ucxx costs seconds; most nodes never
+        need it)."""
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -78,7 +81,10 @@ class BlockServer:
             if self._wake_push is None:
                 self._wake_push = self._ctx.socket(zmq.PUSH)
                 self._wake_push.connect(self._wake_addr)
-            self._wake_push.send(b"", zmq.NOBLOCK)
+            try:
+                self._wake_push.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a thousand wake-ups already queued: the server is awake anyway
 
     def close(self) -> None:
         self._stop.set()
@@ -123,6 +129,8 @@ class BlockServer:
         finally:
             sock.close(0)
             wake.close(0)
+            if self._ucx is not None:
+                self._ucx.close()
 
     def _timeout_ms(self) -> int:
         nexts = [p.since + PARK_S for p in self._parked.values()] + [until for _, until in self._held.values()]
@@ -136,6 +144,7 @@ class BlockServer:
     def _housekeeping(self, sock: zmq.Socket) -> None:
         for lease in self.leases.expire():
             log.warning("lease %s expired (%s)", lease.transfer_id, lease.reason)
+            self._forget(lease.transfer_id)
         now = time.monotonic()
         for tid in list(self._early_release):
             if self.leases.get(tid) is not None:
@@ -148,9 +157,13 @@ class BlockServer:
                 del self._held[tid]
                 self._parked[tid] = parked
         for tid, parked in list(self._parked.items()):
+            ended = self.leases.ended_state(tid)
             if self.leases.get(tid) is not None:
                 del self._parked[tid]
                 self._serve(sock, parked.ident, parked.pull)
+            elif ended is not None:
+                del self._parked[tid]
+                self._reply(sock, parked.ident, wire.Reject(tid, f"lease already {ended}"))
             elif now - parked.since > PARK_S:
                 del self._parked[tid]
                 self._reply(sock, parked.ident, wire.Reject(tid, "unknown or ended lease"))
@@ -197,8 +210,10 @@ class BlockServer:
             self.leases.move(tid, LeaseState.RELEASED, reason)
         except LeaseError as exc:
             log.info("release of %s ignored: %s", tid, exc)
+        self._forget(tid)
 
     def _finish(self, msg: wire.Done) -> None:
+        self._forget(msg.transfer_id)
         try:
             lease = self.leases.move(msg.transfer_id, LeaseState.DONE if msg.ok else LeaseState.FAILED,
                                      msg.reason)
@@ -228,6 +243,9 @@ class BlockServer:
         try:
             if pull.transport == "shm":
                 self._grant(sock, ident, pull)
+            elif pull.transport == "ucx":
+                if not self._send_ucx(sock, ident, pull):
+                    return
             else:
                 self._send_frames(sock, ident, pull)
         except (zmq.ZMQError, OSError) as exc:
@@ -257,6 +275,28 @@ class BlockServer:
     def _stall(self, seconds: float) -> None:
         log.warning("fault injection: stalling a transfer for %.1f s", seconds)
         self._stop.wait(seconds)
+
+    def _send_ucx(self, sock: zmq.Socket, ident: bytes, pull: wire.Pull) -> bool:
+        """Post the pull's blocks over UCX; False (lease FAILED, pull refused) if that cannot be done."""
+        from kv_transfer.ucx import UcxError, UcxSender
+
+        try:
+            if pull.ucx is None:
+                raise UcxError("a ucx pull without a UCX target")
+            if self._ucx is None:
+                self._ucx = UcxSender(self.layout)
+            posted = self._ucx.send(pull, pull.ucx, corrupt=self._armed.pop("corrupt", None) is not None)
+        except UcxError as exc:
+            # Refused pulls get no Done from the decode side: end the lease here.
+            self.leases.move(pull.transfer_id, LeaseState.FAILED, f"ucx: {exc}")
+            self._reply(sock, ident, wire.Reject(pull.transfer_id, f"ucx: {exc}"))
+            return False
+        self._reply(sock, ident, posted)
+        return True
+
+    def _forget(self, tid: str) -> None:
+        if self._ucx is not None:
+            self._ucx.forget(tid)
 
     def _grant(self, sock: zmq.Socket, ident: bytes, pull: wire.Pull) -> None:
         lay = self.layout

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-Transport = Literal["auto", "tcp", "ipc", "shm"]
+Transport = Literal["auto", "tcp", "ipc", "shm", "ucx"]
 
 
 class ConnectorSettings(BaseModel):
@@ -25,7 +25,8 @@ class ConnectorSettings(BaseModel):
     """Interface to bind; None: ``host`` when it is loopback, else every interface."""
     transport: Transport = "auto"
     """How a decode node pulls: ``auto`` = ``shm`` (one kernel copy) when both nodes are on one host,
-    else ``tcp``. ``ipc`` = ZeroMQ over a Unix socket (one host)."""
+    else ``tcp``. ``ipc`` = ZeroMQ over a Unix socket (one host). ``ucx`` = UCX through ucxx-cu12
+    (``UCX_TLS`` picks its transports; never chosen by ``auto``)."""
     checksum: Literal["auto", "always", "never"] = "auto"
     """xxh3-64 of every segment, verified on arrival. ``auto``: on for tcp/ipc frames, off for shm
     (a kernel copy within one host has no wire to corrupt)."""
@@ -55,7 +56,7 @@ class ConnectorSettings(BaseModel):
 
     def choose_transport(self, remote_host_id: str, requested: str | None = None) -> str:
         """``requested``: a per-request choice from kv_transfer_params (benchmarks), else the setting."""
-        want = requested if requested in ("auto", "tcp", "ipc", "shm") else self.transport
+        want = requested if requested in ("auto", "tcp", "ipc", "shm", "ucx") else self.transport
         same_host = remote_host_id == host_id()
         if want == "auto":
             return "shm" if same_host else "tcp"
@@ -65,7 +66,7 @@ class ConnectorSettings(BaseModel):
 
     def checksum_for(self, transport: str) -> bool:
         if self.checksum == "auto":
-            return transport != "shm"
+            return transport != "shm"  # tcp, ipc and ucx cross a wire or a socket
         return self.checksum == "always"
 
 

@@ -145,4 +145,4 @@ def transport_for(name: str) -> Transport:
         return FrameTransport(name)
     if name == "shm":
         return CmaTransport()
-    raise ValueError(f"unknown transport {name!r} (tcp, ipc, shm)")
+    raise ValueError(f"unknown transport {name!r} (tcp, ipc, shm; ucx is the puller's own)")

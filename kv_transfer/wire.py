@@ -12,6 +12,7 @@ in the engine's paged KV cache), so both ends can send from and receive into the
                                              ◀───  ...one header per layer...
                                              ◀───  End            (zmq transports)
                                              ◀───  Grant(pid, addresses, checksums)   (shm: D copies)
+                                             ◀───  UcxPosted(checksums)   (ucx: blocks went over UCX)
       Done(ok | reason)                      ───▶  lease released, blocks freed
       Release(reason)                        ───▶  lease released without a transfer (reject, abort)
                                              ◀───  Reject(reason) instead of data: unknown/expired lease
@@ -33,13 +34,26 @@ class Segment(msgspec.Struct, array_like=True, frozen=True):
     count: int
 
 
+class UcxTarget(msgspec.Struct, array_like=True, frozen=True):
+    """Where the blocks of a ``ucx`` pull go (see ucx.py)."""
+
+    address: bytes
+    """UCX worker address of the receiving decode thread (opaque; a few hundred bytes)."""
+    tag: int
+    """This pull's 32-bit tag on that worker; segment tags are ``tag << 32 | layer * len(segments) + i``."""
+    block_nbytes: int
+    """Bytes of one block of one layer in the decode cache; the prefill node refuses any other size."""
+
+
 class Pull(msgspec.Struct, tag="kv.pull.v1", frozen=True):
     transfer_id: str
     segments: list[Segment]
     transport: str
-    """``tcp`` / ``ipc`` (blocks come back as frames on this socket) or ``shm`` (the prefill node
-    answers with a Grant and the decode node copies the blocks straight out of its memory)."""
+    """``tcp`` / ``ipc`` (blocks come back as frames on this socket), ``shm`` (the prefill node
+    answers with a Grant and the decode node copies the blocks straight out of its memory) or ``ucx``
+    (the prefill node sends them over UCX to ``ucx`` and answers with UcxPosted)."""
     checksum: bool = True
+    ucx: UcxTarget | None = None
 
 
 class LayerHeader(msgspec.Struct, tag="kv.layer.v1", frozen=True):
@@ -73,6 +87,16 @@ class Grant(msgspec.Struct, tag="kv.grant.v1", frozen=True):
     """Per layer, per segment; empty when the pull asked for none."""
 
 
+class UcxPosted(msgspec.Struct, tag="kv.ucx_posted.v1", frozen=True):
+    """The prefill node has posted every UCX send of a ``ucx`` pull (its answer on the ZeroMQ socket)."""
+
+    transfer_id: str
+    dtype: str
+    shape: list[int]
+    checksums: list[list[int]]
+    """xxh3-64 per layer, per segment; empty when the pull asked for none."""
+
+
 class Done(msgspec.Struct, tag="kv.done.v1", frozen=True):
     transfer_id: str
     ok: bool
@@ -103,7 +127,7 @@ class Ack(msgspec.Struct, tag="kv.ack.v1", frozen=True):
     ok: bool = True
 
 
-Message = Pull | LayerHeader | End | Grant | Done | Release | Reject | Fault | Ack
+Message = Pull | LayerHeader | End | Grant | UcxPosted | Done | Release | Reject | Fault | Ack
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

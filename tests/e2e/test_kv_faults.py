@@ -13,8 +13,10 @@ node. The two kill tests run last, in this order; the second starts a fresh deco
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -219,11 +221,13 @@ def test_expired_lease_is_refused_and_the_decode_node_recomputes(fc: FaultCluste
 
 def test_client_gone_before_first_token_frees_both_sides(fc: FaultCluster) -> None:
     arm(P_PORT, "hold", 3.0)  # the decode node waits for its KV while the client leaves
-    body = {"model": fc.model, "messages": prompt(300, "gone"), "max_tokens": 64, "stream": True}
-    with httpx.Client(timeout=DEADLINE_S) as client, \
-            client.stream("POST", f"{fc.url}/v1/chat/completions", json=body, headers=PD):
+    body = json.dumps({"model": fc.model, "messages": prompt(300, "gone"), "max_tokens": 64, "stream": True})
+    # A raw socket: the router answers only at the first token, so an HTTP client would still be
+    # waiting for headers when the test wants to hang up.
+    with socket.create_connection(("127.0.0.1", ROUTER_PORT)) as sock:
+        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"x-tandem-route: disaggregated\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
         assert wait_for(lambda: metric(P_PORT, "tandem_kv_leases_active") == 1, timeout_s=60)
-        # leaving the `with` closes the connection before any token was sent
     t0 = time.monotonic()
     assert wait_for(lambda: at_baseline(P_PORT) and at_baseline(D_PORT), timeout_s=LEASE_S + 10)
     assert time.monotonic() - t0 < LEASE_S, "freed by the deadline, not by the disconnect"

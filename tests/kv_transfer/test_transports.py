@@ -103,13 +103,13 @@ def local() -> tuple[list[np.ndarray], Puller]:
 
 def _pull(remote: Remote, puller: Puller, tid: str, transport: str, remote_ids: list[int], local_ids: list[int],
           timeout: float = 5.0, checksum: bool = True):  # noqa: ANN202
-    ep = remote.tcp if transport == "tcp" else remote.ipc
+    ep = remote.tcp if transport in ("tcp", "ucx") else remote.ipc
     puller.submit(PullJob(tid, tid, ep, transport, wire.segments_of(remote_ids, local_ids), local_ids,
                           time.monotonic() + timeout, checksum=checksum))
     return puller.outcomes.get(timeout=timeout + 10)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ipc", "shm"])
+@pytest.mark.parametrize("transport", ["tcp", "ipc", "shm", "ucx"])
 def test_each_transport_moves_the_exact_blocks(remote: Remote, local, transport: str) -> None:  # noqa: ANN001
     arrays, puller = local
     src = _source()
