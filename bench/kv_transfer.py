@@ -4,8 +4,8 @@ real engines, against NixlConnector and an in-process memcpy of the same bytes.
 For prompts of about 1k, 4k and 7.5k tokens (fresh text each time, so no prefix cache shortens a
 transfer), the bench runs the two legs itself, straight to the engines: a prefill request that leases
 its blocks, then a decode request carrying the prefill's kv_transfer_params. With our connector the
-decode request names the transport (``kv_transfer_params["transport"]``: tcp, ipc, shm), so one
-cluster measures all three. Transfer time and bytes come from the decode engine's own metrics
+decode request names the transport (``kv_transfer_params["transport"]``: tcp, ipc, shm, ucx), so one
+cluster measures all four. Transfer time and bytes come from the decode engine's own metrics
 (``tandem_kv_transfer_seconds`` / ``_bytes``; NIXL's ``vllm:nixl_xfer_time_seconds`` /
 ``vllm:nixl_bytes_transferred``), read before and after each request.
 
@@ -43,7 +43,8 @@ from kv_transfer import prefill_request_params
 
 console = Console(stderr=True)
 
-TRANSPORTS = ("tcp", "ipc", "shm")
+TRANSPORTS = ("tcp", "ipc", "shm", "ucx")
+CROSS_HOST = ("tcp", "ucx")
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,8 @@ def summarise(samples: list[Sample], cfg: KvBenchConfig, ttfts: dict[str, float]
         "memcpy_gbps": round(memcpy, 3),
         "ttft_ms": {k: round(v, 1) for k, v in ttfts.items()},
         "best_gbps": max(v for v in ours.values() if v is not None),
-        "tcp_gbps": ours["tcp"], "nixl_gbps": g("nixl"), "nixl_tcp_gbps": g("nixl_tcp"),
+        "tcp_gbps": max((v for t, v in ours.items() if t in CROSS_HOST and v is not None), default=None),
+        "nixl_gbps": g("nixl"), "nixl_tcp_gbps": g("nixl_tcp"),
     }
     result["targets"] = {
         "best_vs_memcpy": round(result["best_gbps"] / memcpy, 3),
