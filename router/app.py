@@ -4,7 +4,7 @@
     GET  /v1/models             GET  /health           GET  /metrics
 
 Admission on every generation route, in this order: auth + requests/min (401, 429), body checks,
-tokens/min after tokenizing (429), then a slot on each chosen node, queued
+session and history headers, tokens/min after tokenizing (429), then a slot on each chosen node, queued
 by class (the key's, lowered by ``x-tandem-priority``) until the deadline (``x-tandem-deadline-ms`` or
 ``TANDEM_REQUEST_DEADLINE_S``): shed → 503 + Retry-After, code ``overloaded``/``shed``; expired → 503 +
 Retry-After, code ``deadline_exceeded``, and no engine ever saw the request.
@@ -45,9 +45,9 @@ from router.openai_errors import install_error_handlers
 from router.orchestrator import Kind, Orchestrator, RequestTrace, new_request_id
 from router.policies import CacheAware, LeastLoaded, RoundRobin, RoutingPolicy
 from router.responses import ResponseIndex
-from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.sessions.http import sessions_router
-from router.sessions.models import new_session_id
+from router.schemas import ChatCompletionRequest, CompletionRequest, Message
+from router.sessions.http import HISTORY_HEADER, HistoryMode, prepend_history, session_params, sessions_router
+from router.sessions.models import SESSION_HEADER
 from router.settings import RouterSettings
 from router.sse import relay
 from router.tokenizer import PromptTokenizer
@@ -191,11 +191,18 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
         deadline = request_deadline(request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s,
                                     arrival=arrival)
-        session_id = request.headers.get("x-session-id") or (new_session_id() if kind == "chat" else None)
+        session = await session_params(request.headers.get(SESSION_HEADER), request.headers.get(HISTORY_HEADER))
+        session_id = session.session_id if kind == "chat" or not session.created else None
         trace = RequestTrace(request_id=new_request_id(kind), kind=kind, model=req.model, stream=req.stream,
                              session_id=session_id, tenant_id=admission.tenant.tenant_id,
                              priority=admission.priority, deadline=deadline)
         messages = [m.model_dump(exclude_none=True) for m in req.messages] if kind == "chat" else None
+        if session.mode is HistoryMode.SERVER:
+            if messages is None or session_id is None:
+                raise InvalidRequest(f"{HISTORY_HEADER}: server applies to chat completions only",
+                                     param=HISTORY_HEADER)
+            messages = await prepend_history(ctx.sessions, admission.tenant.tenant_id, session_id, messages)
+            req.messages = [Message.model_validate(m) for m in messages]
         headers = {"x-session-id": session_id} if session_id else {}
 
         def finish(status: str, http_status: int, exc: TandemError | None = None) -> None:
