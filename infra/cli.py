@@ -108,7 +108,18 @@ def router(
         "least_loaded"),
     log_level: str = "info",
 ) -> None:
-    """Run the router: OpenAI API (SSE), P/D orchestration over the nodes in the registry."""
+    """Run the router: OpenAI API (SSE), P/D orchestration over the nodes in the registry.
+
+    Keys, limits, sessions and admission queues read TANDEM_* environment variables (see README), e.g.:
+
+    TANDEM_NODE_MAX_CONCURRENCY: requests sent to one node at once, the rest queue by class (64).
+
+    TANDEM_NODE_MAX_QUEUE: queued requests per node before batch, then interactive, is shed with 503 (256).
+
+    TANDEM_REQUEST_DEADLINE_S: default wait for a node slot before a request is dropped unserved (30).
+
+    Request headers: x-tandem-priority (interactive|batch; lowers the key's class, never raises it),
+    x-tandem-deadline-ms, x-session-id, x-tandem-history (client|server)."""
     import uvicorn
 
     from router.app import create_app
