@@ -91,7 +91,10 @@ async def _fast_path(cfg: AdmissionBenchConfig, prefix: str) -> tuple[dict[str, 
                     usage=Usage(prompt_tokens=900, completion_tokens=120, total_tokens=1020)))
             await ctx.sessions.flush()
             samples: list[float] = []
+            cpu0 = 0.0
             for i in range(cfg.warmup + cfg.n):
+                if i == cfg.warmup:
+                    cpu0 = time.process_time()
                 t0 = time.perf_counter_ns()
                 admission = await ctx.gate.admit(header, priority_header=None)
                 await ctx.gate.charge_tokens(admission, 900, 256)
@@ -102,6 +105,7 @@ async def _fast_path(cfg: AdmissionBenchConfig, prefix: str) -> tuple[dict[str, 
                     raise RuntimeError(f"session read returned {len(history)} turns, expected {TURNS}")
                 if i >= cfg.warmup:
                     samples.append((t1 - t0) / 1000)
+            cpu_us = (time.process_time() - cpu0) * 1e6 / cfg.n
         finally:
             await ctx.close()
     samples.sort()
@@ -114,6 +118,9 @@ async def _fast_path(cfg: AdmissionBenchConfig, prefix: str) -> tuple[dict[str, 
         "admit_p99_us": round(percentile(samples, 0.99), 1),
         "admit_max_us": round(samples[-1], 1),
         "admit_mean_us": round(statistics.fmean(samples), 1),
+        "client_cpu_us_per_request": round(cpu_us, 1),
+        "client_cpu_note": "CPU time of this process per request (Python side, not Redis): a figure that the "
+                           "machine's load does not inflate, unlike the wall-clock percentiles",
     }, samples
 
 
@@ -131,6 +138,12 @@ def _process(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> It
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 120) -> None:
@@ -237,9 +250,14 @@ def _router_rps(cfg: AdmissionBenchConfig, prefix: str, tmp: Path) -> dict[str, 
                 url = f"http://127.0.0.1:{router_port}"
                 _wait_http(f"{url}/health", router, router_log)
                 for c in cfg.concurrencies:
+                    cpu0 = _cpu_s(router.pid)
                     level = asyncio.run(_level(url, model, key, c, cfg.requests_per_level, cfg.router_warmup))
+                    # warm-up included: the router's CPU per request, whatever the machine's load
+                    level["router_cpu_ms_per_request"] = round(
+                        (_cpu_s(router.pid) - cpu0) * 1000 / (cfg.requests_per_level + cfg.router_warmup), 2)
                     print(f"router c={c:<3} {level['rps']:8.1f} req/s  p50 {level['latency_p50_ms']:7.2f} ms  "
-                          f"p99 {level['latency_p99_ms']:7.2f} ms  errors {level['errors']}",
+                          f"p99 {level['latency_p99_ms']:7.2f} ms  router CPU "
+                          f"{level['router_cpu_ms_per_request']:.2f} ms/req  errors {level['errors']}",
                           file=sys.stderr, flush=True)
                     levels.append(level)
         finally:
@@ -299,7 +317,9 @@ def plot(doc: dict[str, Any], samples_us: list[float], out_png: Path) -> None:
     right.set_xlabel("concurrent clients")
     right.set_ylabel("requests/s")
     right.set_title("Router requests/s over a no-op STAND-IN engine")
-    fig.suptitle(f"tandem bench admission ({os.cpu_count()} cores, {platform.node()})")
+    host = doc["host"]
+    fig.suptitle(f"tandem bench admission ({host['cpus']} cores, load average {host['loadavg_1m_before']}"
+                 f" → {host['loadavg_1m_after']})")
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -310,6 +330,7 @@ def run_admission_bench(out: Path, cfg: AdmissionBenchConfig | None = None) -> d
     progress on stderr and nothing on stdout (the caller prints the RESULT line)."""
     cfg = cfg or AdmissionBenchConfig()
     prefix = f"bench-{uuid.uuid4().hex[:8]}:"
+    load_before = os.getloadavg()
     try:
         fast, samples = asyncio.run(_fast_path(cfg, prefix))
         print(f"fast path: p50 {fast['admit_p50_us']} µs  p99 {fast['admit_p99_us']} µs", file=sys.stderr)
@@ -319,7 +340,9 @@ def run_admission_bench(out: Path, cfg: AdmissionBenchConfig | None = None) -> d
         asyncio.run(_cleanup(cfg.redis_url, prefix))
     result = {"admit_p50_us": fast["admit_p50_us"], "admit_p99_us": fast["admit_p99_us"],
               "router_rps": router["router_rps"]}
-    doc = {"benchmark": "admission", "time": time.time(), "host": {"cpus": os.cpu_count(), "node": platform.node()},
+    doc = {"benchmark": "admission", "time": time.time(), "host": {
+               "cpus": os.cpu_count(), "node": platform.node(),
+               "loadavg_1m_before": round(load_before[0], 2), "loadavg_1m_after": round(os.getloadavg()[0], 2)},
            "config": cfg.__dict__, "admission_fast_path": fast, "router": router,
            "target": {"admit_p99_us_below": TARGET_P99_US, "met": fast["admit_p99_us"] < TARGET_P99_US},
            "result": result}
