@@ -3,6 +3,12 @@
     POST /v1/chat/completions   POST /v1/completions   (stream and non-stream)
     GET  /v1/models             GET  /health           GET  /metrics
 
+Admission on every generation route, in this order: auth + requests/min (401, 429), body checks,
+session and history headers, tokens/min after tokenizing (429), then a slot on each chosen node, queued
+by class (the key's, lowered by ``x-tandem-priority``) until the deadline (``x-tandem-deadline-ms`` or
+``TANDEM_REQUEST_DEADLINE_S``): shed → 503 + Retry-After, code ``overloaded``/``shed``; expired → 503 +
+Retry-After, code ``deadline_exceeded``, and no engine ever saw the request.
+
 A client that disconnects cancels its request everywhere: before the answer starts, the handler is
 raced against the disconnect and cancelled (closing the upstream call aborts the engine's request);
 during a stream, Starlette cancels the generator and the decode stream is closed with it.
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
@@ -26,6 +33,7 @@ from infra.errors import ConfigError, InvalidRequest, TandemError, ValidationFai
 from infra.registry import NodeRegistry, Role
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
+from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.http import AdmissionDependencies
 from router.background import TaskSet
 from router.fleet import Fleet
@@ -37,9 +45,9 @@ from router.openai_errors import install_error_handlers
 from router.orchestrator import Kind, Orchestrator, RequestTrace, new_request_id
 from router.policies import CacheAware, LeastLoaded, RoundRobin, RoutingPolicy
 from router.responses import ResponseIndex
-from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.sessions.http import sessions_router
-from router.sessions.models import new_session_id
+from router.schemas import ChatCompletionRequest, CompletionRequest, Message
+from router.sessions.http import HISTORY_HEADER, HistoryMode, prepend_history, session_params, sessions_router
+from router.sessions.models import SESSION_HEADER
 from router.settings import RouterSettings
 from router.sse import relay
 from router.tokenizer import PromptTokenizer
@@ -144,7 +152,9 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         app.state.emitter = emitter
         app.state.admission = admission
         app.state.accounting = Accounting(metrics, emitter, responses, turns)
-        app.state.orchestrator = Orchestrator(settings, fleet, client, policy, PromptTokenizer(), metrics, index)
+        app.state.orchestrator = Orchestrator(settings, fleet, client, policy, PromptTokenizer(), metrics, index,
+                                              slots=admission.controller)
+        metrics.admission.source = admission.controller.snapshot
         app.state.index, app.state.subscribers = index, subscribers
         app.state.kv_tasks = kv_tasks = TaskSet()
         try:
@@ -171,16 +181,28 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     async def serve(request: Request, kind: Kind, endpoint: str) -> Response:
         orch: Orchestrator = request.app.state.orchestrator
         accounting: Accounting = request.app.state.accounting
-        gate = request.app.state.admission.gate
+        ctx: AdmissionContext = request.app.state.admission
+        gate = ctx.gate
+        arrival = time.monotonic()
         # Authentication and the request-rate limit come first: an unauthenticated client learns
         # nothing else about the request (401/429 before any 400).
         admission = await gate.admit(request.headers.get("authorization"),
                                      priority_header=request.headers.get("x-tandem-priority"))
         req = await _parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-        session_id = request.headers.get("x-session-id") or (new_session_id() if kind == "chat" else None)
+        deadline = request_deadline(request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s,
+                                    arrival=arrival)
+        session = await session_params(request.headers.get(SESSION_HEADER), request.headers.get(HISTORY_HEADER))
+        session_id = session.session_id if kind == "chat" or not session.created else None
         trace = RequestTrace(request_id=new_request_id(kind), kind=kind, model=req.model, stream=req.stream,
-                             session_id=session_id, tenant_id=admission.tenant.tenant_id)
+                             session_id=session_id, tenant_id=admission.tenant.tenant_id,
+                             priority=admission.priority, deadline=deadline)
         messages = [m.model_dump(exclude_none=True) for m in req.messages] if kind == "chat" else None
+        if session.mode is HistoryMode.SERVER:
+            if messages is None or session_id is None:
+                raise InvalidRequest(f"{HISTORY_HEADER}: server applies to chat completions only",
+                                     param=HISTORY_HEADER)
+            messages = await prepend_history(ctx.sessions, admission.tenant.tenant_id, session_id, messages)
+            req.messages = [Message.model_validate(m) for m in messages]
         headers = {"x-session-id": session_id} if session_id else {}
 
         def finish(status: str, http_status: int, exc: TandemError | None = None) -> None:
@@ -198,10 +220,14 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         try:
             leg = await cancel_on_disconnect(request, orch.plan(kind, req, trace, prefer, charge))  # type: ignore[arg-type]
             if not req.stream:
-                resp = await cancel_on_disconnect(request, orch.complete(leg, trace, kv_tasks.spawn))
+                try:
+                    resp = await cancel_on_disconnect(request, orch.complete(leg, trace, kv_tasks.spawn))
+                finally:
+                    await leg.release()
                 finish("ok", 200)
                 return JSONResponse(resp, headers=headers)
             stack = AsyncExitStack()
+            stack.push_async_callback(leg.release)
             try:
                 chunks = await cancel_on_disconnect(request, orch.open_stream(leg, trace, stack, kv_tasks.spawn))
             except BaseException:

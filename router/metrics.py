@@ -3,14 +3,58 @@
 Request-level metrics (TTFT, ITL, E2E, requests by status, tokens, hit rates, transfer bytes) are the
 shared ``telemetry.TandemMetrics``, fed from the same record that goes to the lake, so the two never
 disagree. The router adds what only it can see: the prefill leg, fallbacks, errors by type, and its
-view of the fleet.
+view of the fleet, and its admission queues (read from the controller at scrape time):
+
+    tandem_admission_queue_depth{node,priority}     gauge, requests queued in this router for a slot on
+                                                    the node, by class (interactive | batch)
+    tandem_admission_slots_in_use{node}             gauge, slots this router holds on the node
+    tandem_admission_shed_total{node}               counter, requests refused or evicted (503) at the node
+    tandem_admission_expired_total{node}            counter, requests dropped unserved at their deadline
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterator, Mapping
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.admission.priority import NodeQueueStats
 from telemetry.metrics import LATENCY_BUCKETS, TandemMetrics
+
+
+class AdmissionCollector(Collector):
+    """The admission controller's per-node queues, read when Prometheus scrapes (nothing on the fast
+    path). ``source`` is set once the controller exists; until then nothing is exported."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, NodeQueueStats]] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families({}))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(self.source() if self.source is not None else {}))
+
+    @staticmethod
+    def _families(stats: Mapping[str, NodeQueueStats]) -> list[Metric]:
+        queued = GaugeMetricFamily("tandem_admission_queue_depth",
+                                   "Requests queued in this router for a slot on a node, by class",
+                                   labels=["node", "priority"])
+        running = GaugeMetricFamily("tandem_admission_slots_in_use", "Slots this router holds on a node",
+                                    labels=["node"])
+        shed = CounterMetricFamily("tandem_admission_shed", "Requests refused or evicted (503) by a node's "
+                                   "admission queue", labels=["node"])
+        expired = CounterMetricFamily("tandem_admission_expired", "Requests dropped unserved at their deadline",
+                                      labels=["node"])
+        for node, st in sorted(stats.items()):
+            queued.add_metric([node, "interactive"], st.queued_interactive)
+            queued.add_metric([node, "batch"], st.queued_batch)
+            running.add_metric([node], st.running)
+            shed.add_metric([node], st.shed)
+            expired.add_metric([node], st.expired)
+        return [queued, running, shed, expired]
 
 
 class RouterMetrics:
@@ -29,3 +73,5 @@ class RouterMetrics:
         self.kv_usage = Gauge("tandem_node_kv_usage_ratio", "KV cache usage per node (last heartbeat)",
                               ["node", "role"], registry=r)
         self.live_nodes = Gauge("tandem_live_nodes", "Live nodes by role", ["role"], registry=r)
+        self.admission = AdmissionCollector()
+        r.register(self.admission)

@@ -6,8 +6,19 @@
                                               decode leg (stream or not) ─▶ client
 
 Everything up to the opening of the decode leg happens before the router answers, so any refusal
-(bad request, no node, engine 4xx) still gets a proper HTTP status. A prefill leg that fails for a
-reason that is not the client's follows ``prefill_fallback``: prefill on the decode node, or 502.
+(bad request, no node, engine 4xx, shed or expired in an admission queue) still gets a proper HTTP
+status.
+
+Admission slots (``router.admission.priority``), when the orchestrator has a controller: after routing,
+the request takes a slot on its decode (or colocated) node, then one on its prefill node; it queues by
+class then arrival for each, until ``trace.deadline``. The decode slot comes first and is held until
+the answer ends (``Leg.release``), so KV computed by a prefill node never waits for a decode slot;
+the prefill slot is held for the prefill leg only. A request shed or expired while queued has reached
+no engine. Every request takes its slots in the same order (decode, then prefill), so none deadlock.
+A decode leg retried on the prefill node (below) runs on the slots already held: it was admitted.
+
+A prefill leg that fails for a reason that is not the client's follows ``prefill_fallback``: prefill
+on the decode node, or 502.
 A decode leg that fails before its first token (decode node dead, refusing, or dying mid-transfer)
 releases the prefill node's lease and, under the same policy, is served once more by the prefill node
 itself, which still has the prompt in its prefix cache; the client sees one answer either way.
@@ -19,7 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -27,6 +38,8 @@ from infra.errors import EngineRejected, InvalidRequest, TandemError, Unavailabl
 from infra.registry import NodeInfo
 from kv_transfer import prefill_request_params
 from kv_transfer.control import is_tandem_params, release_lease
+from router.admission.priority import AdmissionController
+from router.admission.priority_class import Priority
 from router.fleet import Fleet, Pools
 from router.kv_index import BlockHasher, FleetIndex
 from router.metrics import RouterMetrics
@@ -82,6 +95,11 @@ class RequestTrace:
     tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
     """Tool calls in the answer by index: id, name, arguments (streamed fragments joined)."""
     finish_reason: str | None = None
+    priority: Priority = Priority.INTERACTIVE
+    """Admission class (the key's, lowered by ``x-tandem-priority``)."""
+    deadline: float | None = None
+    """``time.monotonic()`` by which the request must hold its node slots, else it is dropped unserved;
+    None: no admission queueing."""
     status: str = "ok"
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
@@ -104,6 +122,12 @@ class Leg:
     decision: Decision
     url: str
     body: dict[str, Any]
+    hold: AsyncExitStack = field(default_factory=AsyncExitStack)
+    """The decode node's admission slot. Whoever runs the leg calls ``release`` once the answer ends."""
+
+    async def release(self) -> None:
+        """Give back the decode node's slot (idempotent; no await inside, so safe under cancellation)."""
+        await self.hold.aclose()
 
 
 def new_request_id(kind: Kind) -> str:
@@ -112,8 +136,10 @@ def new_request_id(kind: Kind) -> str:
 
 class Orchestrator:
     def __init__(self, settings: RouterSettings, fleet: Fleet, client: NodeClient, policy: RoutingPolicy,
-                 tokenizer: PromptTokenizer, metrics: RouterMetrics, index: FleetIndex | None = None) -> None:
+                 tokenizer: PromptTokenizer, metrics: RouterMetrics, index: FleetIndex | None = None,
+                 slots: AdmissionController | None = None) -> None:
         self.index = index
+        self.slots = slots
         self._hashers: dict[tuple[str, int], BlockHasher] = {}
         self.settings = settings
         self.fleet = fleet
@@ -199,11 +225,23 @@ class Orchestrator:
         trace.routed = time.time()
         trace.policy, trace.reason = decision.policy, decision.reason
         self._hit_breakdown(rr, decision, trace)
+        hold = AsyncExitStack()
         try:
-            return await self._legs(kind, body, decision, trace)
+            await hold.enter_async_context(self._slot(decision.decode, trace))
+            async with self._slot(decision.prefill, trace):
+                leg = await self._legs(kind, body, decision, trace)
         except BaseException:
+            await hold.aclose()
             self.policy.on_complete(decision)
             raise
+        leg.hold = hold
+        return leg
+
+    def _slot(self, node: Candidate | None, trace: RequestTrace) -> AbstractAsyncContextManager[None]:
+        """The node's admission slot for this request (queued by class, dropped at the deadline)."""
+        if node is None or self.slots is None or trace.deadline is None:
+            return nullcontext()
+        return self.slots.slot(node.node_id, trace.priority, trace.deadline)
 
     async def _legs(self, kind: Kind, body: dict[str, Any], decision: Decision, trace: RequestTrace) -> Leg:
         path = _PATHS[kind]

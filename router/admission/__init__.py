@@ -4,12 +4,14 @@ FastAPI glue lives in ``router.admission.http``; the ``tandem keys`` CLI in ``ro
 """
 
 from router.admission.context import AdmissionContext, AdmissionSettings
+from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.keys import ApiKeyInfo, KeyStore, Tenant, bearer_token, hash_key
 from router.admission.priority import AdmissionController, NodeQueueStats
 from router.admission.priority_class import PRIORITY_HEADER, Priority, resolve_priority
 from router.admission.ratelimit import Admission, Gatekeeper, GlobalLimits
 
 __all__ = [
+    "DEADLINE_HEADER",
     "PRIORITY_HEADER",
     "Admission",
     "AdmissionContext",
@@ -24,5 +26,6 @@ __all__ = [
     "Tenant",
     "bearer_token",
     "hash_key",
+    "request_deadline",
     "resolve_priority",
 ]

@@ -55,7 +55,9 @@ def create(
     ] = None,
     tpm: Annotated[int | None, typer.Option(help="Tokens per minute for the tenant (0 = unlimited).")] = None,
     priority: Annotated[
-        Priority | None, typer.Option(help="Priority class of the tenant's requests.", case_sensitive=False)
+        Priority | None,
+        typer.Option(help="Priority class of the tenant's requests (a request's x-tandem-priority header may "
+                          "lower it to batch, never raise it).", case_sensitive=False),
     ] = None,
 ) -> None:
     """Create a key for TENANT and print it once: it is stored only as a hash and cannot be shown again.

@@ -58,12 +58,17 @@ class AdmissionSettings(BaseSettings):
     negative_key_ttl_s: float = 10.0
     """How long an unknown key is remembered as unknown in Redis (spares the store)."""
 
-    node_max_concurrency: int = 8
-    """Requests one router sends to one node at once; the rest queue by class then arrival."""
-    node_max_queue: int = 64
+    node_max_concurrency: int = 64
+    """Requests one router sends to one node at once (a P/D request holds a slot on its decode node for
+    the whole answer and one on its prefill node for the prefill leg); the rest queue by class then
+    arrival. Set it near the engine's batch capacity (vLLM ``max_num_seqs``), so that the engine never
+    queues FIFO what the router could have ordered by class, yet batches fully."""
+    node_max_queue: int = 256
     """Queued requests per node beyond which batch (then interactive) requests are shed with 503."""
     request_deadline_s: float = 30.0
-    """Default time a request may wait in a node queue before it is dropped."""
+    """Default time budget, from arrival at the router, for a request to get its node slots; a request
+    still queued when it passes is dropped unserved (503 ``deadline_exceeded``). A client sets its own
+    with ``x-tandem-deadline-ms``."""
 
     session_cache_ttl_s: float = 86_400.0
     session_max_cached_turns: int = 500

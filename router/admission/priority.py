@@ -129,6 +129,10 @@ class AdmissionController:
             expired=q.expired,
         )
 
+    def snapshot(self) -> dict[str, NodeQueueStats]:
+        """Stats of every node this controller has queued for (for ``/metrics``)."""
+        return {node_id: self.stats(node_id) for node_id in list(self._nodes)}
+
     @asynccontextmanager
     async def slot(self, node_id: str, priority: Priority, deadline: float) -> AsyncIterator[None]:
         """Hold one of the node's slots for the body of the ``async with``."""

@@ -8,12 +8,13 @@ the closures below, which string annotations would hide.)
 A request names its session with ``x-session-id`` (created when absent; the router returns it in the
 response's ``x-session-id`` header) and chooses how history is used with ``x-tandem-history``:
 ``client`` (default: the client sends the full history, the router records only what is new) or
-``server`` (the client sends only new messages; the router prepends the stored history).
+``server`` (the client sends only new messages; the router prepends the stored history, see
+``prepend_history``; chat completions only). Either way the router records the turn after it ends.
 """
 
 import enum
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import APIRouter, Depends, Header, Response
@@ -52,6 +53,17 @@ async def session_params(
     if x_session_id:
         return SessionParams(validate_id(x_session_id, "x-session-id"), False, mode)
     return SessionParams(new_session_id(), True, mode)
+
+
+async def prepend_history(
+    store: SessionStore, tenant_id: str, session_id: str, new: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Server-history mode: the session's stored conversation (every turn's messages and the assistant's
+    answer, tool calls included), then the request's ``new`` messages, as OpenAI message dicts. An
+    unknown session has no history, so its first turn is just ``new``. Nothing is trimmed: a
+    conversation longer than the context window is refused like any over-long prompt."""
+    history = conversation(await store.get_history(tenant_id, session_id))
+    return [*msgspec.to_builtins(history), *new]
 
 
 def sessions_router(store: SessionStore, deps: AdmissionDependencies) -> APIRouter:

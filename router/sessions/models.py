@@ -26,10 +26,11 @@ class FunctionCall(msgspec.Struct, frozen=True, omit_defaults=True):
     """JSON text, exactly as the model produced it (possibly invalid JSON: stored verbatim)."""
 
 
-class ToolCall(msgspec.Struct, frozen=True, omit_defaults=True):
+class ToolCall(msgspec.Struct, frozen=True):
     id: str
     function: FunctionCall
     type: str = "function"
+    """Always written out: OpenAI requires it on the tool calls of an assistant message sent back."""
 
 
 class Message(msgspec.Struct, frozen=True, omit_defaults=True):

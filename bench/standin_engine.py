@@ -1,0 +1,185 @@
+"""A STAND-IN for an engine's OpenAI server: it is not an engine and never runs a model.
+
+It exists so that the router can be measured and tested on its own: the admission benchmark's
+"no-op engine" (router requests/s without any inference cost) and router unit tests that must hold
+node slots or see exactly which messages reached a node. Everything that claims to test serving uses
+real vLLM engines (``tests/e2e``), never this.
+
+What it does
+    ``POST /v1/chat/completions`` and ``/v1/completions``, streamed (SSE, ending ``[DONE]``) or not:
+    records the body, optionally waits while its gate is closed (``close_gate`` / ``open_gate``), and
+    answers at once with a fixed reply (``reply(body)`` decides: text, or a tool call). A request that
+    carries ``kv_transfer_params`` with ``do_remote_decode`` is a prefill leg: it gets one token and
+    ``kv_transfer_params`` back, as a prefill node answers. Usage counts words, not tokens.
+
+    python -m bench.standin_engine --port 8901      # a separate process (the benchmark does this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+STANDIN_LABEL = "stand-in engine (no model, fixed reply; not an engine)"
+
+Reply = Callable[[dict[str, Any]], dict[str, Any]]
+"""Request body → the assistant message to answer with (``{"content": ...}`` or ``{"tool_calls": [...]}``)."""
+
+
+def fixed_reply(text: str = "stand-in reply") -> Reply:
+    return lambda body: {"role": "assistant", "content": text}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class StandInEngine:
+    """A stand-in engine's state and its ASGI app. Thread-safe to inspect from the test's thread."""
+
+    reply: Reply = field(default_factory=fixed_reply)
+    received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    """(path, body) of every request, in arrival order."""
+    _open: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        self._open.set()
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self._handle, methods=["POST"]),
+            Route("/v1/completions", self._handle, methods=["POST"]),
+            Route("/health", lambda _: Response("ok"), methods=["GET"]),
+        ])
+
+    def close_gate(self) -> None:
+        """From now on, requests wait (after being recorded) until ``open_gate``."""
+        self._open.clear()
+
+    def open_gate(self) -> None:
+        self._open.set()
+
+    def bodies(self, path: str = "/v1/chat/completions") -> list[dict[str, Any]]:
+        with self._lock:
+            return [b for p, b in self.received if p == path]
+
+    async def _handle(self, request: Request) -> Response:
+        body = await request.json()
+        path = request.url.path
+        with self._lock:
+            self.received.append((path, body))
+            self.in_flight += 1
+        try:
+            # Polled: the gate is opened from the test's thread, and a waiting thread per held request
+            # could outlive a failed test.
+            while not self._open.is_set():  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+            return self._answer(path, body)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def _answer(self, path: str, body: dict[str, Any]) -> Response:
+        chat = path.endswith("chat/completions")
+        rid = f"standin-{uuid.uuid4().hex[:12]}"
+        prompt_words = len(json.dumps(body.get("messages") or body.get("prompt") or "").split())
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode"):  # prefill leg
+            return JSONResponse({
+                "id": rid, "object": "chat.completion" if chat else "text_completion", "model": body.get("model"),
+                "choices": [{"index": 0, "finish_reason": "length",
+                             **({"message": {"role": "assistant", "content": "x"}} if chat else {"text": "x"})}],
+                "usage": {"prompt_tokens": prompt_words, "completion_tokens": 1, "total_tokens": prompt_words + 1},
+                "kv_transfer_params": {"stand_in": True, "remote_request_id": rid}})
+        message = self.reply(body)
+        text = message.get("content") or ""
+        calls = message.get("tool_calls") or []
+        finish = "tool_calls" if calls else "stop"
+        completion_words = max(1, len(text.split()))
+        usage = {"prompt_tokens": prompt_words, "completion_tokens": completion_words,
+                 "total_tokens": prompt_words + completion_words}
+        if not body.get("stream"):
+            choice = ({"message": message} if chat else {"text": text})
+            return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                 "created": int(time.time()), "model": body.get("model"),
+                                 "choices": [{"index": 0, "finish_reason": finish, **choice}], "usage": usage})
+
+        def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
+            payload = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                       "created": int(time.time()), "model": body.get("model"),
+                       "choices": [choice] if choice else [], **extra}
+            return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+        async def events() -> AsyncIterator[bytes]:
+            if chat:
+                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+                if calls:
+                    deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+                    yield chunk({"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None})
+                if text:
+                    yield chunk({"index": 0, "delta": {"content": text}, "finish_reason": None})
+                yield chunk({"index": 0, "delta": {}, "finish_reason": finish})
+            else:
+                yield chunk({"index": 0, "text": text, "finish_reason": None})
+                yield chunk({"index": 0, "text": "", "finish_reason": finish})
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield chunk(None, usage=usage)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+class ServerThread:
+    """Serve an ASGI app with uvicorn on 127.0.0.1 in a daemon thread (lifespan included).
+
+        with ServerThread(app) as url: ...
+    """
+
+    def __init__(self, app: Any, port: int = 0) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
+                                lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        end = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError(f"server on port {self.port} did not start")
+            time.sleep(0.01)  # uvicorn offers no start notification across threads
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run a stand-in engine (NOT an engine: fixed replies).")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    uvicorn.run(StandInEngine().app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()
