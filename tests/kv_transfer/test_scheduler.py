@@ -1,0 +1,101 @@
+"""The connector's scheduler half on its own (stand-in requests and block lists; the real engine path is
+covered end to end in tests/e2e): which requests get leases, pulls or releases, and what they carry."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from vllm.v1.request import RequestStatus
+
+from kv_transfer.scheduler import TandemScheduler
+from kv_transfer.settings import ConnectorSettings, host_id
+
+
+def _sched(free_blocks: int = 1000) -> TandemScheduler:
+    s = TandemScheduler(ConnectorSettings(port=9103, lease_s=30), "engine-p", block_size=4)
+    s.kv_cache_manager = SimpleNamespace(block_pool=SimpleNamespace(get_num_free_blocks=lambda: free_blocks))
+    return s
+
+
+def _req(rid: str, n_tokens: int, params: dict | None, status=RequestStatus.FINISHED_LENGTH_CAPPED):  # noqa: ANN001, ANN202
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n_tokens)), kv_transfer_params=params,
+                           status=status, num_computed_tokens=n_tokens)
+
+
+def _decode_params(p: TandemScheduler, rid: str = "r1", n_tokens: int = 10) -> dict:
+    """What a prefill node's scheduler hands back for a finished prefill of ``n_tokens`` tokens."""
+    delay, params = p.request_finished(_req(rid, n_tokens, {"do_remote_decode": True}), [7, 8, 9])
+    assert delay is True
+    return params
+
+
+def test_prefill_side_leases_the_blocks_and_names_its_block_server() -> None:
+    p = _sched()
+    params = _decode_params(p)
+    assert params["transfer_id"] == "r1" and params["remote_block_ids"] == [7, 8, 9]
+    assert params["remote_endpoints"]["tcp"] == "tcp://127.0.0.1:9103" and params["remote_host_id"] == host_id()
+    assert params["do_remote_prefill"] is True and params["lease_deadline"] > time.time() + 25
+    meta = p.build_connector_meta()
+    assert [(lease.transfer_id, lease.block_ids) for lease in meta.leases] == [("r1", [7, 8, 9])]
+    assert p.build_connector_meta().empty()
+
+
+def test_aborted_prefill_frees_at_once() -> None:
+    p = _sched()
+    assert p.request_finished(_req("r1", 10, {"do_remote_decode": True}, RequestStatus.FINISHED_ABORTED),
+                              [7, 8, 9]) == (False, None)
+    assert p.build_connector_meta().empty()
+
+
+def _blocks(local_cached: list[int], new: list[int]) -> SimpleNamespace:
+    blocks = [SimpleNamespace(block_id=b, block_hash=b"h", is_null=False) for b in local_cached]
+    blocks += [SimpleNamespace(block_id=b, block_hash=None, is_null=False) for b in new]
+    return SimpleNamespace(blocks=(blocks,), get_unhashed_block_ids_all_groups=lambda: [new])
+
+
+def test_decode_side_pulls_only_the_blocks_its_own_cache_lacks_aligned_by_position() -> None:
+    params = _decode_params(_sched())
+    d = _sched()
+    req = _req("d1", 10, dict(params))
+    assert d.get_num_new_matched_tokens(req, 4) == (6, True)  # one block of 4 tokens cached locally
+    d.update_state_after_alloc(req, _blocks([0], [3, 4]), 6)
+    (recv,) = d.build_connector_meta().recvs
+    assert recv.remote_block_ids == [8, 9] and recv.local_block_ids == [3, 4] and recv.transfer_id == "r1"
+    assert req.kv_transfer_params["do_remote_prefill"] is False  # one transfer per request
+
+
+def test_decode_without_room_releases_the_lease_and_prefills_itself() -> None:
+    params = _decode_params(_sched())
+    d = _sched(free_blocks=2)
+    req = _req("d1", 10, dict(params))
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)
+    (rel,) = d.build_connector_meta().releases
+    assert rel.transfer_id == "r1" and "no room" in rel.reason
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False) and d.build_connector_meta().empty()
+
+
+def test_full_local_hit_past_lease_and_abort_before_scheduling_each_release_once() -> None:
+    d = _sched()
+    hit = _req("d1", 10, dict(_decode_params(_sched())))
+    d.update_state_after_alloc(hit, _blocks([0, 1, 2], []), 0)
+    late = _req("d2", 10, {**_decode_params(_sched(), "r2"), "lease_deadline": time.time() - 1})
+    assert d.get_num_new_matched_tokens(late, 0) == (0, False)
+    gone = _req("d3", 10, dict(_decode_params(_sched(), "r3")), RequestStatus.FINISHED_ABORTED)
+    assert d.request_finished(gone, []) == (False, None)
+    reasons = {r.transfer_id: r.reason for r in d.build_connector_meta().releases}
+    assert set(reasons) == {"r1", "r2", "r3"}
+    assert "cached" in reasons["r1"] and "past" in reasons["r2"] and "ended" in reasons["r3"]
+
+
+def test_abort_during_pull_cancels_it_and_a_finished_pull_reports_back() -> None:
+    d = _sched()
+    req = _req("d1", 10, dict(_decode_params(_sched())), RequestStatus.FINISHED_ABORTED)
+    d.update_state_after_alloc(req, _blocks([], [3, 4, 5]), 10)
+    d.build_connector_meta()
+    assert d.request_finished(req, [3, 4, 5]) == (False, None)
+    assert d.build_connector_meta().cancels == ["d1"]
+    ok = _req("d2", 10, dict(_decode_params(_sched(), "r2")), RequestStatus.FINISHED_STOPPED)
+    d.update_state_after_alloc(ok, _blocks([], [6, 7, 8]), 10)
+    d.update_connector_output({"d2"}, {"d2": {"ok": True, "bytes": 123}})
+    assert d.request_finished(ok, [6, 7, 8]) == (False, {"tandem_transfer": {"ok": True, "bytes": 123}})
