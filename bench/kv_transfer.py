@@ -18,7 +18,7 @@ The memcpy ceiling copies the same number of bytes, in blocks of the engine's bl
 arrays in this process.
 
 Last line: ``RESULT best_gbps=... memcpy_gbps=... nixl_gbps=... tcp_gbps=... nixl_tcp_gbps=...
-ttft_pd_ms=... ttft_colo_ms=...`` (figures at the largest prompt).
+ttft_pd_ms=... ttft_colo_ms=...`` (transfer figures at the largest prompt; TTFT at ``ttft_tokens``).
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ class KvBenchConfig:
     dtype: str = "bfloat16"
     kv_cache_gib: int = 2
     nixl: bool = True
+    ttft_tokens: int = 1000
+    """Prompt size of the TTFT comparison (fresh prompts, no cache): a 7.5k-token prefill takes minutes
+    on one CPU core, so the default compares at 1k; on real hardware pass the largest size."""
 
 
 def prompt_text(tokens: int, tag: str) -> str:
@@ -105,20 +108,33 @@ def _two_legs(prefill: str, decode: str, model: str, prompt: str, transport: str
     return first.json()["usage"]["prompt_tokens"]
 
 
+def _reset_prefix_cache(url: str, client: httpx.Client) -> None:
+    """Empty an engine's prefix cache (vLLM's dev endpoint; the bench runs its engines with
+    VLLM_SERVER_DEV_MODE=1), so the next pull into it moves every block of the prompt."""
+    resp = client.post(f"{url}/reset_prefix_cache")
+    resp.raise_for_status()
+
+
 def measure_transfers(cluster: Cluster, model: str, cfg: KvBenchConfig, *, nixl: bool, label: str,
                       transports: tuple[str | None, ...]) -> list[Sample]:
+    """Per size, the prompt is prefilled once; every measured pull after that reuses the prefill
+    node's prefix cache (its prefill leg is a cache hit that still leases every block) while the decode
+    node's cache is emptied before each pull, so each pull moves the whole prompt and a 7.5k-token
+    prefill on one CPU core is paid once per size, not once per sample."""
     prefill, decode = cluster.role_urls("prefill")[0], cluster.role_urls("decode")[0]
     secs_name, bytes_name = (("vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum") if nixl
                              else ("tandem_kv_transfer_seconds_sum", "tandem_kv_transfer_bytes_total"))
     samples: list[Sample] = []
-    with httpx.Client(timeout=600) as client:
-        _two_legs(prefill, decode, model, prompt_text(300, f"warm-{uuid.uuid4().hex}"), transports[0], nixl, client)
+    with httpx.Client(timeout=1800) as client:
         for size in cfg.sizes:
+            prompt = prompt_text(size, uuid.uuid4().hex)
+            with console.status(f"{label}: prefilling {size} tokens once…"):
+                _two_legs(prefill, decode, model, prompt, transports[0], nixl, client)
             for transport in transports:
                 for _ in range(cfg.repeats):
+                    _reset_prefix_cache(decode, client)
                     s0, b0 = _metric(decode, secs_name), _metric(decode, bytes_name)
-                    tokens = _two_legs(prefill, decode, model, prompt_text(size, uuid.uuid4().hex), transport, nixl,
-                                       client)
+                    tokens = _two_legs(prefill, decode, model, prompt, transport, nixl, client)
                     # the decode engine's metrics are updated from its stats stream: wait for this transfer
                     end = time.monotonic() + 30
                     while _metric(decode, bytes_name) == b0 and time.monotonic() < end:
@@ -178,9 +194,10 @@ def _cluster(cfg: KvBenchConfig, workdir: Path, connector: str, both: int) -> Cl
 
 @contextmanager
 def _started(cluster: Cluster, what: str) -> Any:
-    """Start a cluster with progress on the console; yields the served model's name; always stops it."""
+    """Start a cluster with progress on the console; yields the served model's name; always stops it.
+    Its engines run with VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache."""
     try:
-        with console.status(f"starting {what} cluster…") as status:
+        with _env(VLLM_SERVER_DEV_MODE="1"), console.status(f"starting {what} cluster…") as status:
             cluster.start()
             cluster.wait_ready(on_progress=lambda msg: status.update(f"{what}: {msg}"))
         yield httpx.get(f"{cluster.url}/v1/models").json()["data"][0]["id"]
@@ -196,10 +213,10 @@ def run_kv_transfer_bench(out: Path, cfg: KvBenchConfig | None = None) -> dict[s
     cluster = _cluster(cfg, workdir / "tandem", "tandem", both=1)
     with _started(cluster, "tandem") as model:
         samples += measure_transfers(cluster, model, cfg, nixl=False, label="tandem", transports=TRANSPORTS)
-        top = max(cfg.sizes)
-        ttfts["pd"] = ttft(cluster, model, top, "disaggregated", cfg.repeats)
-        ttfts["colo"] = ttft(cluster, model, top, "colocated", cfg.repeats)
-        console.print(f"TTFT at {top} tokens: P/D {ttfts['pd']:.0f} ms, colocated {ttfts['colo']:.0f} ms")
+        ttfts["pd"] = ttft(cluster, model, cfg.ttft_tokens, "disaggregated", cfg.repeats)
+        ttfts["colo"] = ttft(cluster, model, cfg.ttft_tokens, "colocated", cfg.repeats)
+        console.print(f"TTFT at {cfg.ttft_tokens} tokens: P/D {ttfts['pd']:.0f} ms, "
+                      f"colocated {ttfts['colo']:.0f} ms")
         block_nbytes = int(_block_nbytes(samples))
     if cfg.nixl:
         for label, env in (("nixl", {}), ("nixl_tcp", {"UCX_TLS": "tcp"})):

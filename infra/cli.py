@@ -213,6 +213,7 @@ def bench_kv_transfer(
                                                         "4000, 7500).")] = None,
     repeats: Annotated[int, typer.Option(help="Requests per size and transport.")] = 3,
     nixl: Annotated[bool, typer.Option(help="Also measure NixlConnector (default UCX and UCX_TLS=tcp).")] = True,
+    ttft_tokens: Annotated[int, typer.Option(help="Prompt tokens of the TTFT P/D-vs-colocated comparison.")] = 1000,
     redis_url: Annotated[str, typer.Option(help="Registry Redis for the benchmark's clusters.")] = (
         "redis://127.0.0.1:6379/9"),
 ) -> None:
@@ -221,7 +222,8 @@ def bench_kv_transfer(
     Starts and stops its own clusters, one at a time."""
     from bench.kv_transfer import KvBenchConfig, run_kv_transfer_bench
 
-    cfg = KvBenchConfig(sizes=tuple(size or (1000, 4000, 7500)), repeats=repeats, nixl=nixl, redis_url=redis_url)
+    cfg = KvBenchConfig(sizes=tuple(size or (1000, 4000, 7500)), repeats=repeats, nixl=nixl, redis_url=redis_url,
+                        ttft_tokens=ttft_tokens)
     with _clean_errors():
         run_kv_transfer_bench(out, cfg)
 
