@@ -39,7 +39,7 @@ class ClusterSpec:
     kv_cache_gib: int = 1
     connector: str = "nixl"
     max_model_len: int = 8192
-    policy: str = "least_loaded"
+    policy: str = "cache_aware"
     workdir: Path = field(default_factory=lambda: Path(".tandem"))
     lake: Path | None = None
     """Parquet lake the cluster's telemetry writer fills; None: <workdir>/lake. Telemetry is always on:
