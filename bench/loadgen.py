@@ -1,5 +1,10 @@
-"""A closed-loop SSE load generator: `concurrency` workers send chat requests back to back and time
-every token as the client sees it (TTFT, ITL, E2E, output tokens/s)."""
+"""SSE load generators that time every token as the client sees it (TTFT, ITL, E2E, output tokens/s).
+
+``run_level``: closed loop, ``concurrency`` workers send chat requests back to back.
+``run_sessions``: multi-turn sessions that arrive open-loop at fixed times (whatever the system's
+state); within a session each turn is sent a think time after the previous answer ended, as an agent
+that reads an answer and runs a tool before calling again.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,6 +28,8 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
+    usage: dict[str, Any] | None = None
+    """The final SSE chunk's ``usage`` as the server sent it (hit-rate breakdown included)."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -58,6 +65,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     last = first = None
     itl: list[float] = []
     out = prompt = 0
+    usage: dict[str, Any] | None = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -69,6 +77,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 if "error" in chunk:
                     return RequestResult(ok=False, error=str(chunk["error"])[:200])
                 if chunk.get("usage"):
+                    usage = chunk["usage"]
                     out = chunk["usage"].get("completion_tokens", out)
                     prompt = chunk["usage"].get("prompt_tokens", prompt)
                 for choice in chunk.get("choices") or []:
@@ -85,7 +94,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     if first is None:
         return RequestResult(ok=False, error="no token received")
     return RequestResult(ok=True, ttft_s=first - start, e2e_s=end - start, itl_s=itl, output_tokens=out,
-                         prompt_tokens=prompt)
+                         prompt_tokens=prompt, usage=usage)
 
 
 async def run_level(base_url: str, model: str, prompts: Sequence[list[dict[str, str]]], concurrency: int,
@@ -132,3 +141,57 @@ async def run_level(base_url: str, model: str, prompts: Sequence[list[dict[str, 
 
 def mean_or_nan(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
+
+
+@dataclass(frozen=True)
+class SessionScript:
+    """One multi-turn session, scripted in advance: its turns' messages do not depend on the answers."""
+
+    session_id: str
+    start_s: float
+    """Arrival of the first turn, seconds after the run starts (open loop)."""
+    turns: Sequence[list[dict[str, str]]]
+    """Each turn's whole message list (the history so far plus the new messages)."""
+    think_s: Sequence[float]
+    """Pause after turn i's answer before turn i+1 is sent (len(turns) - 1 values)."""
+
+
+@dataclass
+class SentRequest:
+    session_id: str
+    turn: int
+    sent_s: float
+    """When it was sent, seconds after the run started."""
+    late_s: float
+    """How much later than planned (session arrival) a session's first turn went out (0 for others)."""
+    result: RequestResult
+
+
+async def run_sessions(base_url: str, model: str, sessions: Sequence[SessionScript], max_tokens: int,
+                       headers: Mapping[str, str] | None = None,
+                       on_done: Callable[[SentRequest], None] | None = None) -> list[SentRequest]:
+    """Replay ``sessions`` against ``base_url`` (POST /v1/chat/completions, SSE). Each request carries
+    ``x-session-id``. Returns every request in the order it was sent."""
+    url = f"{base_url}/v1/chat/completions"
+    sent: list[SentRequest] = []
+    t0 = time.perf_counter()
+
+    async def session(client: httpx.AsyncClient, s: SessionScript) -> None:
+        await asyncio.sleep(max(0.0, s.start_s - (time.perf_counter() - t0)))
+        late = max(0.0, time.perf_counter() - t0 - s.start_s)
+        for i, messages in enumerate(s.turns):
+            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            entry = SentRequest(s.session_id, i, time.perf_counter() - t0, late if i == 0 else 0.0,
+                                RequestResult(ok=False, error="not finished"))
+            sent.append(entry)
+            entry.result = await one_request(client, url, body, {**(headers or {}), "x-session-id": s.session_id})
+            if on_done:
+                on_done(entry)
+            if i < len(s.think_s):
+                await asyncio.sleep(s.think_s[i])
+
+    limits = httpx.Limits(max_connections=len(sessions) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
+        await asyncio.gather(*(session(client, s) for s in sessions))
+    return sent

@@ -105,7 +105,7 @@ def router(
     port: Annotated[int, typer.Option(help="HTTP port of the OpenAI-compatible API.")] = 8000,
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Registry Redis.")] = "redis://127.0.0.1:6379/0",
     policy: Annotated[str, typer.Option(help="Routing policy: cache_aware, least_loaded or round_robin.")] = (
-        "least_loaded"),
+        "cache_aware"),
     log_level: str = "info",
 ) -> None:
     """Run the router: OpenAI API (SSE), P/D orchestration over the nodes in the registry.
@@ -151,7 +151,7 @@ def up(
         ".tandem"),
     lake: Annotated[Path | None, typer.Option(help="Parquet lake for telemetry (default: <workdir>/lake).")] = None,
     policy: Annotated[str, typer.Option(help="Routing policy: cache_aware, least_loaded or round_robin.")] = (
-        "least_loaded"),
+        "cache_aware"),
 ) -> None:
     """Start a local cluster (Redis if needed, nodes, router) and run it until Ctrl-C or SIGTERM."""
     from infra.launcher import Cluster, ClusterSpec

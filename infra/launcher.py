@@ -39,7 +39,7 @@ class ClusterSpec:
     kv_cache_gib: int = 1
     connector: str = "tandem"
     max_model_len: int = 8192
-    policy: str = "least_loaded"
+    policy: str = "cache_aware"
     workdir: Path = field(default_factory=lambda: Path(".tandem"))
     lake: Path | None = None
     """Parquet lake the cluster's telemetry writer fills; None: <workdir>/lake. Telemetry is always on:
@@ -57,17 +57,28 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def assign_cores(role: Role, has_pd: bool) -> str:
+def _span(chosen: list[int]) -> str:
+    return f"{chosen[0]}-{chosen[-1]}" if len(chosen) > 1 else str(chosen[0])
+
+
+def assign_cores(role: Role, has_pd: bool, slot: int = 0, slots: int = 1) -> str:
     """P and D get disjoint halves of the machine's cores, so a prefill burst never steals decode's
-    core. A colocated node alone gets all of them; beside a P/D pair it shares decode's half: OpenMP
+    core. Colocated nodes without a P/D pair split all cores between them (``slot`` of ``slots``;
+    one node alone gets all of them); beside a P/D pair a colocated node shares decode's half: OpenMP
     threads spread over cores that other engines also use stall each other at every barrier
     (measured: 40 tokens took 58 s instead of 2 s on two shared cores)."""
     cores = _cores()
-    if len(cores) < 2 or (not has_pd and role is Role.BOTH):
-        return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+    if not has_pd and role is Role.BOTH:
+        if slots <= 1 or len(cores) < 2:
+            return _span(cores)
+        if slots >= len(cores):
+            return str(cores[slot % len(cores)])
+        share = len(cores) // slots
+        return _span(cores[slot * share:(slot + 1) * share])
+    if len(cores) < 2:
+        return _span(cores)
     half = len(cores) // 2
-    chosen = cores[:half] if role is Role.PREFILL else cores[half:]
-    return f"{chosen[0]}-{chosen[-1]}" if len(chosen) > 1 else str(chosen[0])
+    return _span(cores[:half] if role is Role.PREFILL else cores[half:])
 
 
 class Cluster:
@@ -99,6 +110,7 @@ class Cluster:
         elif not reachable(self.redis_url):
             raise ConfigError(f"Redis at {self.redis_url} does not answer")
         has_pd = spec.prefill > 0 and spec.decode > 0
+        both_slot = 0
         for i, role in enumerate(spec.roles):
             port = spec.node_base_port + 10 * i
             node_id = f"{role.value}-{i}-{port}"
@@ -106,18 +118,26 @@ class Cluster:
             self.node_ids[node_id] = role
             args = ["node", "--role", role.value, "--port", str(port), "--node-id", node_id,
                     "--redis-url", self.redis_url, "--dtype", spec.dtype, "--kv-cache-gib", str(spec.kv_cache_gib),
-                    "--cores", assign_cores(role, has_pd), "--connector", spec.connector,
+                    "--cores", assign_cores(role, has_pd, both_slot, spec.both), "--connector", spec.connector,
                     "--max-model-len", str(spec.max_model_len), "--log-dir", str(self.logs)]
             if spec.model:
                 args += ["--model", spec.model]
             for extra in spec.extra_node_args:
                 args += ["--engine-arg", extra]
+            both_slot += role is Role.BOTH
             self._spawn(node_id, args)
-        self._spawn("router", ["router", "--port", str(spec.router_port), "--redis-url", self.redis_url,
-                               "--policy", spec.policy],
-                    {"TANDEM_SQLITE_PATH": str(spec.workdir / "tandem.db"), **dict(spec.router_env)})
+        self.add_router(spec.router_port, spec.policy, name="router")
         self._spawn("lake-writer", ["telemetry", "consume", "--redis-url", self.redis_url, "--lake", str(self.lake),
                                     "--consumer", f"tandem-up-{spec.router_port}"])
+
+    def add_router(self, port: int, policy: str, name: str | None = None) -> str:
+        """Start a router process over this cluster's registry (the cluster's own, or another replica
+        with its own policy, e.g. for a benchmark); returns its base URL. Every replica subscribes to
+        the nodes' KV events itself. Stopped with the cluster."""
+        self._spawn(name or f"router-{port}", ["router", "--port", str(port), "--redis-url", self.redis_url,
+                                               "--policy", policy],
+                    {"TANDEM_SQLITE_PATH": str(self.spec.workdir / "tandem.db"), **dict(self.spec.router_env)})
+        return f"http://127.0.0.1:{port}"
 
     def live_node_ids(self) -> set[str]:
         client = redis.Redis.from_url(self.redis_url)
@@ -149,34 +169,45 @@ class Cluster:
             time.sleep(1.0)  # polling child processes that have no readiness callback
         raise ConfigError(f"cluster not ready after {self.spec.startup_timeout_s:.0f} s; logs in {self.logs}")
 
-    def _warm_up(self) -> None:
+    def wait_router(self, url: str, timeout_s: float = 120.0) -> None:
+        """Wait until a router started with ``add_router`` sees every node, then warm it up."""
+        deadline = time.monotonic() + timeout_s
+        while not self._router_sees(set(self.node_ids), url):
+            dead = self.dead_children()
+            if dead or time.monotonic() > deadline:
+                raise ConfigError(f"router at {url} not ready ({', '.join(dead) or 'timeout'}); logs in {self.logs}")
+            time.sleep(0.5)  # polling a child process that has no readiness callback
+        self._warm_up(url)
+
+    def _warm_up(self, url: str | None = None) -> None:
         """One tiny request down each path before saying READY, so the first user request does not pay
         one-off costs (the router loading the tokenizer, the first NIXL handshake between P and D)."""
-        model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        url = url or self.url
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         routes = (["disaggregated"] if self.spec.prefill and self.spec.decode else []) + (
             ["colocated"] if self.spec.both else [])
         for route in routes:
-            resp = httpx.post(f"{self.url}/v1/chat/completions", timeout=self.spec.startup_timeout_s,
+            resp = httpx.post(f"{url}/v1/chat/completions", timeout=self.spec.startup_timeout_s,
                               headers={"x-tandem-route": route, "x-session-id": "tandem-warm-up"},
                               json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
             if resp.status_code != 200:
                 raise ConfigError(f"warm-up request ({route}) failed: {resp.status_code} {resp.text[:300]}")
 
-    def _router_sees(self, want: set[str]) -> bool:
+    def _router_sees(self, want: set[str], url: str | None = None) -> bool:
         """The router's own view includes every node (its registry refresh has caught up)."""
         with contextlib.suppress(httpx.HTTPError, ValueError):
-            nodes = httpx.get(f"{self.url}/health", timeout=1.0).json().get("nodes", {})
+            nodes = httpx.get(f"{url or self.url}/health", timeout=1.0).json().get("nodes", {})
             return sum(nodes.values()) >= len(want)
         return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Router first (no new work), then nodes (they deregister), then an embedded Redis."""
-        order = sorted(self.procs, key=lambda np: (np[0] == "redis", np[0] != "router"))
+        order = sorted(self.procs, key=lambda np: (np[0] == "redis", not np[0].startswith("router")))
         for name, proc in order:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
-            if name in ("router", "redis"):
+            if name == "redis" or name.startswith("router"):
                 _wait(proc, timeout_s)
         for _, proc in order:
             _wait(proc, timeout_s)

@@ -25,8 +25,8 @@ class RouterSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"
-    policy: str = "least_loaded"
-    """cache_aware, least_loaded or round_robin (router.policies)."""
+    policy: str = "cache_aware"
+    """cache_aware (default), least_loaded or round_robin (router.policies)."""
     registry_refresh_s: float = 0.5
     """How often the live-node view is re-read from Redis."""
     prefill_fallback: FallbackPolicy = FallbackPolicy.LOCAL

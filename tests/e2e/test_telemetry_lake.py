@@ -30,7 +30,9 @@ def _rows(cluster: LiveCluster, sql: str) -> list[dict]:
 
 def test_every_request_lands_once_with_tool_call_and_feedback(cluster: LiveCluster) -> None:
     session = f"lake-{uuid.uuid4().hex}"
-    h = {"x-session-id": session}
+    # Forced onto the P/D path: under cache_aware (the default) prompts this short prefill on the decode
+    # node, and this test checks the prefill-leg fields of the records.
+    h = {"x-session-id": session, "x-tandem-route": "disaggregated"}
     chat = {"model": cluster.model, "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8,
             "temperature": 0}
     with httpx.Client(base_url=cluster.url, timeout=120, headers=h) as c:
@@ -58,7 +60,7 @@ def test_every_request_lands_once_with_tool_call_and_feedback(cluster: LiveClust
         assert r["status"] == "ok" and r["http_status"] == 200
         assert r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"]
         assert r["prompt_tokens"] > 0 and r["completion_tokens"] > 0
-        assert r["decode_node"] and r["routing_policy"] == "least_loaded" and r["routing_decision"] == "pd"
+        assert r["decode_node"] and r["routing_policy"] == "cache_aware" and r["routing_decision"] == "pd"
         assert r["prefill_node"] and r["kv_connector"] == "tandem"
         assert r["t_arrival"] <= r["t_routed"] <= r["t_prefill_start"] <= r["t_prefill_end"] <= r["t_finish"]
     assert {r["endpoint"] for r in rows} == {"chat", "completions"}

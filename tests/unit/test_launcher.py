@@ -19,3 +19,16 @@ def test_assign_cores(monkeypatch: pytest.MonkeyPatch, cores: list[int], role: R
                       expected: str) -> None:
     monkeypatch.setattr(launcher, "_cores", lambda: cores)
     assert launcher.assign_cores(role, has_pd) == expected
+
+
+@pytest.mark.parametrize(("cores", "slot", "slots", "expected"), [
+    ([0, 1], 0, 2, "0"),  # two colocated nodes on two cores: one each, never spread over both
+    ([0, 1], 1, 2, "1"),
+    ([0, 1, 2, 3], 1, 2, "2-3"),
+    ([0, 1], 2, 3, "0"),  # more nodes than cores: they share, one core each
+    ([0, 1], 0, 1, "0-1"),
+])
+def test_colocated_nodes_split_the_cores(monkeypatch: pytest.MonkeyPatch, cores: list[int], slot: int, slots: int,
+                                         expected: str) -> None:
+    monkeypatch.setattr(launcher, "_cores", lambda: cores)
+    assert launcher.assign_cores(Role.BOTH, False, slot, slots) == expected

@@ -124,15 +124,17 @@ def test_no_node_is_503_with_retry_after(client_with) -> None:  # noqa: ANN001
 
 
 def test_failed_prefill_leg_falls_back_to_decode_node(client_with) -> None:  # noqa: ANN001
-    # Both legs point at a dead port; the fallback must be attempted (counted) before the 502.
+    # Both legs point at a dead port; the fallback must be attempted (counted) before the 502. P/D is
+    # forced: cache_aware would prefill a prompt this short on the decode node (no prefill leg at all).
     with client_with([_node("p-0", Role.PREFILL), _node("d-0", Role.DECODE)]) as c:
-        _assert_openai_error(c.post("/v1/chat/completions", json=_chat()), 502)
+        resp = c.post("/v1/chat/completions", json=_chat(), headers={"x-tandem-route": "disaggregated"})
+        _assert_openai_error(resp, 502)
         assert "tandem_prefill_fallbacks_total 1.0" in c.get("/metrics").text
 
 
 def test_cluster_view_lists_live_nodes(client_with) -> None:  # noqa: ANN001
     with client_with([_node("p-0", Role.PREFILL), _node("d-0", Role.DECODE)]) as c:
         data = c.get("/cluster").json()
-        assert data["policy"] == "least_loaded"
+        assert data["policy"] == "cache_aware"
         assert [(n["node_id"], n["role"]) for n in data["nodes"]] == [("d-0", "decode"), ("p-0", "prefill")]
         assert all(n["cached_blocks"] == 0 and n["router_inflight"] == 0 for n in data["nodes"])
