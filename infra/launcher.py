@@ -116,8 +116,10 @@ class Cluster:
         self._spawn("router", ["router", "--port", str(spec.router_port), "--redis-url", self.redis_url,
                                "--policy", spec.policy],
                     {"TANDEM_SQLITE_PATH": str(spec.workdir / "tandem.db"), **dict(spec.router_env)})
+        # The slow path never takes CPU from the fast path: the writer runs SCHED_IDLE on any core
+        # (every core belongs to an engine here), only where an engine would leave it idle.
         self._spawn("lake-writer", ["telemetry", "consume", "--redis-url", self.redis_url, "--lake", str(self.lake),
-                                    "--consumer", f"tandem-up-{spec.router_port}"])
+                                    "--consumer", f"tandem-up-{spec.router_port}", "--cpu-priority", "idle"])
 
     def live_node_ids(self) -> set[str]:
         client = redis.Redis.from_url(self.redis_url)
