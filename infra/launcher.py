@@ -127,8 +127,10 @@ class Cluster:
             both_slot += role is Role.BOTH
             self._spawn(node_id, args)
         self.add_router(spec.router_port, spec.policy, name="router")
+        # The slow path never takes CPU from the fast path: the writer runs SCHED_IDLE on any core
+        # (every core belongs to an engine here), only where an engine would leave it idle.
         self._spawn("lake-writer", ["telemetry", "consume", "--redis-url", self.redis_url, "--lake", str(self.lake),
-                                    "--consumer", f"tandem-up-{spec.router_port}"])
+                                    "--consumer", f"tandem-up-{spec.router_port}", "--cpu-priority", "idle"])
 
     def add_router(self, port: int, policy: str, name: str | None = None) -> str:
         """Start a router process over this cluster's registry (the cluster's own, or another replica

@@ -1,7 +1,8 @@
 """Command-line entry points, mounted by ``infra/cli.py`` as ``tandem telemetry ...`` and
 ``tandem lake ...``:
 
-    tandem telemetry consume   --redis-url --lake --group --consumer --batch-entries --block-ms ...
+    tandem telemetry consume   --redis-url --lake --group --consumer --batch-entries --block-ms
+                               --cpu-priority idle|normal ...
     tandem telemetry compact   --redis-url --lake --min-age-s
     tandem telemetry schema    [TABLE]
     tandem lake query "SQL"    --lake --format table|csv|json
@@ -28,6 +29,7 @@ from rich.table import Table
 from infra.errors import StoreError
 from telemetry.emitter import DEFAULT_STREAM_PREFIX
 from telemetry.lake_writer import LakeWriter, WriterConfig
+from telemetry.priority import CpuPriority, apply_cpu_priority
 from telemetry.schemas import TABLE_NAMES, describe
 
 telemetry_app = typer.Typer(
@@ -90,9 +92,18 @@ def consume(
     ] = 30.0,
     compression: Annotated[str, typer.Option("--compression", help="Parquet codec.")] = "zstd",
     once: Annotated[bool, typer.Option("--once", help="Write what is waiting now, then exit.")] = False,
+    cpu_priority: Annotated[
+        CpuPriority,
+        typer.Option(
+            "--cpu-priority",
+            help="idle: SCHED_IDLE and nice 19, so the writer only uses CPU time that engines and routers "
+            "leave idle (telemetry.priority); normal: as started.",
+        ),
+    ] = CpuPriority.IDLE,
 ) -> None:
     """Consume the telemetry streams into Parquet files under LAKE (at least once, de-duplicated)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    priority = apply_cpu_priority(cpu_priority)
     cfg = WriterConfig(
         lake=lake,
         redis_url=redis_url,
@@ -115,7 +126,8 @@ def consume(
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         _console.print(
-            f"consuming {', '.join(cfg.tables)} from {redis_url} into {lake} as {group}/{consumer}"
+            f"consuming {', '.join(cfg.tables)} from {redis_url} into {lake} as {group}/{consumer} "
+            f"(CPU priority: {priority})"
         )
         total = writer.run(stop, recover_every_s=recover_every_s)
         _console.print(f"stopped: wrote {total.rows} events in {total.files} files")
