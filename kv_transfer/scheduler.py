@@ -38,6 +38,8 @@ class TandemScheduler:
         self._meta = TandemMetadata()
         self._inflight: set[str] = set()
         self._reports: dict[str, dict] = {}
+        self._matched_from: dict[str, int] = {}
+        """Decode side: the (block-aligned) local hit each pulling request was matched from."""
 
     # -- decode side -----------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -53,6 +55,7 @@ class TandemScheduler:
         if self.settings.reject_when_full and self._free_blocks() < self._blocks_for(request, num_computed_tokens):
             self._release(request, "decode node has no room", forget=True)
             return 0, False
+        self._matched_from[request.request_id] = num_computed_tokens
         return count, True
 
     def _blocks_for(self, request: Request, num_computed_tokens: int) -> int:
@@ -80,10 +83,16 @@ class TandemScheduler:
         if num_external_tokens <= 0:
             self._release(request, "decode node had every block cached", forget=False)
             return
-        group = blocks.blocks[0]
-        computed = sum(1 for b in group if b.block_hash is not None and not b.is_null)
-        local = blocks.get_unhashed_block_ids_all_groups()[0]
-        remote = list(params["remote_block_ids"])[computed:computed + len(local)]
+        # Align by position: prompt block i on the prefill node is prompt block i here. Blocks before
+        # the local hit are ours already; blocks past the prompt (room for the first output tokens)
+        # have nothing to receive.
+        first = self._matched_from.pop(request.request_id, 0) // self.block_size
+        n_prompt = -(-len(request.prompt_token_ids or ()) // self.block_size)
+        local = list(blocks.get_block_ids()[0][first:n_prompt])
+        remote = list(params["remote_block_ids"])[first:n_prompt]
+        if len(remote) != len(local):
+            log.warning("request %s: prefill node leased %d prompt blocks, %d needed; the pull will fail and "
+                        "the prompt be recomputed", request.request_id, len(remote), len(local))
         self._inflight.add(request.request_id)
         self._meta.recvs.append(RecvSpec(request.request_id, params["transfer_id"], params["remote_endpoints"],
                                          params["remote_host_id"], remote, local, params["lease_deadline"],

@@ -61,6 +61,7 @@ class TandemWorker:
             try:
                 segments = wire.segments_of(spec.remote_block_ids, spec.local_block_ids)
             except ValueError as exc:  # the prefill node holds fewer blocks than we need: recompute
+                log.warning("pull %s for %s not started: %s", spec.transfer_id, spec.request_id, exc)
                 self.puller.outcomes.put(PullOutcome(spec.request_id, False, spec.local_block_ids, reason=str(exc)))
                 self.puller.release(self._endpoint(spec.endpoints, transport), spec.transfer_id, str(exc))
                 continue

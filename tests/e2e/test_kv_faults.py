@@ -71,12 +71,16 @@ class FaultCluster:
                           "--max-model-len", "2048", "--engine-arg=--num-gpu-blocks-override=20",
                           "--log-dir", str(self.workdir)])
 
-    def roles(self) -> list[str]:
+    def nodes(self) -> dict[str, str]:
+        """Live nodes as the router sees them: node id → role."""
         try:
             nodes = httpx.get(f"{self.url}/cluster", timeout=5).json().get("nodes", [])
         except httpx.HTTPError:
-            return []
-        return sorted(n["role"] for n in nodes)
+            return {}
+        return {n["node_id"]: n["role"] for n in nodes}
+
+    def roles(self) -> list[str]:
+        return sorted(self.nodes().values())
 
     def kill(self, name: str) -> None:
         """SIGKILL a node agent and every process under it (its engine): no clean shutdown."""
@@ -277,7 +281,8 @@ def test_decode_node_killed_mid_transfer(fc: FaultCluster) -> None:
 
 def test_prefill_node_killed_after_prefill_before_transfer(fc: FaultCluster) -> None:
     fc.start_node("d2", "decode", D2_PORT, "1")
-    assert wait_for(lambda: fc.roles() == ["decode", "prefill"], timeout_s=900), fc.log("d2")
+    # the killed decode node must have left the registry and the new one joined
+    assert wait_for(lambda: fc.nodes() == {"kvf-p": "prefill", "kvf-d2": "decode"}, timeout_s=900), fc.log("d2")
     msgs = prompt(300, "pkill")
     want = reference(fc, msgs)
     arm(P_PORT, "hold", 60.0)  # the prefill finishes, the lease is held, the pull is never answered

@@ -51,7 +51,8 @@ def test_aborted_prefill_frees_at_once() -> None:
 def _blocks(local_cached: list[int], new: list[int]) -> SimpleNamespace:
     blocks = [SimpleNamespace(block_id=b, block_hash=b"h", is_null=False) for b in local_cached]
     blocks += [SimpleNamespace(block_id=b, block_hash=None, is_null=False) for b in new]
-    return SimpleNamespace(blocks=(blocks,), get_unhashed_block_ids_all_groups=lambda: [new])
+    return SimpleNamespace(blocks=(blocks,), get_unhashed_block_ids_all_groups=lambda: [new],
+                           get_block_ids=lambda: ([*local_cached, *new],))
 
 
 def test_decode_side_pulls_only_the_blocks_its_own_cache_lacks_aligned_by_position() -> None:
@@ -99,3 +100,14 @@ def test_abort_during_pull_cancels_it_and_a_finished_pull_reports_back() -> None
     d.update_state_after_alloc(ok, _blocks([], [6, 7, 8]), 10)
     d.update_connector_output({"d2"}, {"d2": {"ok": True, "bytes": 123}})
     assert d.request_finished(ok, [6, 7, 8]) == (False, {"tandem_transfer": {"ok": True, "bytes": 123}})
+
+
+def test_blocks_past_the_prompt_are_not_pulled() -> None:
+    """A prompt of exactly two blocks: the decode node also allocates room for its first output token."""
+    params = {**_decode_params(_sched(), n_tokens=8), "remote_block_ids": [7, 8]}
+    d = _sched()
+    req = _req("d1", 8, params)
+    assert d.get_num_new_matched_tokens(req, 0) == (8, True)
+    d.update_state_after_alloc(req, _blocks([], [3, 4, 5]), 8)
+    (recv,) = d.build_connector_meta().recvs
+    assert recv.remote_block_ids == [7, 8] and recv.local_block_ids == [3, 4]
