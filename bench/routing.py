@@ -54,7 +54,7 @@ class RoutingBenchConfig:
     """Part 2 (2 prefill + 1 decode nodes, one run per Tandem policy)."""
     peer: bool = True
     """Part 3 (colocated pair, Tandem vs vllm-router)."""
-    max_tokens: int = 32
+    max_tokens: int = 16
     router_port: int = 19000
     """Tandem routers use router_port.. router_port+4, vllm-router +50 (metrics +51), event relays +60.."""
     node_base_port: int = 19100
