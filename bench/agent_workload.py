@@ -30,21 +30,25 @@ TOOLS = ("read_file", "run_tests", "grep", "list_dir", "apply_patch", "git_diff"
 
 @dataclass(frozen=True)
 class AgentWorkloadConfig:
-    repos: int = 4
+    repos: int = 2
     """Repositories; each has its own context, shared by its sessions."""
     sessions_per_repo: int = 3
     turns_min: int = 6
     turns_max: int = 10
-    system_tokens: int = 500
-    repo_tokens: int = 2400
-    tool_tokens: tuple[int, int] = (120, 450)
+    system_tokens: int = 200
+    repo_tokens: int = 800
+    tool_tokens: tuple[int, int] = (33, 100)
     """Tool-output size range per turn (uniform)."""
-    reply_tokens: tuple[int, int] = (50, 110)
+    reply_tokens: tuple[int, int] = (15, 35)
     context_budget: int = 7600
     """Largest prompt a turn may have; must leave room for max_tokens inside the model's 8k window."""
-    session_gap_s: float = 4.0
-    think_s: float = 1.5
+    session_gap_s: float = 5.0
+    think_s: float = 1.0
     seed: int = 7
+    # The defaults are sized for a 2-core CPU host that prefills ~70-100 tokens/s per core (float32,
+    # SmolLM2-135M): ~50 requests and ~7k uncached prompt tokens per run. Agent traffic at its real
+    # scale (repo contexts of a few thousand tokens, longer tool outputs) is the same generator with
+    # larger sizes.
 
     @property
     def sessions(self) -> int:
@@ -69,14 +73,18 @@ def _code(rng: random.Random, path: str) -> str:
 
 def _grow(rng: random.Random, count_tokens: Callable[[str], int], target: int,
           piece: Callable[[random.Random, int], str]) -> str:
-    """Join pieces until the text reaches ``target`` tokens (pieces measured one by one)."""
-    parts: list[str] = []
-    n = 0
+    """Join pieces until the text reaches ``target`` tokens, then drop trailing lines beyond it (a
+    piece may be a whole file), so sizes hold to within a line."""
+    lines: list[str] = []
+    n = i = 0
     while n < target:
-        text = piece(rng, len(parts))
-        parts.append(text)
+        text = piece(rng, i)
+        i += 1
+        lines += text.split("\n")
         n += count_tokens(text) + 1
-    return "\n".join(parts)
+    while len(lines) > 1 and count_tokens("\n".join(lines)) > target:
+        lines.pop()
+    return "\n".join(lines)
 
 
 def _system(salt: str, cfg: AgentWorkloadConfig, count_tokens: Callable[[str], int]) -> str:

@@ -42,6 +42,10 @@ def _clean_errors() -> Iterator[None]:
         raise typer.Exit(1) from exc
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
@@ -205,6 +209,7 @@ def bench_pd(
           f"pd_tok_s={s['pd_tok_s']} colo_tok_s={s['colo_tok_s']}", flush=True)
 
 
+<<<<<<< HEAD
 @bench_app.command("kv-transfer")
 def bench_kv_transfer(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
@@ -226,6 +231,62 @@ def bench_kv_transfer(
                         ttft_tokens=ttft_tokens)
     with _clean_errors():
         run_kv_transfer_bench(out, cfg)
+=======
+@bench_app.command("routing")
+def bench_routing(
+    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
+        "results/bench-routing.json"),
+    repos: Annotated[int, typer.Option(help="Repositories (each context shared by its sessions).")] = 2,
+    sessions_per_repo: Annotated[int, typer.Option(help="Agent sessions per repository.")] = 3,
+    turns_min: Annotated[int, typer.Option(help="Fewest turns of a session.")] = 6,
+    turns_max: Annotated[int, typer.Option(help="Most turns of a session.")] = 10,
+    repo_tokens: Annotated[int, typer.Option(help="Tokens of each repository's context.")] = 800,
+    tool_tokens: Annotated[int, typer.Option(help="Largest tool output of a turn, tokens (smallest: a third).")] = (
+        100),
+    session_gap_s: Annotated[float, typer.Option(help="Mean gap between session arrivals (open loop).")] = 5.0,
+    think_s: Annotated[float, typer.Option(help="Mean pause between an answer and the next turn.")] = 1.0,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 16,
+    seed: Annotated[int, typer.Option(help="Workload seed (same seed, same request sequence).")] = 7,
+    policy: Annotated[list[str] | None, typer.Option(help="Tandem policies of part 2 (repeatable; default "
+                                                         "cache_aware, least_loaded, round_robin).")] = None,
+    pd: Annotated[bool, typer.Option(help="Part 2: the policies on 2 prefill + 1 decode nodes.")] = True,
+    peer: Annotated[bool, typer.Option(help="Part 3: Tandem vs vllm-router on 2 colocated nodes.")] = True,
+    kv_cache_gib: Annotated[int, typer.Option(help="KV cache per node, GiB (1 GiB: ~23k tokens in float32).")] = 1,
+    dtype: Annotated[str, typer.Option(help="Engine dtype (float32 prefills ~2x faster than bfloat16 on AVX2).")] = (
+        "float32"),
+    block_size: Annotated[int, typer.Option(help="KV block size of every node (multiple of 32 on CPU).")] = 32,
+    router_port: Annotated[int, typer.Option(help="First router port (routers use +0..+4, vllm-router +50).")] = (
+        19000),
+    node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 19100,
+    redis_url: Annotated[str, typer.Option(help="Registry Redis for the benchmark's clusters.")] = (
+        "redis://127.0.0.1:6379/10"),
+) -> None:
+    """Cache-aware routing on a synthetic coding-agent workload: engine-confirmed hit rate, TTFT p50/p99
+    and prefill tokens per policy on 2 prefill + 1 decode nodes, against an unlimited cache (ideal_hit);
+    then Tandem vs vllm-router (cache_aware, kv_aware) on 2 colocated nodes. ~15-20 min on 2 cores."""
+    from bench.agent_workload import AgentWorkloadConfig
+    from bench.routing import TANDEM_POLICIES, RoutingBenchConfig, run_routing_bench
+    from router.app import POLICIES
+
+    policies = tuple(policy or TANDEM_POLICIES)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        console.print(f"[red]error:[/red] unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+        raise typer.Exit(2)
+    workload = AgentWorkloadConfig(repos=repos, sessions_per_repo=sessions_per_repo, turns_min=turns_min,
+                                   turns_max=turns_max, repo_tokens=repo_tokens,
+                                   tool_tokens=(max(1, tool_tokens // 3), tool_tokens), session_gap_s=session_gap_s,
+                                   think_s=think_s, seed=seed)
+    cfg = RoutingBenchConfig(workload=workload, policies=policies, pd=pd, peer=peer, max_tokens=max_tokens,
+                             router_port=router_port, node_base_port=node_base_port, redis_url=redis_url,
+                             kv_cache_gib=kv_cache_gib, dtype=dtype, block_size=block_size)
+    # SIGTERM unwinds like Ctrl-C, so the benchmark's clusters are stopped (a shell's background job
+    # ignores SIGINT, so a script can only stop it with SIGTERM).
+    signal.signal(signal.SIGTERM, _interrupt)
+    with _clean_errors():
+        s = run_routing_bench(out, cfg)
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
+>>>>>>> routing2
 
 
 @bench_app.command("telemetry")

@@ -39,6 +39,8 @@ class ClusterSpec:
     kv_cache_gib: int = 1
     connector: str = "tandem"
     max_model_len: int = 8192
+    block_size: int | None = None
+    """KV block size of every node; None keeps the engine's default (128 on CPU)."""
     policy: str = "cache_aware"
     workdir: Path = field(default_factory=lambda: Path(".tandem"))
     lake: Path | None = None
@@ -122,6 +124,8 @@ class Cluster:
                     "--max-model-len", str(spec.max_model_len), "--log-dir", str(self.logs)]
             if spec.model:
                 args += ["--model", spec.model]
+            if spec.block_size:
+                args += ["--block-size", str(spec.block_size)]
             for extra in spec.extra_node_args:
                 args += ["--engine-arg", extra]
             both_slot += role is Role.BOTH
