@@ -209,7 +209,6 @@ def bench_pd(
           f"pd_tok_s={s['pd_tok_s']} colo_tok_s={s['colo_tok_s']}", flush=True)
 
 
-<<<<<<< HEAD
 @bench_app.command("kv-transfer")
 def bench_kv_transfer(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
@@ -231,7 +230,8 @@ def bench_kv_transfer(
                         ttft_tokens=ttft_tokens)
     with _clean_errors():
         run_kv_transfer_bench(out, cfg)
-=======
+
+
 @bench_app.command("routing")
 def bench_routing(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
@@ -286,7 +286,6 @@ def bench_routing(
     with _clean_errors():
         s = run_routing_bench(out, cfg)
     print("RESULT " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
->>>>>>> routing2
 
 
 @bench_app.command("telemetry")
