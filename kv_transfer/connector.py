@@ -116,7 +116,9 @@ class TandemConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
+        # A step that schedules no tokens only waits for transfers (vLLM keeps stepping while a
+        # request waits for remote KV or a finished one waits for its lease): tell the worker.
+        return self._scheduler.build_connector_meta(idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None

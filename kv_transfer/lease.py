@@ -36,6 +36,7 @@ import enum
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -88,8 +89,10 @@ class LeaseTable:
     collects the ended ones. ``wait_change`` lets the server sleep until something happens instead
     of polling."""
 
-    def __init__(self, holder: str) -> None:
+    def __init__(self, holder: str, on_end: Callable[[], None] | None = None) -> None:
         self.holder = holder
+        self._on_end = on_end
+        """Called (under the table's lock) whenever a lease ends: wakes an engine waiting for it."""
         self._leases: dict[str, Lease] = {}
         self._ended: list[Lease] = []
         self._recent: dict[str, LeaseState] = {}
@@ -131,6 +134,8 @@ class LeaseTable:
         self._recent[lease.transfer_id] = lease.state
         if len(self._recent) > _RECENT:
             del self._recent[next(iter(self._recent))]
+        if self._on_end is not None:
+            self._on_end()
 
     def ended_state(self, transfer_id: str) -> LeaseState | None:
         with self._cond:
@@ -153,6 +158,11 @@ class LeaseTable:
         with self._cond:
             out, self._ended = self._ended, []
             return out
+
+    def has_ended(self) -> bool:
+        """Whether ``take_ended`` has something to return."""
+        with self._cond:
+            return bool(self._ended)
 
     def next_deadline(self) -> float | None:
         with self._cond:

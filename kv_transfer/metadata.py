@@ -49,6 +49,9 @@ class TandemMetadata(KVConnectorMetadata):
     releases: list[ReleaseSpec] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     """Decode side: requests aborted while their pull was in flight."""
+    idle: bool = False
+    """This step computes nothing (it only waits for transfers): the worker may sleep briefly until a
+    transfer ends instead of letting the engine loop spin (see ``ConnectorSettings.idle_wait_ms``)."""
 
     def empty(self) -> bool:
         return not (self.recvs or self.leases or self.releases or self.cancels)

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -57,8 +58,10 @@ class PullOutcome:
 
 
 class Puller:
-    def __init__(self, layout: KVLayout, stats: TransferStats, *, threads: int = 4) -> None:
+    def __init__(self, layout: KVLayout, stats: TransferStats, *, threads: int = 4,
+                 on_outcome: Callable[[], None] | None = None) -> None:
         self.layout = layout
+        self._on_outcome = on_outcome
         self.stats = stats
         self._ctx = zmq.Context.instance()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tandem-kv-pull")
@@ -184,7 +187,13 @@ class Puller:
         except zmq.ZMQError:
             self._discard(endpoint)
 
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
     def _finish(self, outcome: PullOutcome) -> None:
         with self._lock:
             self._jobs.pop(outcome.request_id, None)
         self.outcomes.put(outcome)
+        if self._on_outcome is not None:
+            self._on_outcome()

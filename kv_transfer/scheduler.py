@@ -106,8 +106,9 @@ class TandemScheduler:
                 del self._reports[next(iter(self._reports))]
 
     # -- both ------------------------------------------------------------------------------------------
-    def build_connector_meta(self) -> TandemMetadata:
+    def build_connector_meta(self, *, idle: bool = False) -> TandemMetadata:
         meta, self._meta = self._meta, TandemMetadata()
+        meta.idle = idle
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

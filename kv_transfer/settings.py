@@ -38,6 +38,11 @@ class ConnectorSettings(BaseModel):
     """A decode node without free blocks for a transfer releases the prefill node's lease at once and
     prefills locally when room appears, rather than keep remote blocks pinned while it queues."""
     pull_threads: int = 4
+    idle_wait_ms: float = 5.0
+    """On a step that computes nothing but waits for transfers, sleep up to this long until one ends.
+    vLLM steps such an engine in a tight loop; on a CPU node that loop takes the very core the pull
+    (decode) or the send (prefill) needs. The cost: a request arriving then waits at most this long
+    before its first step. 0 turns it off."""
 
     @property
     def ipc_path(self) -> str:

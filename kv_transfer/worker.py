@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 import time
 
 from kv_transfer import wire
@@ -29,7 +30,10 @@ class TandemWorker:
         self.engine_id = engine_id
         self.num_blocks = num_blocks
         self.stats = TransferStats()
-        self.leases = LeaseTable(holder=engine_id)
+        self._activity = threading.Event()
+        """Set when a lease ends or a pull finishes: what an idle step waits for."""
+        self._idle = False
+        self.leases = LeaseTable(holder=engine_id, on_end=self._activity.set)
         self.server: BlockServer | None = None
         self.puller: Puller | None = None
         self._seen_finished: set[str] = set()
@@ -42,13 +46,14 @@ class TandemWorker:
         self.server = BlockServer(layout, self.leases, self.settings.bind_endpoints, self.stats,
                                   faults=os.environ.get("TANDEM_KV_FAULTS") == "1")
         self.server.start()
-        self.puller = Puller(layout, self.stats, threads=self.settings.pull_threads)
+        self.puller = Puller(layout, self.stats, threads=self.settings.pull_threads, on_outcome=self._activity.set)
         log.info("tandem connector: %d layers, %d blocks of %d bytes; block server on %s",
                  layout.num_layers, layout.layers[0].shape[0], layout.block_nbytes, self.settings.bind_endpoints)
 
     def start(self, meta: TandemMetadata) -> None:
         """Act on one step's metadata; never blocks on the network."""
         assert self.server is not None and self.puller is not None, "register_kv_caches was not called"
+        self._idle = meta.idle
         for lease in meta.leases:
             self.server.offer(lease.transfer_id, lease.block_ids, lease.deadline)
         for spec in meta.releases:
@@ -78,6 +83,7 @@ class TandemWorker:
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
+        self._wait_if_idle()
         # vLLM accepts a finished_sending id only once the scheduler has told us the request
         # finished (this call or an earlier one); a lease can end before that (an expired one).
         self._seen_finished |= finished_req_ids
@@ -101,6 +107,21 @@ class TandemWorker:
                 failed.add(outcome.request_id)
                 self._load_errors.update(outcome.local_block_ids)
         return sending, recving, failed
+
+    def _wait_if_idle(self) -> None:
+        """On a step that computed nothing, sleep until a transfer ends (or ``idle_wait_ms``) rather
+        than return to vLLM's loop, which would step again at once: a spinning engine takes the
+        core its own pull or send threads need. Clear, then look, then wait: an end signalled
+        after the look still wakes the wait."""
+        wait_s = self.settings.idle_wait_ms / 1000
+        if not self._idle or wait_s <= 0:
+            return
+        self._activity.clear()
+        assert self.puller is not None
+        if self.leases.has_ended() or not self.puller.outcomes.empty():
+            return
+        if len(self.leases) or self.puller.in_flight():
+            self._activity.wait(wait_s)
 
     def take_reports(self) -> TransferReports | None:
         if not self._reports:
