@@ -21,7 +21,7 @@ import zmq
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.stats import TransferStats
-from kv_transfer.transports import TransferFailed, transport_for
+from kv_transfer.transports import CmaTransport, TransferFailed, transport_for
 
 log = logging.getLogger("tandem.kv.puller")
 
@@ -59,8 +59,9 @@ class PullOutcome:
 
 class Puller:
     def __init__(self, layout: KVLayout, stats: TransferStats, *, threads: int = 4,
-                 on_outcome: Callable[[], None] | None = None) -> None:
+                 on_outcome: Callable[[], None] | None = None, shm_split: bool = True) -> None:
         self.layout = layout
+        self.shm_split = shm_split
         self._on_outcome = on_outcome
         self.stats = stats
         self._ctx = zmq.Context.instance()
@@ -131,6 +132,9 @@ class Puller:
             if job.transport == "ucx":
                 transport = self._ucx_receiver()
                 pull = wire.Pull(job.transfer_id, job.segments, "ucx", job.checksum, transport.target(self.layout))
+            elif job.transport == "shm":
+                transport = CmaTransport(split=self.shm_split)
+                pull = wire.Pull(job.transfer_id, job.segments, "shm", job.checksum, cma=transport.target(self.layout))
             else:
                 transport = transport_for(job.transport)
                 pull = wire.Pull(job.transfer_id, job.segments, job.transport, job.checksum)

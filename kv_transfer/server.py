@@ -18,6 +18,7 @@ from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseError, LeaseState, LeaseTable
 from kv_transfer.stats import TransferStats
+from kv_transfer.transports import TransferFailed, cma_pairs, process_vm_writev
 
 log = logging.getLogger("tandem.kv.server")
 
@@ -302,6 +303,24 @@ class BlockServer:
         lay = self.layout
         sums = [[checksum(lay.span(layer, s.remote, s.count)) for s in pull.segments]
                 for layer in range(lay.num_layers)] if pull.checksum else []
-        grant = wire.Grant(pull.transfer_id, os.getpid(), [lay.address(i) for i in range(lay.num_layers)],
-                           [lay.block_nbytes] * lay.num_layers, sums)
-        self._reply(sock, ident, grant)
+        here = [lay.address(i) for i in range(lay.num_layers)]
+        target = pull.cma
+        push: list[int] = []
+        if target is not None and target.block_nbytes == lay.block_nbytes and \
+                len(target.layer_addresses) == lay.num_layers and \
+                all(s.local >= 0 and s.local + s.count <= target.num_blocks for s in pull.segments):
+            push = sorted({i for i in target.push_layers if 0 <= i < lay.num_layers})
+        self._reply(sock, ident, wire.Grant(pull.transfer_id, os.getpid(), here, [lay.block_nbytes] * lay.num_layers,
+                                            sums, push))
+        if not push:
+            return
+        # The decode node is copying its share already; write ours into it meanwhile (on this core).
+        assert target is not None
+        try:
+            process_vm_writev(target.pid, cma_pairs(pull, push, here, target.layer_addresses, lay.block_nbytes,
+                                                    local_is_remote_side=True))
+        except TransferFailed as exc:
+            log.warning("shm push of %s failed, the decode node copies it: %s", pull.transfer_id, exc.reason)
+            self._reply(sock, ident, wire.Pushed(pull.transfer_id, False, exc.reason))
+            return
+        self._reply(sock, ident, wire.Pushed(pull.transfer_id, True))

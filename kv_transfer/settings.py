@@ -38,6 +38,10 @@ class ConnectorSettings(BaseModel):
     """A decode node without free blocks for a transfer releases the prefill node's lease at once and
     prefills locally when room appears, rather than keep remote blocks pinned while it queues."""
     pull_threads: int = 4
+    shm_split: bool = True
+    """``shm`` pulls: the prefill node writes half of the layers into this node's cache while this
+    node reads the other half, so the copy runs on both nodes' cores (a node that cannot write
+    leaves its half to this one)."""
     idle_wait_ms: float = 5.0
     """On a step that computes nothing but waits for transfers, sleep up to this long until one ends.
     vLLM steps such an engine in a tight loop; on a CPU node that loop takes the very core the pull

@@ -10,6 +10,7 @@ copied by the decode process out of the prefill process's memory with one kernel
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from typing import Protocol
 
@@ -103,24 +104,57 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 def process_vm_readv(pid: int, pairs: list[tuple[int, int, int]]) -> None:
     """Copy (local address, remote address, nbytes) ranges out of process ``pid``."""
+    _cma(_libc.process_vm_readv, "process_vm_readv", pid, pairs)
+
+
+def process_vm_writev(pid: int, pairs: list[tuple[int, int, int]]) -> None:
+    """Copy (local address, remote address, nbytes) ranges into process ``pid``."""
+    _cma(_libc.process_vm_writev, "process_vm_writev", pid, pairs)
+
+
+def _cma(call, name: str, pid: int, pairs: list[tuple[int, int, int]]) -> None:  # noqa: ANN001 - a libc function
+    # ctypes releases the GIL around the call: the copy runs beside the engine's Python threads.
     for i in range(0, len(pairs), _IOV_MAX):
         chunk = pairs[i:i + _IOV_MAX]
         local = (_IoVec * len(chunk))(*[_IoVec(la, n) for la, _, n in chunk])
         remote = (_IoVec * len(chunk))(*[_IoVec(ra, n) for _, ra, n in chunk])
         want = sum(n for _, _, n in chunk)
-        got = _libc.process_vm_readv(pid, local, len(chunk), remote, len(chunk), 0)
+        got = call(pid, local, len(chunk), remote, len(chunk), 0)
         if got < 0:
             err = ctypes.get_errno()
-            raise TransferFailed(f"process_vm_readv from pid {pid}: errno {err}")
-        if got != want:  # partial copies happen only at unmapped pages: the lease's memory is gone
-            raise TransferFailed(f"process_vm_readv copied {got} of {want} bytes")
+            raise TransferFailed(f"{name} with pid {pid}: errno {err} ({os.strerror(err)})")
+        if got != want:  # partial copies happen only at unmapped pages: the other side's memory is gone
+            raise TransferFailed(f"{name} copied {got} of {want} bytes")
+
+
+def cma_pairs(pull: wire.Pull, layers: list[int], here: list[int], there: list[int], block_nbytes: int, *,
+              local_is_remote_side: bool) -> list[tuple[int, int, int]]:
+    """(address here, address there, nbytes) of ``layers`` of a pull's segments. ``here``/``there``:
+    block-0 addresses per layer; the prefill process sees segments' ``remote`` ids as its own."""
+    out = []
+    for layer in layers:
+        for s in pull.segments:
+            mine, theirs = (s.remote, s.local) if local_is_remote_side else (s.local, s.remote)
+            out.append((here[layer] + mine * block_nbytes, there[layer] + theirs * block_nbytes,
+                        s.count * block_nbytes))
+    return out
 
 
 class CmaTransport:
-    """One host: the prefill node answers with a Grant (its pid and cache addresses); this process
-    copies the leased blocks straight into its own cache with one kernel copy."""
+    """One host: the prefill node answers with a Grant (its pid and cache addresses) and this process
+    copies the leased blocks straight into its own cache with one kernel copy. With ``split``, the
+    prefill node writes half of the layers into this process meanwhile (``process_vm_writev``), so the
+    copy runs on both nodes' cores at once; if it cannot, this side copies those layers too."""
 
     name = "shm"
+
+    def __init__(self, split: bool = True) -> None:
+        self.split = split
+
+    def target(self, layout: KVLayout) -> wire.CmaTarget:
+        n = layout.num_layers
+        return wire.CmaTarget(os.getpid(), [layout.address(i) for i in range(n)], layout.block_nbytes,
+                              layout.layers[0].shape[0], list(range(n // 2)) if self.split else [])
 
     def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float) -> int:
         msg = _recv_msg(sock, deadline)
@@ -129,20 +163,28 @@ class CmaTransport:
         if len(msg.layer_addresses) != layout.num_layers or any(b != layout.block_nbytes for b in msg.block_nbytes):
             raise TransferFailed("layout mismatch between prefill and decode caches")
         bn = layout.block_nbytes
-        pairs = [(layout.span(layer, s.local, s.count).ctypes.data, base + s.remote * bn, s.count * bn)
-                 for layer, base in enumerate(msg.layer_addresses) for s in pull.segments]
-        process_vm_readv(msg.pid, pairs)
+        here = [layout.address(i) for i in range(layout.num_layers)]
+        pushing = set(msg.pushing)
+        mine = [layer for layer in range(layout.num_layers) if layer not in pushing]
+        process_vm_readv(msg.pid, cma_pairs(pull, mine, here, msg.layer_addresses, bn, local_is_remote_side=False))
+        if pushing:
+            done = _recv_msg(sock, deadline)
+            if not isinstance(done, wire.Pushed) or done.transfer_id != pull.transfer_id:
+                raise TransferFailed(f"expected Pushed, got {type(done).__name__}")
+            if not done.ok:  # the prefill node could not write: copy its share from here
+                process_vm_readv(msg.pid, cma_pairs(pull, sorted(pushing), here, msg.layer_addresses, bn,
+                                                    local_is_remote_side=False))
         if msg.checksums:
             for layer in range(layout.num_layers):
                 for i, s in enumerate(pull.segments):
                     if xxhash.xxh3_64_intdigest(layout.span(layer, s.local, s.count)) != msg.checksums[layer][i]:
                         raise TransferFailed(f"bad checksum in layer {layer} segment {i}")
-        return sum(n for _, _, n in pairs)
+        return layout.nbytes(pull.segments)
 
 
-def transport_for(name: str) -> Transport:
+def transport_for(name: str, *, shm_split: bool = True) -> Transport:
     if name in ("tcp", "ipc"):
         return FrameTransport(name)
     if name == "shm":
-        return CmaTransport()
+        return CmaTransport(split=shm_split)
     raise ValueError(f"unknown transport {name!r} (tcp, ipc, shm; ucx is the puller's own)")

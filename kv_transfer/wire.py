@@ -11,7 +11,10 @@ in the engine's paged KV cache), so both ends can send from and receive into the
                                              ◀───  LayerHeader(layer 0) + raw segment frames
                                              ◀───  ...one header per layer...
                                              ◀───  End            (zmq transports)
-                                             ◀───  Grant(pid, addresses, checksums)   (shm: D copies)
+                                             ◀───  Grant(pid, addresses, checksums, pushing)   (shm: D
+                                                   copies the layers P is not pushing; P writes those
+                                                   straight into D's cache meanwhile)
+                                             ◀───  Pushed(ok | reason)   (shm: P's share is in place)
                                              ◀───  UcxPosted(checksums)   (ucx: blocks went over UCX)
       Done(ok | reason)                      ───▶  lease released, blocks freed
       Release(reason)                        ───▶  lease released without a transfer (reject, abort)
@@ -45,6 +48,20 @@ class UcxTarget(msgspec.Struct, array_like=True, frozen=True):
     """Bytes of one block of one layer in the decode cache; the prefill node refuses any other size."""
 
 
+class CmaTarget(msgspec.Struct, array_like=True, frozen=True):
+    """Where a decode node's cache lies, for a ``shm`` pull in which the prefill node copies part of
+    the blocks itself (``push_layers``) with ``process_vm_writev``: two cores copy at once, one in
+    each process, instead of one."""
+
+    pid: int
+    layer_addresses: list[int]
+    """Address of block 0 of each layer in the decode process."""
+    block_nbytes: int
+    num_blocks: int
+    push_layers: list[int]
+    """Layers the prefill node is asked to write; the decode node reads every other layer itself."""
+
+
 class Pull(msgspec.Struct, tag="kv.pull.v1", frozen=True):
     transfer_id: str
     segments: list[Segment]
@@ -54,6 +71,7 @@ class Pull(msgspec.Struct, tag="kv.pull.v1", frozen=True):
     (the prefill node sends them over UCX to ``ucx`` and answers with UcxPosted)."""
     checksum: bool = True
     ucx: UcxTarget | None = None
+    cma: CmaTarget | None = None
 
 
 class LayerHeader(msgspec.Struct, tag="kv.layer.v1", frozen=True):
@@ -85,6 +103,18 @@ class Grant(msgspec.Struct, tag="kv.grant.v1", frozen=True):
     block_nbytes: list[int]
     checksums: list[list[int]]
     """Per layer, per segment; empty when the pull asked for none."""
+    pushing: list[int] = []
+    """Layers the prefill node is writing into the decode process itself (from ``Pull.cma``); a
+    ``Pushed`` follows when they are in place. Empty: the decode node copies every layer."""
+
+
+class Pushed(msgspec.Struct, tag="kv.pushed.v1", frozen=True):
+    """Shared-memory transport: the layers a Grant listed as ``pushing`` are written (``ok``), or
+    could not be (``reason``; the decode node then copies them itself)."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""
 
 
 class UcxPosted(msgspec.Struct, tag="kv.ucx_posted.v1", frozen=True):
@@ -127,7 +157,7 @@ class Ack(msgspec.Struct, tag="kv.ack.v1", frozen=True):
     ok: bool = True
 
 
-Message = Pull | LayerHeader | End | Grant | UcxPosted | Done | Release | Reject | Fault | Ack
+Message = Pull | LayerHeader | End | Grant | Pushed | UcxPosted | Done | Release | Reject | Fault | Ack
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -46,7 +46,8 @@ class TandemWorker:
         self.server = BlockServer(layout, self.leases, self.settings.bind_endpoints, self.stats,
                                   faults=os.environ.get("TANDEM_KV_FAULTS") == "1")
         self.server.start()
-        self.puller = Puller(layout, self.stats, threads=self.settings.pull_threads, on_outcome=self._activity.set)
+        self.puller = Puller(layout, self.stats, threads=self.settings.pull_threads, on_outcome=self._activity.set,
+                             shm_split=self.settings.shm_split)
         log.info("tandem connector: %d layers, %d blocks of %d bytes; block server on %s",
                  layout.num_layers, layout.layers[0].shape[0], layout.block_nbytes, self.settings.bind_endpoints)
 

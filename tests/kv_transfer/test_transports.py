@@ -126,6 +126,49 @@ def test_each_transport_moves_the_exact_blocks(remote: Remote, local, transport:
     assert remote.ended(tid) == "done"
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "decode-copies-all"])
+def test_shm_with_and_without_the_prefill_node_writing_half(remote: Remote, split: bool) -> None:
+    arrays = [np.zeros((BLOCKS, *SHAPE), np.float32) for _ in range(LAYERS)]
+    puller = Puller(KVLayout.from_arrays(arrays), TransferStats(), shm_split=split)
+    try:
+        src = _source()
+        remote_ids, local_ids = [12, 13, 14, 20], [8, 9, 10, 30]
+        tid = f"shm-split-{split}"
+        remote.offer(tid, remote_ids)
+        out = _pull(remote, puller, tid, "shm", remote_ids, local_ids)
+        assert out.ok, out.reason
+        for layer in range(LAYERS):
+            np.testing.assert_array_equal(arrays[layer][local_ids], src[layer][remote_ids])
+        assert remote.ended(tid) == "done"
+    finally:
+        puller.close()
+
+
+def test_shm_push_that_cannot_write_falls_back_to_the_decode_side_copy(remote: Remote, local,
+                                                                       monkeypatch) -> None:  # noqa: ANN001
+    """The prefill node's process_vm_writev fails (here: addresses that are not mapped in this
+    process, EFAULT); it says so with Pushed(ok=False) and this side copies those layers itself."""
+    from kv_transfer.transports import CmaTransport
+
+    arrays, puller = local
+    real_target = CmaTransport.target
+
+    def unmapped(self, layout):  # noqa: ANN001, ANN202
+        t = real_target(self, layout)
+        return wire.CmaTarget(t.pid, [4096 * (i + 1) for i in range(LAYERS)], t.block_nbytes, t.num_blocks,
+                              t.push_layers)
+
+    monkeypatch.setattr(CmaTransport, "target", unmapped)
+    src = _source()
+    remote_ids, local_ids = [21, 22], [11, 12]
+    remote.offer("shm-fallback", remote_ids)
+    out = _pull(remote, puller, "shm-fallback", "shm", remote_ids, local_ids)
+    assert out.ok, out.reason
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(arrays[layer][local_ids], src[layer][remote_ids])
+    assert remote.ended("shm-fallback") == "done"
+
+
 def test_a_corrupted_frame_fails_the_pull_and_the_lease(remote: Remote, local) -> None:  # noqa: ANN001
     _, puller = local
     remote.offer("bad", [1, 2])
