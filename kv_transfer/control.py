@@ -1,6 +1,11 @@
-"""The router's one call into the KV path: release a prefill node's lease when the router gives up on
-the pair before the decode node could (the decode leg failed to open, the client left between the
-legs). The decode node releases leases itself in every other case; releasing twice is harmless."""
+"""The router's two calls into the KV path, both to the prefill node named in a request's
+kv_transfer_params, both off the fast path:
+
+- ``release_lease``: free the lease when the router gives up on the pair before the decode node
+  could (the decode leg failed to open, the client left between the legs). The decode node releases
+  leases itself in every other case; releasing twice is harmless.
+- ``lease_report``: how the transfer went (bytes, start, end), for the lake record of a streamed
+  answer (vLLM hands the decode side's own report back only with non-streamed ones)."""
 
 from __future__ import annotations
 
@@ -21,22 +26,49 @@ def is_tandem_params(params: dict[str, Any] | None) -> bool:
     return bool(params) and "transfer_id" in params and "remote_endpoints" in params  # type: ignore[operator]
 
 
-async def release_lease(params: dict[str, Any], reason: str, *, timeout_s: float = 2.0) -> bool:
-    """Ask the prefill node named in ``params`` (its kv_transfer_params) to free the lease now.
-    Returns whether it acknowledged; a dead node has nothing left to free, and the lease deadline is
-    the backstop either way."""
+async def _ask(params: dict[str, Any], msg: wire.Message, timeout_s: float) -> wire.Message | None:
+    """One request/answer with the prefill node's block server; None when it does not answer."""
     global _ctx
-    if not is_tandem_params(params):
-        return False
     _ctx = _ctx or zmq.asyncio.Context()
     sock = _ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(params["remote_endpoints"]["tcp"])
-        await sock.send(wire.encode(wire.Release(params["transfer_id"], reason)))
+        await sock.send(wire.encode(msg))
         if await sock.poll(int(timeout_s * 1000)):
-            return isinstance(wire.decode(await sock.recv()), wire.Ack)
-        log.warning("prefill node did not acknowledge the release of %s", params["transfer_id"])
-        return False
+            return wire.decode(await sock.recv())
+        return None
     finally:
         sock.close(0)
+
+
+async def release_lease(params: dict[str, Any], reason: str, *, timeout_s: float = 2.0) -> bool:
+    """Ask the prefill node named in ``params`` (its kv_transfer_params) to free the lease now.
+    Returns whether it acknowledged; a dead node has nothing left to free, and the lease deadline is
+    the backstop either way."""
+    if not is_tandem_params(params):
+        return False
+    answer = await _ask(params, wire.Release(params["transfer_id"], reason), timeout_s)
+    if answer is None:
+        log.warning("prefill node did not acknowledge the release of %s", params["transfer_id"])
+    return isinstance(answer, wire.Ack)
+
+
+async def lease_report(params: dict[str, Any], *, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """The transfer as the prefill node saw it, in the shape of the decode node's own report
+    (``ok``, ``bytes``, ``seconds``, ``transport``, ``reason``, ``start``, ``end``); None when the
+    node does not know the lease (restarted, or too long ago) or does not answer."""
+    if not is_tandem_params(params):
+        return None
+    try:
+        answer = await _ask(params, wire.Query(params["transfer_id"]), timeout_s)
+    except zmq.ZMQError as exc:
+        log.warning("lease report for %s: %s", params["transfer_id"], exc)
+        return None
+    if not isinstance(answer, wire.LeaseReport):
+        return None
+    ended = answer.end > 0 and answer.start > 0
+    return {"ok": answer.state == "done", "bytes": answer.nbytes or None, "transport": answer.transport or None,
+            "seconds": round(answer.end - answer.start, 6) if ended else None, "reason": answer.reason,
+            "start": answer.start or None, "end": answer.end if ended else None, "state": answer.state,
+            "source": "prefill"}

@@ -95,7 +95,7 @@ class LeaseTable:
         """Called (under the table's lock) whenever a lease ends: wakes an engine waiting for it."""
         self._leases: dict[str, Lease] = {}
         self._ended: list[Lease] = []
-        self._recent: dict[str, LeaseState] = {}
+        self._recent: dict[str, tuple[LeaseState, float, str]] = {}
         """Terminal state of recently ended leases (bounded), so a late Pull is refused at once."""
         self._cond = threading.Condition()
         self.outcomes: Counter[str] = Counter()
@@ -131,13 +131,19 @@ class LeaseTable:
         del self._leases[lease.transfer_id]
         self._ended.append(lease)
         self.outcomes[lease.state.value] += 1
-        self._recent[lease.transfer_id] = lease.state
+        self._recent[lease.transfer_id] = (lease.state, lease.ended, lease.reason)
         if len(self._recent) > _RECENT:
             del self._recent[next(iter(self._recent))]
         if self._on_end is not None:
             self._on_end()
 
     def ended_state(self, transfer_id: str) -> LeaseState | None:
+        with self._cond:
+            ended = self._recent.get(transfer_id)
+            return ended[0] if ended else None
+
+    def ended_info(self, transfer_id: str) -> tuple[LeaseState, float, str] | None:
+        """(terminal state, wall-clock end, reason) of a recently ended lease."""
         with self._cond:
             return self._recent.get(transfer_id)
 

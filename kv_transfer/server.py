@@ -27,6 +27,10 @@ PARK_S = 10.0
 the lease to this worker)."""
 
 
+SERVED_KEPT = 10_000
+"""Recent pulls remembered for ``Query`` (a router asks right after a streamed answer ends)."""
+
+
 @dataclass
 class _Parked:
     ident: bytes
@@ -55,6 +59,8 @@ class BlockServer:
         self._held: dict[str, tuple[_Parked, float]] = {}
         """Pulls delayed by the ``hold`` fault, with when to serve them."""
         self._early_release: dict[str, float] = {}
+        self._served: dict[str, tuple[str, int, int, float]] = {}
+        """transfer id → (transport, bytes, blocks, wall-clock start) of recent pulls, for Query."""
         self._ucx = None
         """UcxSender, started at the first ``ucx`` pull (importing ucxx costs seconds; most nodes never
         need it)."""
@@ -198,10 +204,23 @@ class BlockServer:
             else:
                 self._release(msg.transfer_id, msg.reason)
             self._reply(sock, ident, wire.Ack())
+        elif isinstance(msg, wire.Query):
+            self._reply(sock, ident, self._report(msg.transfer_id))
         elif isinstance(msg, wire.Fault):
             if self.faults_enabled:
                 self._armed[msg.kind] = msg.seconds
             self._reply(sock, ident, wire.Ack(ok=self.faults_enabled))
+
+    def _report(self, tid: str) -> wire.Message:
+        transport, nbytes, blocks, start = self._served.get(tid, ("", 0, 0, 0.0))
+        lease = self.leases.get(tid)
+        if lease is not None:
+            return wire.LeaseReport(tid, lease.state.value, transport, nbytes, blocks, start, 0.0, lease.reason)
+        ended = self.leases.ended_info(tid)
+        if ended is None:
+            return wire.Reject(tid, "unknown lease")
+        state, end, reason = ended
+        return wire.LeaseReport(tid, state.value, transport, nbytes, blocks, start, end or 0.0, reason)
 
     def _reply(self, sock: zmq.Socket, ident: bytes, msg: wire.Message) -> None:
         sock.send_multipart([ident, wire.encode(msg)])
@@ -241,6 +260,11 @@ class BlockServer:
                 self._reply(sock, ident, wire.Reject(tid, f"segment {s} is outside the lease"))
                 return
         self.leases.move(tid, LeaseState.SENDING)
+        blocks = sum(s.count for s in pull.segments)
+        self._served[tid] = (pull.transport, blocks * self.layout.block_nbytes * self.layout.num_layers, blocks,
+                             time.time())
+        if len(self._served) > SERVED_KEPT:
+            del self._served[next(iter(self._served))]
         try:
             if pull.transport == "shm":
                 self._grant(sock, ident, pull)

@@ -18,6 +18,10 @@ in the engine's paged KV cache), so both ends can send from and receive into the
                                              ◀───  UcxPosted(checksums)   (ucx: blocks went over UCX)
       Done(ok | reason)                      ───▶  lease released, blocks freed
       Release(reason)                        ───▶  lease released without a transfer (reject, abort)
+    router (DEALER)
+      Query(transfer_id)                     ───▶
+                                             ◀───  LeaseReport(state, bytes, start, end)  (the lake's
+                                                   transfer fields for streamed answers)
                                              ◀───  Reject(reason) instead of data: unknown/expired lease
 """
 
@@ -143,6 +147,29 @@ class Reject(msgspec.Struct, tag="kv.reject.v1", frozen=True):
     reason: str
 
 
+class Query(msgspec.Struct, tag="kv.query.v1", frozen=True):
+    """How did this lease's transfer go? (the router, after a streamed answer: vLLM returns the
+    decode side's kv_transfer_params only on non-streamed ones)."""
+
+    transfer_id: str
+
+
+class LeaseReport(msgspec.Struct, tag="kv.lease_report.v1", frozen=True):
+    """The prefill node's view of one transfer: from the Pull's arrival to the decode node's Done."""
+
+    transfer_id: str
+    state: str
+    """The lease's state: ``done`` (delivered), ``failed``, ``released``, ``expired``, or a live state."""
+    transport: str
+    nbytes: int
+    blocks: int
+    start: float
+    """Wall clock: the Pull arrived (0: never pulled)."""
+    end: float
+    """Wall clock: the lease ended (0: still live)."""
+    reason: str = ""
+
+
 class Fault(msgspec.Struct, tag="kv.fault.v1", frozen=True):
     """Arm a fault on a prefill node's server (only honoured when TANDEM_KV_FAULTS=1): ``corrupt``
     flips a byte in the next segment sent; ``stall`` stops the next transfer after its first layer
@@ -157,7 +184,8 @@ class Ack(msgspec.Struct, tag="kv.ack.v1", frozen=True):
     ok: bool = True
 
 
-Message = Pull | LayerHeader | End | Grant | Pushed | UcxPosted | Done | Release | Reject | Fault | Ack
+Message = (Pull | LayerHeader | End | Grant | Pushed | UcxPosted | Done | Release | Reject | Query | LeaseReport
+           | Fault | Ack)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

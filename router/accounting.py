@@ -1,15 +1,19 @@
 """What happens when a request ends, whatever way it ends: one record, to metrics and to the lake.
 
 Nothing here waits on I/O: the emitter only appends to its buffer, the response index writes from a
-background task, and Prometheus objects are in memory.
+background task, and Prometheus objects are in memory. The one record that needs a network answer (a
+streamed P/D answer's KV transfer figures, which only the prefill node can give) is completed and
+emitted from a background task.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from infra.errors import TandemError
+from kv_transfer.control import is_tandem_params, lease_report
 from router.admission.ratelimit import Admission
 from router.metrics import RouterMetrics
 from router.orchestrator import RequestTrace
@@ -21,11 +25,13 @@ from telemetry import Emitter
 
 class Accounting:
     def __init__(self, metrics: RouterMetrics, emitter: Emitter | None, responses: ResponseIndex | None,
-                 turns: TurnRecorder | None = None) -> None:
+                 turns: TurnRecorder | None = None,
+                 spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None) -> None:
         self.metrics = metrics
         self.emitter = emitter
         self.responses = responses
         self.turns = turns
+        self.spawn = spawn
 
     def finish(self, trace: RequestTrace, endpoint: str, status: str, *, http_status: int,
                exc: TandemError | None = None, admission: Admission | None = None,
@@ -35,15 +41,29 @@ class Accounting:
         if exc is not None:
             trace.error = exc.message
             self.metrics.errors.labels(type(exc).__name__).inc()
-        record = request_record(trace, endpoint=endpoint, http_status=http_status,
-                                error_type=type(exc).__name__ if exc else None)
-        self.metrics.common.observe_request(record)
-        if self.emitter is not None:
-            self.emitter.emit("requests", record)
-            for row in tool_call_records(trace):
-                self.emitter.emit("tool_calls", row)
+        error_type = type(exc).__name__ if exc else None
+        if trace.transfer is None and trace.mode == "disaggregated" and is_tandem_params(trace.kv_params) \
+                and self.spawn is not None:
+            self.spawn(self._record_after_report(trace, endpoint, http_status, error_type))
+        else:
+            self._record(trace, endpoint, http_status, error_type)
         if status == "ok" and self.responses is not None:
             self.responses.remember(trace.request_id, ResponseRef(trace.request_id, trace.session_id,
                                                                    trace.tenant_id))
         if self.turns is not None and admission is not None:
             self.turns.after(trace, admission, messages)
+
+    def _record(self, trace: RequestTrace, endpoint: str, http_status: int, error_type: str | None) -> None:
+        record = request_record(trace, endpoint=endpoint, http_status=http_status, error_type=error_type)
+        self.metrics.common.observe_request(record)
+        if self.emitter is not None:
+            self.emitter.emit("requests", record)
+            for row in tool_call_records(trace):
+                self.emitter.emit("tool_calls", row)
+
+    async def _record_after_report(self, trace: RequestTrace, endpoint: str, http_status: int,
+                                   error_type: str | None) -> None:
+        try:
+            trace.transfer = await lease_report(trace.kv_params or {})
+        finally:  # the record is emitted whatever the prefill node says, or if it says nothing
+            self._record(trace, endpoint, http_status, error_type)

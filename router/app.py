@@ -151,12 +151,12 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         app.state.responses = responses
         app.state.emitter = emitter
         app.state.admission = admission
-        app.state.accounting = Accounting(metrics, emitter, responses, turns)
+        app.state.kv_tasks = kv_tasks = TaskSet()
+        app.state.accounting = Accounting(metrics, emitter, responses, turns, spawn=kv_tasks.spawn)
         app.state.orchestrator = Orchestrator(settings, fleet, client, policy, PromptTokenizer(), metrics, index,
                                               slots=admission.controller)
         metrics.admission.source = admission.controller.snapshot
         app.state.index, app.state.subscribers = index, subscribers
-        app.state.kv_tasks = kv_tasks = TaskSet()
         try:
             yield
         finally:

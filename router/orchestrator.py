@@ -90,8 +90,11 @@ class RequestTrace:
     decode_role: str | None = None
     kv_connector: str | None = None
     transfer: dict[str, Any] | None = None
-    """How the KV transfer went, as the decode engine reported it (tandem connector, non-streamed
-    answers): ok, bytes, seconds, transport, reason, start, end."""
+    """How the KV transfer went: ok, bytes, seconds, transport, reason, start, end. Non-streamed
+    answers carry the decode engine's own report; for streamed ones the accounting asks the prefill
+    node afterwards (``kv_transfer.control.lease_report``)."""
+    kv_params: dict[str, Any] | None = None
+    """The prefill leg's kv_transfer_params (P/D only): where the KV waited."""
     tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
     """Tool calls in the answer by index: id, name, arguments (streamed fragments joined)."""
     finish_reason: str | None = None
@@ -270,7 +273,7 @@ class Orchestrator:
         if kv_params is None:
             trace.mode, trace.kv_connector = "colocated", None
         else:
-            decode_body["kv_transfer_params"] = kv_params
+            decode_body["kv_transfer_params"] = trace.kv_params = kv_params
         return Leg(decision, decision.decode.node.info.url + path, decode_body)
 
     async def _prefill(self, node: Candidate, path: str, body: dict[str, Any], trace: RequestTrace) -> dict:

@@ -63,6 +63,9 @@ def test_every_request_lands_once_with_tool_call_and_feedback(cluster: LiveClust
         assert r["decode_node"] and r["routing_policy"] == "cache_aware" and r["routing_decision"] == "pd"
         assert r["prefill_node"] and r["kv_connector"] == "tandem"
         assert r["t_arrival"] <= r["t_routed"] <= r["t_prefill_start"] <= r["t_prefill_end"] <= r["t_finish"]
+        # the KV transfer: the decode engine's report (non-streamed) or the prefill node's (streamed)
+        assert r["transfer_bytes"] > 0 and r["transfer_s"] >= 0, (r["stream"], r["transfer_bytes"])
+        assert r["t_prefill_end"] <= r["t_transfer_start"] <= r["t_transfer_end"] <= r["t_finish"]
     assert {r["endpoint"] for r in rows} == {"chat", "completions"}
     assert sorted(r["stream"] for r in rows) == [False, False, False, True]
     assert [r["num_tool_calls"] for r in rows if r["request_id"] == tool["id"]] == [1]

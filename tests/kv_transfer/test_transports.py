@@ -169,6 +169,26 @@ def test_shm_push_that_cannot_write_falls_back_to_the_decode_side_copy(remote: R
     assert remote.ended("shm-fallback") == "done"
 
 
+def test_the_router_can_ask_how_a_transfer_went(remote: Remote, local) -> None:  # noqa: ANN001
+    """``lease_report`` (what the router asks after a streamed answer) gives the prefill node's view:
+    state, bytes, start at the Pull, end at the Done; an unknown lease gives None."""
+    import asyncio
+
+    from kv_transfer.control import lease_report
+
+    _, puller = local
+    remote.offer("asked", [15, 16])
+    before = time.time()
+    out = _pull(remote, puller, "asked", "tcp", [15, 16], [15, 16])
+    assert out.ok and remote.ended("asked") == "done"
+    params = {"transfer_id": "asked", "remote_endpoints": {"tcp": remote.tcp}}
+    report = asyncio.run(lease_report(params))
+    assert report is not None and report["ok"] and report["state"] == "done" and report["transport"] == "tcp"
+    assert report["bytes"] == out.nbytes == 2 * LAYERS * _source()[0][0].nbytes
+    assert before <= report["start"] <= report["end"] <= time.time() and report["seconds"] >= 0
+    assert asyncio.run(lease_report({**params, "transfer_id": "never-leased"})) is None
+
+
 def test_a_corrupted_frame_fails_the_pull_and_the_lease(remote: Remote, local) -> None:  # noqa: ANN001
     _, puller = local
     remote.offer("bad", [1, 2])
