@@ -3,6 +3,7 @@ request with its fields filled, the tool call, the feedback; and telemetry never
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -76,8 +77,14 @@ def test_every_request_lands_once_with_tool_call_and_feedback(cluster: LiveClust
     assert call["tool_name"] == "read_file" and call["request_id"] == tool["id"]
     assert call["tool_call_id"] == calls[0]["id"] and call["arguments_valid_json"]
 
-    # KV cache activity: the engines' KV events, aggregated per node and interval by the router.
-    kv_sql = "SELECT * FROM kv_events WHERE blocks_stored > 0"
+    # KV cache activity: the engines' KV events, aggregated per node and interval by the router. The
+    # chats above are shorter than one 128-token block (no block stored): store a few blocks here, so
+    # the test does not depend on what other tests left in the lake.
+    since = time.time()
+    with httpx.Client(base_url=cluster.url, timeout=120) as c:
+        c.post("/v1/completions", json={"model": cluster.model, "prompt": f"{session} " + "lake " * 400,
+                                        "max_tokens": 1}).raise_for_status()
+    kv_sql = f"SELECT * FROM kv_events WHERE blocks_stored > 0 AND interval_end >= to_timestamp({since})"
     assert wait_for(lambda: len(_rows(cluster, kv_sql)) >= 1, timeout_s=40), "no kv_events rows"
     assert {r["role"] for r in _rows(cluster, kv_sql)} & {"prefill", "decode"}
 
