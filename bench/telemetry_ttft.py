@@ -8,9 +8,12 @@ What keeps the comparison fair:
 - one discarded warm-up round per router first: the router's tokenizer and connections, and the
   engine's prefix cache holding the bench prompts, whichever router measures first (without it the
   first "on" round alone paid the cold prefill);
-- measured rounds in ABBA order (on, off, off, on, ...): linear drift of the shared machine, and the
-  tail of one round (background work of the router that served it) running into the next, weigh on
-  both modes alike;
+- every measured round is mixed: ``concurrency`` streams start together, half through each router,
+  alternating in launch order, each adjacent pair sending the same prompt (which of the two goes
+  first flips every round). At concurrency 32 a request's TTFT is mostly its place in the engine's
+  queue, and that place, like the round's conditions (the engine's batching, the shared machine),
+  is shared by both modes instead of being drawn separately per round: rounds of one mode alone
+  differed by up to 40% from one another here, drowning a 2% effect;
 - both routers and the bench share one priority and affinity (inherited); the writer runs at idle
   CPU priority, as the launcher always starts it (telemetry.priority).
 
@@ -36,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from bench.loadgen import percentile, run_level
+from bench.loadgen import RequestResult, one_request, percentile, run_level
 from bench.pd import bench_prompts
 from infra.errors import ConfigError
 from infra.launcher import Cluster, ClusterSpec
@@ -97,10 +100,38 @@ def _policy(pid: int) -> str:
 
 def _round(url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int) -> list[float]:
     _, results = asyncio.run(run_level(url, model, prompts, concurrency, concurrency, max_tokens))
+    _check(results)
+    return [r.ttft_s for r in results]
+
+
+def _check(results: list[RequestResult]) -> None:
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise ConfigError(f"{len(failed)} of {len(results)} requests failed, e.g. {failed[0]}")
-    return [r.ttft_s for r in results]
+
+
+def _mixed_round(urls: dict[str, str], model: str, prompts: list[Any], concurrency: int, max_tokens: int,
+                 on_first: bool) -> dict[str, list[float]]:
+    """``concurrency`` streams at once: stream ``j`` sends prompt ``j // 2`` through the "on" router
+    when ``j`` is even (odd when ``on_first`` is False), else through the "off" one."""
+    order = ("on", "off") if on_first else ("off", "on")
+    plan = [(order[j % 2], prompts[(j // 2) % len(prompts)]) for j in range(concurrency)]
+
+    async def run() -> list[RequestResult]:
+        limits = httpx.Limits(max_connections=concurrency + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
+            return await asyncio.gather(*(
+                one_request(client, f"{urls[mode]}/v1/chat/completions",
+                            {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}, {})
+                for mode, messages in plan))
+
+    results = asyncio.run(run())
+    _check(results)
+    out: dict[str, list[float]] = {"on": [], "off": []}
+    for (mode, _), r in zip(plan, results, strict=True):
+        out[mode].append(r.ttft_s)
+    return out
 
 
 def _wait_lake(lake: Path, source: str, since: float, want: int, timeout_s: float) -> int:
@@ -112,7 +143,7 @@ def _wait_lake(lake: Path, source: str, since: float, want: int, timeout_s: floa
     return rows
 
 
-def run_ttft_on_off(redis_url: str, *, concurrency: int = 32, rounds: int = 6, max_tokens: int = 16,
+def run_ttft_on_off(redis_url: str, *, concurrency: int = 32, rounds: int = 12, max_tokens: int = 16,
                     router_port: int = 18700, node_base_port: int = 18800,
                     drain_timeout_s: float = 120.0) -> dict[str, Any]:
     """``rounds`` measured rounds per mode of ``concurrency`` simultaneous streamed requests."""
@@ -140,11 +171,11 @@ def run_ttft_on_off(redis_url: str, *, concurrency: int = 32, rounds: int = 6, m
             writer_cpu0 = _cpu_s(writer_pid)
             writer_policy = _policy(writer_pid)
             for i in range(rounds):
-                for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
-                    values = _round(urls[mode], model, prompts, concurrency, max_tokens)
+                mixed = _mixed_round(urls, model, prompts, concurrency, max_tokens, on_first=i % 2 == 0)
+                for mode, values in mixed.items():
                     ttft[mode] += values
                     round_p50[mode].append(percentile(values, 0.5) * 1000)
-                    sequence.append(mode)
+                sequence.append("on-first" if i % 2 == 0 else "off-first")
             writer_cpu = _cpu_s(writer_pid) - writer_cpu0
             rows_at_end = _lake_rows(cluster.lake, source, since)
             on_requests = int(_metric_sum(cluster.url, "tandem_requests_total"))
@@ -154,9 +185,11 @@ def run_ttft_on_off(redis_url: str, *, concurrency: int = 32, rounds: int = 6, m
             os.killpg(off.pid, signal.SIGTERM)
             off.wait(30)
     on_ms, off_ms = percentile(ttft["on"], 0.5) * 1000, percentile(ttft["off"], 0.5) * 1000
-    # Each ABBA pair holds one round of each mode, run back to back.
+    # Each round holds both modes, side by side.
     pairs = [100 * (round_p50["on"][i] - round_p50["off"][i]) / round_p50["off"][i] for i in range(rounds)]
     return {
+        "design": "mixed rounds: concurrency streams at once, half per router, alternating in launch order, "
+                  "adjacent pairs with the same prompt",
         "concurrency": concurrency, "rounds": rounds, "order": sequence,
         "warm_up_rounds_per_router": 1, "requests_per_mode": len(ttft["on"]),
         "ttft_on_ms": round(on_ms, 1), "ttft_off_ms": round(off_ms, 1),
