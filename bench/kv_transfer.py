@@ -299,7 +299,7 @@ def plot(result: dict[str, Any], out_png: Path) -> None:
         ax2.plot([sizes[x]["tokens"] for x in xs], [sizes[x]["ms"] for x in xs], marker="o", label=name)
     ax1.axhline(result["memcpy_gbps"], color="grey", linestyle="--", label="memcpy ceiling")
     ax1.set(xlabel="prompt tokens", ylabel="effective GB/s", title="KV transfer throughput")
-    ax2.set(xlabel="prompt tokens", ylabel="transfer time (ms)", title="Per-request transfer time")
+    ax2.set(xlabel="prompt tokens", ylabel="transfer time (ms, log)", title="Per-request transfer time", yscale="log")
     ax1.legend(fontsize=8)
     ax2.legend(fontsize=8)
     fig.tight_layout()
