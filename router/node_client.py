@@ -72,13 +72,18 @@ class NodeClient:
 
 
 async def _chunks(resp: httpx.Response, url: str) -> AsyncIterator[dict[str, Any]]:
+    done = False
     try:
         async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
+            if done or not line.startswith("data:"):
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
-                return
+                # Read on to the end of the body (nothing but its last chunk follows): a response read
+                # to its end hands its connection back to the pool; one left unread is closed, and the
+                # next stream to this node pays for a new TCP connection.
+                done = True
+                continue
             chunk = json.loads(data)
             if "error" in chunk and "choices" not in chunk:
                 err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
@@ -90,4 +95,5 @@ async def _chunks(resp: httpx.Response, url: str) -> AsyncIterator[dict[str, Any
         raise UpstreamError(f"stream from {url} broke: {type(exc).__name__}: {exc}") from exc
     except ValueError as exc:
         raise UpstreamError(f"stream from {url} sent malformed data") from exc
-    raise UpstreamError(f"stream from {url} ended without [DONE]")
+    if not done:
+        raise UpstreamError(f"stream from {url} ended without [DONE]")

@@ -1,0 +1,82 @@
+"""NodeClient against a real HTTP/1.1 server on loopback (a few lines of asyncio, so the test controls
+the wire): streamed answers are parsed, and a stream read to its end hands its connection back to
+the pool instead of costing a new TCP connection per request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from infra.errors import UpstreamError
+from router.node_client import NodeClient
+
+
+class SseServer:
+    """Answers every POST with a chunked SSE body; counts accepted connections."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.connections = 0
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/v1/completions"
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for event in self.events:
+                    data = f"data: {event}\n\n".encode()
+                    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def _read_all(client: NodeClient, url: str) -> list[dict]:
+    async with client.open_stream(url, {"prompt": "x"}, {}) as chunks:
+        return [c async for c in chunks]
+
+
+async def test_streams_are_parsed_and_reuse_one_connection() -> None:
+    server = SseServer([json.dumps({"choices": [{"text": "a"}]}), json.dumps({"choices": [{"text": "b"}]}),
+                        "[DONE]"])
+    url = await server.start()
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    try:
+        for _ in range(3):
+            chunks = await _read_all(client, url)
+            assert [c["choices"][0]["text"] for c in chunks] == ["a", "b"]
+        assert server.connections == 1
+    finally:
+        await client.aclose()
+        await server.close()
+
+
+async def test_a_stream_without_done_is_an_upstream_error() -> None:
+    server = SseServer([json.dumps({"choices": [{"text": "a"}]})])
+    url = await server.start()
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    try:
+        with pytest.raises(UpstreamError, match="without \\[DONE\\]"):
+            await _read_all(client, url)
+    finally:
+        await client.aclose()
+        await server.close()
