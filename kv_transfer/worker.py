@@ -13,6 +13,7 @@ import threading
 import time
 
 from kv_transfer import wire
+from kv_transfer.hugepages import advise_huge_pages
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
 from kv_transfer.metadata import TandemMetadata, TransferReports
@@ -43,6 +44,9 @@ class TandemWorker:
         self._last_gauges = (0, 0, 0)
 
     def register(self, layout: KVLayout) -> None:
+        if self.settings.huge_pages:
+            outcomes = {advise_huge_pages(layout.address(i), layout.layers[i].nbytes) for i in range(layout.num_layers)}
+            log.info("KV cache huge pages: %s", ", ".join(sorted(outcomes)))
         self.server = BlockServer(layout, self.leases, self.settings.bind_endpoints, self.stats,
                                   faults=os.environ.get("TANDEM_KV_FAULTS") == "1")
         self.server.start()
