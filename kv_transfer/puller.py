@@ -21,7 +21,7 @@ import zmq
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.stats import TransferStats
-from kv_transfer.transports import CmaTransport, TransferFailed, transport_for
+from kv_transfer.transports import TransferFailed, transport_for
 
 log = logging.getLogger("tandem.kv.puller")
 
@@ -132,12 +132,9 @@ class Puller:
             if job.transport == "ucx":
                 transport = self._ucx_receiver()
                 pull = wire.Pull(job.transfer_id, job.segments, "ucx", job.checksum, transport.target(self.layout))
-            elif job.transport == "shm":
-                transport = CmaTransport(split=self.shm_split)
-                pull = wire.Pull(job.transfer_id, job.segments, "shm", job.checksum, cma=transport.target(self.layout))
             else:
-                transport = transport_for(job.transport)
-                pull = wire.Pull(job.transfer_id, job.segments, job.transport, job.checksum)
+                transport = transport_for(job.transport, shm_split=self.shm_split)
+                pull = transport.pull(job.transfer_id, job.segments, job.checksum, self.layout)
             sock.send(wire.encode(pull))
             nbytes = transport.receive(sock, pull, self.layout, job.deadline)
             if job.cancelled.is_set():

@@ -260,8 +260,7 @@ class BlockServer:
                 self._reply(sock, ident, wire.Reject(tid, f"segment {s} is outside the lease"))
                 return
         self.leases.move(tid, LeaseState.SENDING)
-        blocks = sum(s.count for s in pull.segments)
-        self._served[tid] = (pull.transport, blocks * self.layout.block_nbytes * self.layout.num_layers, blocks,
+        self._served[tid] = (pull.transport, self.layout.nbytes(pull.segments), sum(s.count for s in pull.segments),
                              time.time())
         if len(self._served) > SERVED_KEPT:
             del self._served[next(iter(self._served))]

@@ -34,6 +34,10 @@ class TransferFailed(Exception):
 class Transport(Protocol):
     name: str
 
+    def pull(self, transfer_id: str, segments: list[wire.Segment], checksum: bool, layout: KVLayout) -> wire.Pull:
+        """The Pull message that asks the prefill node for ``segments`` over this transport."""
+        ...
+
     def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float) -> int:
         """Receive every segment of ``pull`` into ``layout``; returns the bytes moved."""
         ...
@@ -59,6 +63,9 @@ class FrameTransport:
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+    def pull(self, transfer_id: str, segments: list[wire.Segment], checksum: bool, layout: KVLayout) -> wire.Pull:
+        return wire.Pull(transfer_id, segments, self.name, checksum)
 
     def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float) -> int:
         total = 0
@@ -150,6 +157,9 @@ class CmaTransport:
 
     def __init__(self, split: bool = True) -> None:
         self.split = split
+
+    def pull(self, transfer_id: str, segments: list[wire.Segment], checksum: bool, layout: KVLayout) -> wire.Pull:
+        return wire.Pull(transfer_id, segments, self.name, checksum, cma=self.target(layout))
 
     def target(self, layout: KVLayout) -> wire.CmaTarget:
         n = layout.num_layers
