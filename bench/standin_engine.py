@@ -12,7 +12,15 @@ What it does
     carries ``kv_transfer_params`` with ``do_remote_decode`` is a prefill leg: it gets one token and
     ``kv_transfer_params`` back, as a prefill node answers. Usage counts words, not tokens.
 
+    Token streaming (``stream_tokens=N``): a streamed chat answer is instead ``max_tokens`` (at most N,
+    N when unset) content chunks of one "token" each, byte for byte in vLLM's chunk shape
+    (``model_dump_json(exclude_unset=True)``, compact, the id the ``X-Request-Id`` header asked for),
+    then the finish chunk and, if asked, the usage chunk: what a router relays from a decode node,
+    produced as cheaply as possible so that the router, not this stand-in, is what a relay benchmark
+    measures. ``burst`` chunks go out per write.
+
     python -m bench.standin_engine --port 8901      # a separate process (the benchmark does this)
+    python -m bench.standin_engine --port 8901 --stream-tokens 64
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ class StandInEngine:
     """A stand-in engine's state and its ASGI app. Thread-safe to inspect from the test's thread."""
 
     reply: Reply = field(default_factory=fixed_reply)
+    stream_tokens: int | None = None
+    """Token streaming mode (see the module docstring): at most this many one-token chunks per answer."""
+    burst: int = 1
+    """Token streaming mode: chunks per write."""
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     """(path, body) of every request, in arrival order."""
     _open: threading.Event = field(default_factory=threading.Event)
@@ -83,6 +95,7 @@ class StandInEngine:
     async def _handle(self, request: Request) -> Response:
         body = await request.json()
         path = request.url.path
+        header_id = request.headers.get("x-request-id")
         with self._lock:
             self.received.append((path, body))
             self.in_flight += 1
@@ -91,12 +104,12 @@ class StandInEngine:
             # could outlive a failed test.
             while not self._open.is_set():  # noqa: ASYNC110
                 await asyncio.sleep(0.005)
-            return self._answer(path, body)
+            return self._answer(path, body, header_id)
         finally:
             with self._lock:
                 self.in_flight -= 1
 
-    def _answer(self, path: str, body: dict[str, Any]) -> Response:
+    def _answer(self, path: str, body: dict[str, Any], header_id: str | None = None) -> Response:
         chat = path.endswith("chat/completions")
         rid = f"standin-{uuid.uuid4().hex[:12]}"
         prompt_words = len(json.dumps(body.get("messages") or body.get("prompt") or "").split())
@@ -108,6 +121,8 @@ class StandInEngine:
                              **({"message": {"role": "assistant", "content": "x"}} if chat else {"text": "x"})}],
                 "usage": {"prompt_tokens": prompt_words, "completion_tokens": 1, "total_tokens": prompt_words + 1},
                 "kv_transfer_params": {"stand_in": True, "remote_request_id": rid}})
+        if self.stream_tokens and chat and body.get("stream"):
+            return self._token_stream(body, header_id or rid)
         message = self.reply(body)
         text = message.get("content") or ""
         calls = message.get("tool_calls") or []
@@ -145,6 +160,35 @@ class StandInEngine:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def _token_stream(self, body: dict[str, Any], rid: str) -> Response:
+        assert self.stream_tokens
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.stream_tokens
+        n = max(1, min(int(asked), self.stream_tokens))
+        rid = f"chatcmpl-{rid}"
+        head = (f'data: {{"id":"{rid}","object":"chat.completion.chunk","created":{int(time.time())},'
+                f'"model":{json.dumps(body.get("model"))},"choices":[{{"index":0,').encode()
+        first = head + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+        token = head + b'"delta":{"content":" tok"},"logprobs":null,"finish_reason":null}]}\n\n'
+        last = head + b'"delta":{},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+        prompt_words = len(json.dumps(body.get("messages") or "").split())
+        usage = b""
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = head[:head.index(b'"choices"')] + (
+                f'"choices":[],"usage":{{"prompt_tokens":{prompt_words},"total_tokens":{prompt_words + n},'
+                f'"completion_tokens":{n}}}}}\n\n').encode()
+        burst = self.burst
+
+        async def events() -> AsyncIterator[bytes]:
+            yield first
+            left = n
+            while left > 0:
+                k = min(burst, left)
+                yield token * k
+                left -= k
+            yield last + usage + b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
 
 class ServerThread:
     """Serve an ASGI app with uvicorn on 127.0.0.1 in a daemon thread (lifespan included).
@@ -177,8 +221,12 @@ class ServerThread:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run a stand-in engine (NOT an engine: fixed replies).")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--stream-tokens", type=int, default=None,
+                        help="token streaming mode: streamed chat answers are max_tokens one-token chunks (at most N)")
+    parser.add_argument("--burst", type=int, default=1, help="token streaming mode: chunks per write")
     args = parser.parse_args()
-    uvicorn.run(StandInEngine().app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    engine = StandInEngine(stream_tokens=args.stream_tokens, burst=args.burst)
+    uvicorn.run(engine.app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":

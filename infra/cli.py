@@ -209,6 +209,35 @@ def bench_pd(
           f"pd_tok_s={s['pd_tok_s']} colo_tok_s={s['colo_tok_s']}", flush=True)
 
 
+@bench_app.command("overhead")
+def bench_overhead(
+    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
+        "results/bench-overhead.json"),
+    rounds: Annotated[int, typer.Option(help="Rounds; each runs every arm on a fresh engine, order alternating.")] = 2,
+    num_prompts: Annotated[int, typer.Option(help="vllm bench serve: prompts per arm and round.")] = 64,
+    concurrency: Annotated[int, typer.Option(help="vllm bench serve: --max-concurrency.")] = 16,
+    input_len: Annotated[int, typer.Option(help="vllm bench serve: random prompt length, tokens.")] = 512,
+    output_len: Annotated[int, typer.Option(help="vllm bench serve: output tokens (--ignore-eos).")] = 64,
+    agent_sessions: Annotated[int, typer.Option(help="Agent-workload sessions per arm and round (0: skip).")] = 4,
+    ceiling_streams: Annotated[int, typer.Option(help="Router ceiling: concurrent streams.")] = 64,
+    redis_url: Annotated[str, typer.Option(help="Registry Redis for the Tandem arms (a database of their own).")] = (
+        "redis://127.0.0.1:6379/11"),
+) -> None:
+    """What Tandem costs over the vLLM it wraps, same cores, one run: plain `vllm serve` (node's flags),
+    vllm-router in front of it, a Tandem node straight to its engine, and Tandem through its router;
+    load from `vllm bench serve` and the agent workload; then the router's SSE chunks/s on one core
+    over a stand-in engine. ~15 min on 2 cores."""
+    from bench.overhead import OverheadBenchConfig, result_line, run_overhead_bench
+
+    cfg = OverheadBenchConfig(rounds=rounds, num_prompts=num_prompts, concurrency=concurrency, input_len=input_len,
+                              output_len=output_len, agent_sessions=agent_sessions,
+                              ceiling_streams=ceiling_streams, redis_url=redis_url)
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: every arm's processes stop
+    with _clean_errors():
+        result = run_overhead_bench(out, cfg)
+    print(result_line(result), flush=True)
+
+
 @bench_app.command("kv-transfer")
 def bench_kv_transfer(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(

@@ -192,7 +192,11 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         deadline = request_deadline(request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s,
                                     arrival=arrival)
         session = await session_params(request.headers.get(SESSION_HEADER), request.headers.get(HISTORY_HEADER))
-        session_id = session.session_id if kind == "chat" or not session.created else None
+        # A request that names no session is sessionless, as with OpenAI or vLLM: storing a session and
+        # a turn for each such request cost a Redis read and four writes plus a database row every time,
+        # for ids that no client ever sent back. In server-history mode the router keeps the history,
+        # so there a session is created and its id returned.
+        session_id = session.session_id if not session.created or session.mode is HistoryMode.SERVER else None
         trace = RequestTrace(request_id=new_request_id(kind), kind=kind, model=req.model, stream=req.stream,
                              session_id=session_id, tenant_id=admission.tenant.tenant_id,
                              priority=admission.priority, deadline=deadline)

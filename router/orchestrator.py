@@ -300,7 +300,10 @@ class Orchestrator:
         return None
 
     def _headers(self, trace: RequestTrace) -> dict[str, str]:
-        return {"X-Request-Id": trace.request_id}
+        # vLLM names its answer "chatcmpl-<X-Request-Id>" ("cmpl-…" for completions): sending the
+        # part after our prefix makes the engine's chunk ids the router's response id, so streamed
+        # chunks pass through unchanged (router/sse.py).
+        return {"X-Request-Id": trace.request_id.partition("-")[2]}
 
     def abandon(self, leg: Leg, reason: str, background: Callable[[Awaitable[Any]], None]) -> None:
         """The router gives up on a planned leg: free the prefill node's lease now, off the fast path."""
@@ -352,8 +355,8 @@ class Orchestrator:
         return resp
 
     async def open_stream(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack,
-                          background: Callable[[Awaitable[Any]], None] | None = None) -> AsyncIterator[dict]:
-        """Open the decode stream and wait for its first chunk, so that refusals and a decode node that
+                          background: Callable[[Awaitable[Any]], None] | None = None) -> AsyncIterator[list[bytes]]:
+        """Open the decode stream and wait for its first batch of chunks, so that refusals and a decode node that
         dies before the first token raise here (and can be retried, or answered with a proper HTTP
         status); the stream's lifetime is bound to ``stack``."""
         stack.callback(self.policy.on_complete, leg.decision)
@@ -364,7 +367,8 @@ class Orchestrator:
                 self.abandon(leg, f"decode leg failed: {exc.message}", background)
             return await self._open_once(self._retry_leg(leg, trace, exc), trace, stack)
 
-    async def _open_once(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack) -> AsyncIterator[dict]:
+    async def _open_once(self, leg: Leg, trace: RequestTrace,
+                         stack: AsyncExitStack) -> AsyncIterator[list[bytes]]:
         body = dict(leg.body)
         body["stream"] = True
         # Always ask the engine for usage (telemetry needs it); it is only forwarded if the client asked.
@@ -381,7 +385,7 @@ class Orchestrator:
         return _prepend(first, chunks)
 
 
-async def _prepend(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict]:
+async def _prepend(first: list[bytes] | None, rest: AsyncIterator[list[bytes]]) -> AsyncIterator[list[bytes]]:
     if first is None:
         return
     yield first

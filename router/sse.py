@@ -1,64 +1,146 @@
 """Relaying the decode node's stream to the client as OpenAI SSE.
 
-Chunks keep the engine's shape with the router's response id; the usage chunk is forwarded only when
-the client asked for it (the router always asks the engine, for its own accounting); ``[DONE]`` ends a
-good stream; a failure after the status line is reported in-band as an ``error`` event, as OpenAI does.
+Chunks keep the engine's shape and bytes; the usage chunk is forwarded only when the client asked for
+it (the router always asks the engine, for its own accounting); ``[DONE]`` ends a good stream; a
+failure after the status line is reported in-band as an ``error`` event, as OpenAI does.
+
+Per-chunk cost is what bounds a router's throughput (issue 11: every token of the fleet crosses it),
+so a chunk that passes unchanged is never re-encoded:
+
+- The router sends the engine ``X-Request-Id`` so that the engine's chunk ``id`` already is the
+  router's response id (``Orchestrator._headers``). Should an engine still use another id, the id is
+  replaced in the bytes (its first occurrence, which is the ``id`` field).
+- Each payload is decoded once into a narrow typed view (``_Chunk``: text, tool-call deltas, finish
+  reason, usage), which msgspec does in about a microsecond; the trace takes what the records need.
+- Only the usage chunk is decoded whole and re-encoded: it gets the hit-rate breakdown
+  (``record_usage``), and is dropped when the client did not ask for usage.
+- What one upstream read brought goes to the client in one write.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
+import msgspec
 
 from infra.errors import TandemError
 from router.openai_errors import error_from_exception
 from router.orchestrator import RequestTrace, record_usage
 
+_encode = msgspec.json.Encoder().encode
+
 
 def sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _encode(payload) + b"\n\n"
 
 
-def _has_token(choice: dict[str, Any]) -> bool:
-    delta = choice.get("delta")
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a chunk the router reads; everything else passes through in the bytes."""
+
+    id: str = ""
+    choices: list[_Choice] = msgspec.field(default_factory=list)
+    usage: dict[str, Any] | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+def _has_token(choice: _Choice) -> bool:
+    delta = choice.delta
     if delta is not None:
-        return bool(delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"))
-    return bool(choice.get("text"))
+        return bool(delta.content or delta.tool_calls or delta.reasoning_content)
+    return bool(choice.text)
 
 
 OnFinish = Callable[[str, TandemError | None], None]
 """Called once when the stream ends: (status, error)."""
 
 
-async def relay(chunks: AsyncIterator[dict[str, Any]], stack: AsyncExitStack, trace: RequestTrace,
-                include_usage: bool, on_finish: OnFinish) -> AsyncIterator[bytes]:
-    status, error = "ok", None
-    try:
-        async for chunk in chunks:
-            chunk["id"] = trace.request_id
-            choices = chunk.get("choices") or []
-            if chunk.get("usage") and not choices:
-                record_usage(trace, chunk["usage"])
-                if not include_usage:
+class _Relay:
+    """Per-stream state: the trace to fill, and how payloads are rewritten for the client."""
+
+    __slots__ = ("trace", "include_usage", "rid")
+
+    def __init__(self, trace: RequestTrace, include_usage: bool) -> None:
+        self.trace = trace
+        self.include_usage = include_usage
+        self.rid = trace.request_id.encode()
+
+    def batch(self, payloads: list[bytes]) -> bytes:
+        """The bytes to send for one batch of upstream payloads (possibly empty)."""
+        out: list[bytes] = []
+        trace = self.trace
+        now = 0.0
+        for payload in payloads:
+            try:
+                chunk = _decode_chunk(payload)
+            except msgspec.DecodeError:
+                # Not ours to judge: forward it as the engine sent it (an SSE comment-like oddity).
+                out.append(b"data: " + payload + b"\n\n")
+                continue
+            if chunk.usage is not None:
+                if not chunk.choices:
+                    whole = msgspec.json.decode(payload)
+                    record_usage(trace, whole["usage"])
+                    if self.include_usage:
+                        whole["id"] = trace.request_id
+                        out.append(sse_event(whole))
                     continue
-            for choice in choices:
-                trace.finish_reason = choice.get("finish_reason") or trace.finish_reason
-                trace.content.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
-                for call in (choice.get("delta") or {}).get("tool_calls") or []:
-                    trace.add_tool_call_delta(call)
-            if any(_has_token(c) for c in choices):
-                now = time.time()
+                if not self.include_usage:  # continuous usage the client did not ask for
+                    whole = msgspec.json.decode(payload)
+                    whole.pop("usage", None)
+                    whole["id"] = trace.request_id
+                    payload = _encode(whole)
+            token = False
+            for choice in chunk.choices:
+                if choice.finish_reason:
+                    trace.finish_reason = choice.finish_reason
+                delta = choice.delta
+                if delta is not None:
+                    if delta.content:
+                        trace.content.append(delta.content)
+                    if delta.tool_calls:
+                        for call in delta.tool_calls:
+                            trace.add_tool_call_delta(call)
+                elif choice.text:
+                    trace.content.append(choice.text)
+                token = token or _has_token(choice)
+            if token:
+                now = now or time.time()
                 trace.first_token = trace.first_token or now
                 trace.token_times.append(now)
-            if not include_usage:
-                chunk.pop("usage", None)
-            yield sse_event(chunk)
+            if chunk.id and chunk.id != trace.request_id:
+                payload = payload.replace(chunk.id.encode(), self.rid, 1)
+            out.append(b"data: " + payload + b"\n\n")
+        return b"".join(out)
+
+
+async def relay(batches: AsyncIterator[list[bytes]], stack: AsyncExitStack, trace: RequestTrace,
+                include_usage: bool, on_finish: OnFinish) -> AsyncIterator[bytes]:
+    status, error = "ok", None
+    state = _Relay(trace, include_usage)
+    try:
+        async for payloads in batches:
+            data = state.batch(payloads)
+            if data:
+                yield data
         yield b"data: [DONE]\n\n"
     except TandemError as exc:
         status, error = "error", exc

@@ -270,6 +270,12 @@ class Gatekeeper:
         reserve = self._reserve(max_tokens)
         t = admission.tenant
         g = self.global_limits
+        if t.tpm <= 0 and g.tpm <= 0:
+            # No token bucket to charge (0 = unlimited): no round trip; settle has nothing to correct.
+            admission.prompt_tokens = prompt_tokens
+            admission.reserved_completion_tokens = reserve
+            admission.tokens_charged = admission.settled = True
+            return
         args = [
             self.keys.prefix,
             self._now(),

@@ -57,9 +57,11 @@ def test_keys_limits_and_history(keyed_router, cluster: LiveCluster) -> None:  #
     assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
 
     auth = {"authorization": f"Bearer {key}"}
-    first = client.post("/v1/chat/completions", json=_chat(cluster.model, "Name a fruit."), headers=auth)
+    session = f"fruit-{uuid.uuid4().hex[:8]}"  # the agent names its session; nameless requests store none
+    first = client.post("/v1/chat/completions", json=_chat(cluster.model, "Name a fruit."),
+                        headers={**auth, "x-session-id": session})
     assert first.status_code == 200, first.text
-    session = first.headers["x-session-id"]
+    assert first.headers["x-session-id"] == session
     answer = first.json()["choices"][0]["message"]["content"]
     follow = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": answer},
               {"role": "user", "content": "And a vegetable?"}]

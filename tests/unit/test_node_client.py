@@ -1,6 +1,7 @@
 """NodeClient against a real HTTP/1.1 server on loopback (a few lines of asyncio, so the test controls
-the wire): streamed answers are parsed, and a stream read to its end hands its connection back to
-the pool instead of costing a new TCP connection per request."""
+the wire): streamed answers are split into event payloads (bytes, undecoded), in-band errors raise,
+and a stream read to its end hands its connection back to the pool instead of costing a new TCP
+connection per request."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 
 import pytest
 
-from infra.errors import UpstreamError
+from infra.errors import EngineRejected, UpstreamError
 from router.node_client import NodeClient
 
 
@@ -51,8 +52,8 @@ class SseServer:
 
 
 async def _read_all(client: NodeClient, url: str) -> list[dict]:
-    async with client.open_stream(url, {"prompt": "x"}, {}) as chunks:
-        return [c async for c in chunks]
+    async with client.open_stream(url, {"prompt": "x"}, {}) as batches:
+        return [json.loads(payload) async for batch in batches for payload in batch]
 
 
 async def test_streams_are_parsed_and_reuse_one_connection() -> None:
@@ -80,3 +81,49 @@ async def test_a_stream_without_done_is_an_upstream_error() -> None:
     finally:
         await client.aclose()
         await server.close()
+
+
+async def test_an_in_band_error_event_raises_the_engines_status() -> None:
+    server = SseServer([json.dumps({"choices": [{"text": "a"}]}),
+                        json.dumps({"error": {"message": "bad things", "type": "BadRequestError", "code": 400}}),
+                        "[DONE]"])
+    url = await server.start()
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    try:
+        with pytest.raises(EngineRejected, match="bad things") as info:
+            await _read_all(client, url)
+        assert info.value.status_code == 400
+    finally:
+        await client.aclose()
+        await server.close()
+
+
+async def test_events_split_across_reads_and_crlf_framing_are_reassembled() -> None:
+    """An event cut in two by TCP, and events framed with CRLF: the payloads come out whole."""
+    events = [json.dumps({"choices": [{"text": f"t{i}"}]}) for i in range(50)]
+
+    async def conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        body = b"".join(f"data: {e}\r\n\r\n".encode() for e in events) + b"data: [DONE]\n\n"
+        for i in range(0, len(body), 37):  # HTTP chunks that cut events anywhere
+            piece = body[i:i + 37]
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(conn, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    try:
+        chunks = await _read_all(client, url)
+        assert [c["choices"][0]["text"] for c in chunks] == [f"t{i}" for i in range(50)]
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()

@@ -1,0 +1,455 @@
+"""``tandem bench overhead``: what Tandem costs over the vLLM it wraps, on the same cores, in one run.
+
+Four arms serve the same workload, each on a fresh engine with the node's exact ``vllm serve`` flags
+(``infra.node.engine_command``) on every core of this machine:
+
+    plain    the engine alone, started as ``vllm serve`` (no node agent, no pinning): the ceiling
+    peer     vllm-router (``cache_aware``, its best policy on plain workers) in front of a plain engine
+    node     a Tandem colocated node (agent + pinning), the load sent straight to its engine port
+    tandem   ``tandem up --colocated``: the load through the Tandem router (telemetry, admission,
+             routing keys, lake writer all on, as a user gets them)
+
+Load, per arm and round:
+    1. ``vllm bench serve`` (vLLM's own client, a real external one): random prompts of
+       ``input_len`` tokens, ``output_len`` tokens out (``--ignore-eos``), ``num_prompts`` at
+       ``concurrency``; a new seed for every arm and round, so no run reuses another's cache.
+    2. Our agent workload (multi-turn sessions that resend a growing context, SSE), a new salt for
+       every arm and round.
+Rounds alternate the arm order (plain, peer, node, tandem, then reversed). Router CPU per request is
+the router process's user+system time over the ``vllm bench serve`` part divided by its requests
+(background work included: a router that idles expensively pays for it here).
+
+The router's own ceiling: SSE chunks relayed per second with the router on one core, over the labelled
+STAND-IN engine (``bench.standin_engine``, token-streaming mode) on the other core, many streams at
+once, no engine cost: agent traffic is mostly small chunks, and every one crosses the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from bench.loadgen import percentile
+from bench.standin_engine import STANDIN_LABEL, free_port
+from infra.errors import ConfigError
+from infra.launcher import Cluster, ClusterSpec
+from infra.model import resolve_model
+from infra.node import EngineProcess
+from infra.node_settings import NodeSettings
+from infra.registry import Role
+
+ARMS = ("plain", "peer", "node", "tandem")
+
+
+@dataclass(frozen=True)
+class OverheadBenchConfig:
+    rounds: int = 2
+    num_prompts: int = 64
+    concurrency: int = 16
+    input_len: int = 512
+    output_len: int = 64
+    agent_sessions: int = 4
+    """Agent workload: sessions (2 repositories), 3-4 turns each, 32 tokens out; 0 skips it."""
+    arms: tuple[str, ...] = ARMS
+    kv_cache_gib: int = 1
+    redis_url: str = "redis://127.0.0.1:6379/11"
+    """Registry of the Tandem arms (a database of its own, so no other node is in the fleet)."""
+    port_base: int = 19600
+    ceiling_streams: int = 64
+    ceiling_tokens: int = 1500
+    """Router ceiling: concurrent streams over the stand-in, and chunks per stream."""
+    ceiling_rounds: int = 3
+    workdir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / "tandem-bench-overhead")
+
+
+def _log(msg: str) -> None:
+    print(f"[overhead {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _cores() -> str:
+    cores = sorted(os.sched_getaffinity(0))
+    return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+
+
+def _wait_http(url: str, alive: Callable[[], bool], timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise ConfigError(f"process behind {url} exited during start-up")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)  # polling a child that has no readiness callback
+    raise ConfigError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def _cpu_s(pid: int) -> float:
+    """User+system seconds of a process and its children (vllm-router runs in one process; the
+    Tandem router too), 0 when it is gone."""
+    try:
+        p = psutil.Process(pid)
+        total = sum(p.cpu_times()[:2])
+        for c in p.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += sum(c.cpu_times()[:2])
+        return total
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+@dataclass
+class Served:
+    """One arm, ready: where to send load, the model name, and the router process to meter."""
+
+    url: str
+    model: str
+    router_pid: int | None = None
+
+
+@contextlib.contextmanager
+def _plain_engine(cfg: OverheadBenchConfig, port: int, logs: Path) -> Iterator[str]:
+    settings = NodeSettings(role=Role.BOTH, port=port, cores=_cores(), kv_cache_gib=cfg.kv_cache_gib,
+                            log_dir=logs, node_id=f"plain-{port}", redis_url=cfg.redis_url)
+    engine = EngineProcess(settings)
+    engine.start()
+    try:
+        _wait_http(f"{settings.url}/health", lambda: engine.exited() is None)
+        yield settings.url
+    finally:
+        engine.stop()
+
+
+def _model_name(url: str) -> str:
+    return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
+
+
+@contextlib.contextmanager
+def serve_arm(arm: str, cfg: OverheadBenchConfig, slot: int) -> Iterator[Served]:
+    """Start one arm on fresh processes; everything it started is stopped on exit."""
+    port = cfg.port_base + 40 * slot
+    logs = cfg.workdir / "logs"
+    if arm in ("plain", "peer"):
+        with _plain_engine(cfg, port, logs) as url:
+            model = _model_name(url)
+            if arm == "plain":
+                yield Served(url, model)
+                return
+            from bench.vllm_router import PeerWorker, VllmRouter
+
+            with VllmRouter(port=port + 30, policy="cache_aware", block_size=128, model=model,
+                            log=logs / f"vllm-router-{port}.log", metrics_port=port + 31,
+                            workers=[PeerWorker(url, "", "")]) as peer:
+                assert peer.proc is not None
+                yield Served(peer.url, model, router_pid=peer.proc.pid)
+            return
+    spec = ClusterSpec(prefill=0, decode=0, both=1, router_port=port + 30, node_base_port=port,
+                       redis_url=cfg.redis_url, kv_cache_gib=cfg.kv_cache_gib, workdir=cfg.workdir / f"cluster-{port}",
+                       router_env=(("TANDEM_DATABASE_URL", f"sqlite:///{cfg.workdir}/router-{port}.db"),))
+    with Cluster(spec) as cluster:
+        node_url = cluster.role_urls("both")[0]
+        model = _model_name(node_url)
+        if arm == "node":
+            yield Served(node_url, model)
+        else:
+            router = next(p for name, p in cluster.procs if name == "router")
+            yield Served(cluster.url, model, router_pid=router.pid)
+
+
+# -- load ---------------------------------------------------------------------------------------------
+def vllm_bench_serve(served: Served, cfg: OverheadBenchConfig, seed: int, out_dir: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run (vLLM's own load client) against ``served``; its metrics."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"vllm-bench-{seed}.json"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai-chat",
+           "--base-url", served.url, "--endpoint", "/v1/chat/completions", "--model", served.model,
+           "--tokenizer", str(resolve_model(None)), "--dataset-name", "random",
+           "--random-input-len", str(cfg.input_len), "--random-output-len", str(cfg.output_len),
+           "--num-prompts", str(cfg.num_prompts), "--max-concurrency", str(cfg.concurrency),
+           "--seed", str(seed), "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
+           "--result-filename", name, "--disable-tqdm"]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    cpu0 = _cpu_s(served.router_pid) if served.router_pid else 0.0
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    cpu1 = _cpu_s(served.router_pid) if served.router_pid else 0.0
+    if proc.returncode != 0:
+        raise ConfigError(f"vllm bench serve failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    data = json.loads((out_dir / name).read_text())
+    completed = int(data.get("completed", 0))
+    return {
+        "seed": seed, "completed": completed, "failed": cfg.num_prompts - completed,
+        "req_s": round(float(data["request_throughput"]), 3),
+        "output_tok_s": round(float(data["output_throughput"]), 1),
+        "ttft_p50_ms": round(float(data["median_ttft_ms"]), 1),
+        "ttft_p99_ms": round(float(data["p99_ttft_ms"]), 1),
+        "tpot_p50_ms": round(float(data["median_tpot_ms"]), 2),
+        "router_cpu_ms_per_req": round((cpu1 - cpu0) * 1000 / max(1, completed), 2) if served.router_pid else None,
+    }
+
+
+def agent_sessions(served: Served, cfg: OverheadBenchConfig, salt: str) -> dict[str, Any]:
+    """Our agent workload against ``served``: multi-turn SSE sessions that resend a growing context."""
+    from bench.agent_workload import AgentWorkloadConfig, build_sessions
+    from bench.loadgen import run_sessions
+    from bench.routing import _Tokens
+
+    tokens = _Tokens(None)
+    wl = AgentWorkloadConfig(repos=2, sessions_per_repo=max(1, cfg.agent_sessions // 2), turns_min=3, turns_max=4,
+                             repo_tokens=600, session_gap_s=0.5, think_s=0.2)
+    sessions = build_sessions(wl, salt, tokens.text, lambda m: len(tokens.prompt(m)))
+    start = time.perf_counter()
+    sent = asyncio.run(run_sessions(served.url, served.model, sessions, max_tokens=32))
+    wall = time.perf_counter() - start
+    ok = [s.result for s in sent if s.result.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    return {"requests": len(sent), "failed": len(sent) - len(ok), "req_s": round(len(ok) / wall, 3),
+            "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1000, 1) if ttfts else None,
+            "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1000, 1) if ttfts else None}
+
+
+# -- the router's ceiling -------------------------------------------------------------------------------
+async def _count_chunks(url: str, model: str, streams: int, tokens: int) -> int:
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession, i: int) -> int:
+        body = {"model": model, "stream": True, "max_tokens": tokens,
+                "messages": [{"role": "user", "content": f"ceiling {uuid.uuid4().hex} {i}"}]}
+        n = 0
+        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                raise ConfigError(f"ceiling stream failed: {resp.status} {(await resp.read())[:200]!r}")
+            async for block in resp.content.iter_any():
+                n += block.count(b"data: ")
+        return n - 1  # [DONE]
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=streams + 4)) as session:
+        counts = await asyncio.gather(*(one(session, i) for i in range(streams)))
+    return sum(counts)
+
+
+def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
+    """SSE chunks relayed per second by the router process alone on one core (the first), over the
+    stand-in engine and the load client on the others."""
+    import redis as redis_sync
+
+    from infra.model import default_model_dir
+    from infra.registry import NodeInfo, NodeRegistry
+
+    cores = sorted(os.sched_getaffinity(0))
+    router_core, other = {cores[0]}, set(cores[1:]) or {cores[0]}
+    engine_port, router_port = free_port(), free_port()
+    model = f"standin-ceiling-{uuid.uuid4().hex[:8]}"
+    logs = cfg.workdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    node = NodeInfo(node_id=f"standin-{model}", role=Role.BOTH, model=model, url=f"http://127.0.0.1:{engine_port}",
+                    block_size=128, max_model_len=1 << 20, kv_connector="none",
+                    model_path=str(default_model_dir()))
+    procs: list[subprocess.Popen[bytes]] = []
+    r = redis_sync.Redis.from_url(cfg.redis_url)
+    me = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, other)  # the client, and the children started from here, stay off the router's core
+        eng = subprocess.Popen([sys.executable, "-m", "bench.standin_engine", "--port", str(engine_port),
+                                "--stream-tokens", str(cfg.ceiling_tokens)],
+                               stdout=open(logs / "ceiling-standin.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        procs.append(eng)
+        _wait_http(f"{node.url}/health", lambda: eng.poll() is None, 60)
+        asyncio.run(NodeRegistry(_async_redis(cfg.redis_url), ttl_s=3600).register(node))
+        env = {**os.environ, "TANDEM_DATABASE_URL": f"sqlite:///{cfg.workdir}/ceiling-router.db"}
+        router = subprocess.Popen([sys.executable, "-m", "infra.cli", "router", "--port", str(router_port),
+                                   "--redis-url", cfg.redis_url, "--log-level", "warning"], env=env,
+                                  stdout=open(logs / "ceiling-router.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        procs.append(router)
+        os.sched_setaffinity(router.pid, router_core)
+        url = f"http://127.0.0.1:{router_port}"
+        _wait_http(f"{url}/health", lambda: router.poll() is None, 120)
+        for t in psutil.Process(router.pid).threads():  # threads started before the pin above
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(t.id, router_core)
+        asyncio.run(_count_chunks(url, model, 4, 50))  # warm-up: tokenizer loaded, pool open
+        runs = []
+        for _ in range(cfg.ceiling_rounds):
+            cpu0, t0 = _cpu_s(router.pid), time.perf_counter()
+            chunks = asyncio.run(_count_chunks(url, model, cfg.ceiling_streams, cfg.ceiling_tokens))
+            wall, cpu = time.perf_counter() - t0, _cpu_s(router.pid) - cpu0
+            runs.append({"chunks": chunks, "wall_s": round(wall, 3), "router_cpu_s": round(cpu, 3),
+                         "chunks_per_s": round(chunks / wall),
+                         "chunks_per_router_cpu_s": round(chunks / max(cpu, 1e-9))})
+            _log(f"ceiling: {chunks} chunks in {wall:.2f} s = {chunks / wall:,.0f}/s "
+                 f"(router CPU {cpu:.2f} s, {chunks / max(cpu, 1e-9):,.0f} chunks per CPU-second)")
+        best = max(runs, key=lambda x: x["chunks_per_s"])
+        return {"engine": STANDIN_LABEL, "streams": cfg.ceiling_streams, "tokens_per_stream": cfg.ceiling_tokens,
+                "router_core": sorted(router_core), "runs": runs, "chunks_per_s": best["chunks_per_s"],
+                "chunks_per_router_cpu_s": best["chunks_per_router_cpu_s"]}
+    finally:
+        os.sched_setaffinity(0, me)
+        for p in reversed(procs):
+            p.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(20)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        asyncio.run(NodeRegistry(_async_redis(cfg.redis_url), ttl_s=3600).deregister(node.node_id))
+        r.close()
+
+
+def _async_redis(url: str) -> Any:
+    import redis.asyncio as aioredis
+
+    return aioredis.from_url(url)
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 3) if values else float("nan")
+
+
+def summarize(rounds: list[dict[str, Any]], arms: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Per arm: the mean over rounds of each figure, with its range."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        runs = [r["arms"][arm] for r in rounds if arm in r["arms"]]
+        serve = [x["vllm_bench"] for x in runs]
+        s: dict[str, Any] = {}
+        for key in ("req_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "router_cpu_ms_per_req"):
+            vals = [x[key] for x in serve if x.get(key) is not None]
+            if vals:
+                s[key] = _mean(vals)
+                s[f"{key}_range"] = [min(vals), max(vals)]
+        agents = [x["agent"] for x in runs if x.get("agent")]
+        if agents:
+            s["agent_req_s"] = _mean([a["req_s"] for a in agents])
+            s["agent_ttft_p50_ms"] = _mean([a["ttft_p50_ms"] for a in agents if a["ttft_p50_ms"] is not None])
+            s["agent_failed"] = sum(a["failed"] for a in agents)
+        s["failed"] = sum(x["failed"] for x in serve)
+        out[arm] = s
+    return out
+
+
+def targets(result: dict[str, float]) -> dict[str, dict[str, Any]]:
+    plain, peer, node, tandem = (result[k] for k in ("plain_rps", "peer_rps", "node_rps", "tandem_rps"))
+    checks = {
+        "tandem_rps >= 0.95 * plain_rps": tandem >= 0.95 * plain,
+        "tandem_rps >= peer_rps": tandem >= peer,
+        "node_rps >= 0.97 * plain_rps": node >= 0.97 * plain,
+        "tandem_ttft_p50_ms <= 1.10 * plain_ttft_p50_ms": result["tandem_ttft_p50_ms"] <= 1.10 * result[
+            "plain_ttft_p50_ms"],
+        "router_cpu_ms_per_req <= 8": result["router_cpu_ms_per_req"] <= 8,
+        "router_chunks_per_s >= 20000": result["router_chunks_per_s"] >= 20000,
+    }
+    return {k: {"met": bool(v)} for k, v in checks.items()}
+
+
+def plot(doc: dict[str, Any], out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in ARMS if a in doc["summary"]]
+    s = doc["summary"]
+    colors = {"plain": "#4c72b0", "peer": "#8172b2", "node": "#55a868", "tandem": "#dd8452"}
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.4))
+    panels = (("req_s", "requests/s (vllm bench serve)"), ("ttft_p50_ms", "TTFT p50, ms"),
+              ("tpot_p50_ms", "TPOT p50, ms"), ("router_cpu_ms_per_req", "router CPU ms / request"))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        xs = [a for a in arms if key in s[a]]
+        vals = [s[a][key] for a in xs]
+        err = [[v - s[a][f"{key}_range"][0] for a, v in zip(xs, vals, strict=True)],
+               [s[a][f"{key}_range"][1] - v for a, v in zip(xs, vals, strict=True)]]
+        ax.bar(xs, vals, yerr=err, capsize=4, color=[colors[a] for a in xs])
+        for i, v in enumerate(vals):
+            ax.annotate(f"{v:.2f}" if v < 100 else f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=9)
+        if key == "req_s" and "plain" in s:
+            ax.axhline(0.95 * s["plain"]["req_s"], color="k", linestyle=":", label="95% of plain")
+            ax.legend(fontsize=8, loc="lower right")
+        if key == "router_cpu_ms_per_req":
+            ax.axhline(8, color="k", linestyle=":", label="target 8 ms")
+            ax.legend(fontsize=8)
+        ax.set_title(title)
+    r = doc["result"]
+    fig.suptitle(f"tandem bench overhead: {doc['config']['num_prompts']} prompts × {doc['config']['rounds']} rounds, "
+                 f"{doc['config']['input_len']} in / {doc['config']['output_len']} out, concurrency "
+                 f"{doc['config']['concurrency']}, {doc['host']['cpus']} cores — router ceiling "
+                 f"{r['router_chunks_per_s']:,.0f} chunks/s on one core (stand-in engine)")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def run_overhead_bench(out: Path, cfg: OverheadBenchConfig | None = None) -> dict[str, float]:
+    cfg = cfg or OverheadBenchConfig()
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    run_tag = int(time.time()) % 1_000_000
+    load_before = os.getloadavg()
+    rounds: list[dict[str, Any]] = []
+    for rnd in range(cfg.rounds):
+        order = list(cfg.arms) if rnd % 2 == 0 else list(reversed(cfg.arms))
+        arms: dict[str, Any] = {}
+        for slot, arm in enumerate(order):
+            seed = run_tag * 100 + rnd * 10 + ARMS.index(arm)
+            _log(f"round {rnd + 1}/{cfg.rounds}: {arm} (starting a fresh engine)")
+            with serve_arm(arm, cfg, slot) as served:
+                res = {"vllm_bench": vllm_bench_serve(served, cfg, seed, cfg.workdir / "vllm-bench")}
+                if cfg.agent_sessions:
+                    res["agent"] = agent_sessions(served, cfg, salt=f"overhead-{seed}")
+            v = res["vllm_bench"]
+            _log(f"  {arm}: {v['req_s']:.2f} req/s, {v['output_tok_s']:.0f} tok/s, TTFT p50 {v['ttft_p50_ms']:.0f} ms "
+                 f"p99 {v['ttft_p99_ms']:.0f} ms, TPOT p50 {v['tpot_p50_ms']:.1f} ms"
+                 + (f", router CPU {v['router_cpu_ms_per_req']:.2f} ms/req" if v["router_cpu_ms_per_req"] else "")
+                 + (f"; agent {res['agent']['req_s']:.2f} req/s TTFT p50 {res['agent']['ttft_p50_ms']} ms"
+                    if res.get("agent") else ""))
+            arms[arm] = res
+        rounds.append({"order": order, "arms": arms})
+    _log("router ceiling over the stand-in engine")
+    ceiling = router_ceiling(cfg)
+    summary = summarize(rounds, cfg.arms)
+    result = {
+        "plain_rps": summary["plain"]["req_s"], "peer_rps": summary["peer"]["req_s"],
+        "node_rps": summary["node"]["req_s"], "tandem_rps": summary["tandem"]["req_s"],
+        "plain_ttft_p50_ms": summary["plain"]["ttft_p50_ms"], "tandem_ttft_p50_ms": summary["tandem"]["ttft_p50_ms"],
+        "router_cpu_ms_per_req": summary["tandem"]["router_cpu_ms_per_req"],
+        "router_chunks_per_s": ceiling["chunks_per_s"],
+    }
+    doc = {"benchmark": "overhead", "time": time.time(),
+           "host": {"cpus": os.cpu_count(), "node": platform.node(), "loadavg_1m_before": round(load_before[0], 2),
+                    "loadavg_1m_after": round(os.getloadavg()[0], 2)},
+           "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+           "arms": {"plain": "vllm serve with the node's flags, all cores, no agent",
+                    "peer": "vllm-router 0.1.17 --policy cache_aware in front of a plain engine",
+                    "node": "tandem node (agent + thread pinning), load straight to its engine port",
+                    "tandem": "tandem up --colocated: load through the Tandem router"},
+           "rounds": rounds, "summary": summary, "router_ceiling": ceiling, "result": result,
+           "ratios": {"tandem/plain": round(result["tandem_rps"] / result["plain_rps"], 3),
+                      "tandem/peer": round(result["tandem_rps"] / result["peer_rps"], 3),
+                      "node/plain": round(result["node_rps"] / result["plain_rps"], 3),
+                      "tandem_ttft/plain_ttft": round(result["tandem_ttft_p50_ms"] / result["plain_ttft_p50_ms"], 3)},
+           }
+    doc["targets"] = targets(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    png = out.with_suffix(".png")
+    plot(doc, png)
+    _log(f"wrote {out} and {png}; targets: " + ", ".join(f"{k}: {'met' if v['met'] else 'MISSED'}"
+                                                       for k, v in doc["targets"].items()))
+    return result
+
+
+def result_line(result: dict[str, float]) -> str:
+    return "RESULT " + " ".join(f"{k}={v}" for k, v in result.items())
