@@ -67,6 +67,8 @@ class StandInEngine:
     """Token streaming mode (see the module docstring): at most this many one-token chunks per answer."""
     burst: int = 1
     """Token streaming mode: chunks per write."""
+    token_interval_s: float = 0.0
+    """Token streaming mode: pause between writes (an engine's time per output token); 0: none."""
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     """(path, body) of every request, in arrival order."""
     _open: threading.Event = field(default_factory=threading.Event)
@@ -176,12 +178,14 @@ class StandInEngine:
             usage = head[:head.index(b'"choices"')] + (
                 f'"choices":[],"usage":{{"prompt_tokens":{prompt_words},"total_tokens":{prompt_words + n},'
                 f'"completion_tokens":{n}}}}}\n\n').encode()
-        burst = self.burst
+        burst, interval = self.burst, self.token_interval_s
 
         async def events() -> AsyncIterator[bytes]:
             yield first
             left = n
             while left > 0:
+                if interval:
+                    await asyncio.sleep(interval)  # paced like an engine's decode steps
                 k = min(burst, left)
                 yield token * k
                 left -= k
@@ -224,8 +228,11 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=None,
                         help="token streaming mode: streamed chat answers are max_tokens one-token chunks (at most N)")
     parser.add_argument("--burst", type=int, default=1, help="token streaming mode: chunks per write")
+    parser.add_argument("--token-interval-ms", type=float, default=0.0,
+                        help="token streaming mode: pause between writes, like an engine's time per output token")
     args = parser.parse_args()
-    engine = StandInEngine(stream_tokens=args.stream_tokens, burst=args.burst)
+    engine = StandInEngine(stream_tokens=args.stream_tokens, burst=args.burst,
+                           token_interval_s=args.token_interval_ms / 1000)
     uvicorn.run(engine.app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 
