@@ -36,6 +36,10 @@ PARK_S = 10.0
 the lease to this worker)."""
 
 
+REFUSAL_LOG_S = 10.0
+"""At most one log line per this many seconds for unauthenticated frames (each is counted in the
+``tandem_kv_unauthenticated_total`` metric regardless)."""
+
 SERVED_KEPT = 10_000
 """Recent pulls remembered for ``Query`` (a router asks right after a streamed answer ends)."""
 
@@ -67,6 +71,8 @@ class BlockServer:
         self._wake_lock = threading.Lock()
         self._wake_push: zmq.Socket | None = None
         self._parked: dict[str, _Parked] = {}
+        self._refused_logged_at = -REFUSAL_LOG_S
+        self._refused_since_log = 0
         self._local: set[zmq.Socket] = set()
         """The ipc sockets: their peers carry kernel-checked credentials."""
         self._held: dict[str, tuple[_Parked, float]] = {}
@@ -212,7 +218,12 @@ class BlockServer:
             # Answer at once (a misconfigured node fails fast instead of at its deadline), act on nothing.
             with self.stats.lock:
                 self.stats.unauthenticated += 1
-            log.warning("refused an unauthenticated KV message: %s", exc.message)
+            self._refused_since_log += 1
+            now = time.monotonic()
+            if now - self._refused_logged_at >= REFUSAL_LOG_S:  # a flood must not flood the log too
+                log.warning("refused %d unauthenticated KV message(s), the last: %s", self._refused_since_log,
+                            exc.message)
+                self._refused_logged_at, self._refused_since_log = now, 0
             self._reply(sock, ident, wire.Reject("", f"unauthenticated: {exc.message}"))
             return
         except UpstreamError as exc:  # a cluster peer of another protocol version: say so, keep serving
