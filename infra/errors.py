@@ -17,7 +17,10 @@ through the ``status_code`` attribute each class declares.
     ├── Unavailable                 503  no node can take the request now (carries retry_after)
     ├── UpstreamError               502  a node failed or answered something we cannot use
     │   └── EngineRejected          the engine answered an error; keeps its status and message
-    └── StoreError                  Redis / database failures on a path that must not swallow them
+    ├── StoreError                  Redis / database failures on a path that must not swallow them
+    │   └── StoreTimeout            the store did not answer within its configured timeout
+    └── PeerUnauthenticated         node-to-node: a message without a valid MAC under the cluster secret,
+                                    or a one-host transport asked for by a peer not proven to be local
 """
 
 from __future__ import annotations
@@ -108,3 +111,12 @@ class EngineRejected(UpstreamError):
 
 class StoreError(TandemError):
     """Redis or database failure where the caller must know (not on the telemetry slow path)."""
+
+
+class StoreTimeout(StoreError):
+    """The store (PostgreSQL, Redis) did not answer within its configured timeout: hung or overloaded."""
+
+
+class PeerUnauthenticated(TandemError):
+    """A node-to-node message that is not from the cluster: no valid MAC under the cluster secret, or a
+    one-host transport (``shm``) asked for by a peer whose local credentials do not prove it."""

@@ -5,17 +5,25 @@ kv_transfer_params, both off the fast path:
   could (the decode leg failed to open, the client left between the legs). The decode node releases
   leases itself in every other case; releasing twice is harmless.
 - ``lease_report``: how the transfer went (bytes, start, end), for the lake record of a streamed
-  answer (vLLM hands the decode side's own report back only with non-streamed ones)."""
+  answer (vLLM hands the decode side's own report back only with non-streamed ones).
+
+Both are signed with the cluster secret and their answers verified (``wire.Codec``; where the secret
+comes from: ``auth.py``, read from this process's environment once). A node on a non-loopback address
+needs an explicit secret here too: without one, these calls log an error and report nothing."""
 
 from __future__ import annotations
 
 import logging
+from functools import cache
 from typing import Any
+from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
 
+from infra.errors import ConfigError, PeerUnauthenticated, UpstreamError
 from kv_transfer import wire
+from kv_transfer.auth import is_loopback, load_cluster_secret
 
 log = logging.getLogger("tandem.kv.control")
 
@@ -26,20 +34,38 @@ def is_tandem_params(params: dict[str, Any] | None) -> bool:
     return bool(params) and "transfer_id" in params and "remote_endpoints" in params  # type: ignore[operator]
 
 
+@cache
+def _codec(loopback: bool) -> wire.Codec:
+    return wire.Codec(load_cluster_secret(loopback_only=loopback))
+
+
 async def _ask(params: dict[str, Any], msg: wire.Message, timeout_s: float) -> wire.Message | None:
-    """One request/answer with the prefill node's block server; None when it does not answer."""
+    """One request/answer with the prefill node's block server; None when it does not answer, or
+    when the exchange cannot be authenticated (logged)."""
     global _ctx
+    endpoint = params["remote_endpoints"]["tcp"]
+    try:
+        codec = _codec(is_loopback(urlsplit(endpoint).hostname or ""))
+    except ConfigError as exc:
+        log.error("cannot sign KV control messages to %s: %s", endpoint, exc.message)
+        return None
     _ctx = _ctx or zmq.asyncio.Context()
     sock = _ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(params["remote_endpoints"]["tcp"])
-        await sock.send(wire.encode(msg))
-        if await sock.poll(int(timeout_s * 1000)):
-            return wire.decode(await sock.recv())
+        sock.connect(endpoint)
+        await sock.send(codec.encode(msg))
+        if not await sock.poll(int(timeout_s * 1000)):
+            return None
+        answer = codec.decode(await sock.recv())
+    except (PeerUnauthenticated, UpstreamError) as exc:
+        log.warning("answer from the block server at %s refused: %s", endpoint, exc.message)
         return None
     finally:
         sock.close(0)
+    if isinstance(answer, wire.Reject) and answer.reason.startswith("unauthenticated"):
+        log.warning("the block server at %s refused our MAC (cluster secrets differ?): %s", endpoint, answer.reason)
+    return answer
 
 
 async def release_lease(params: dict[str, Any], reason: str, *, timeout_s: float = 2.0) -> bool:

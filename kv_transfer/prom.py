@@ -73,6 +73,13 @@ class TandemPromMetrics(KVConnectorPromMetrics):
         self.failed = per_engine(c(name="tandem_kv_transfer_failures",
                                    documentation="Pulls that failed (refused, timed out, bad checksum).",
                                    labelnames=labelnames))
+        self.unauthenticated = per_engine(c(name="tandem_kv_unauthenticated",
+                                            documentation="KV control frames refused for a bad or missing MAC "
+                                                          "(prefill side).", labelnames=labelnames))
+        self.peer_refused = per_engine(c(name="tandem_kv_peer_refused",
+                                         documentation="Pulls refused: an shm pull over tcp, or from a peer whose "
+                                                       "socket credentials differ from what it claims.",
+                                         labelnames=labelnames))
         self.leases_active = per_engine(g(name="tandem_kv_leases_active", multiprocess_mode="mostrecent",
                                           documentation="Leases held now (prefill side).",
                                           labelnames=labelnames))
@@ -93,6 +100,8 @@ class TandemPromMetrics(KVConnectorPromMetrics):
         self.recv_bytes[engine_idx].inc(sum(d.get("recv_bytes", [])))
         self.recv_blocks[engine_idx].inc(d.get("recv_blocks", 0))
         self.failed[engine_idx].inc(d.get("failed_transfers", 0) + d.get("recv_failed", 0))
+        self.unauthenticated[engine_idx].inc(d.get("unauthenticated", 0))
+        self.peer_refused[engine_idx].inc(d.get("peer_refused", 0))
         self.leases_active[engine_idx].set(d.get("leases_active", 0))
         self.leased_blocks[engine_idx].set(d.get("leased_blocks", 0))
         self.leases_sending[engine_idx].set(d.get("leases_sending", 0))

@@ -4,6 +4,8 @@ outcome like any other: it is reported back to the engine as a load error on the
 
 Threads block in ``zmq.poll`` with the transfer's deadline: none spins. A socket that saw a failure
 is closed and never reused (its state is unknown; a late frame must not land in the next transfer).
+Every message is signed and every answer verified with the cluster secret (``wire.Codec``): a prefill
+node that refuses our MAC answers at once with a Reject, and the pull fails then, not at its deadline.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import zmq
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.stats import TransferStats
-from kv_transfer.transports import TransferFailed, transport_for
+from kv_transfer.transports import TransferFailed, transport_for, verify_answer
 
 log = logging.getLogger("tandem.kv.puller")
 
@@ -58,9 +60,10 @@ class PullOutcome:
 
 
 class Puller:
-    def __init__(self, layout: KVLayout, stats: TransferStats, *, threads: int = 4,
+    def __init__(self, layout: KVLayout, stats: TransferStats, codec: wire.Codec, *, threads: int = 4,
                  on_outcome: Callable[[], None] | None = None, shm_split: bool = True) -> None:
         self.layout = layout
+        self.codec = codec
         self.shm_split = shm_split
         self._on_outcome = on_outcome
         self.stats = stats
@@ -113,12 +116,14 @@ class Puller:
     def _send_release(self, endpoint: str, transfer_id: str, reason: str) -> None:
         try:
             sock = self._socket(endpoint)
-            sock.send(wire.encode(wire.Release(transfer_id, reason)))
+            sock.send(self.codec.encode(wire.Release(transfer_id, reason)))
             if not sock.poll(2000):  # the Ack; a dead prefill node has nothing left to free
                 self._discard(endpoint)
                 return
-            sock.recv()
-        except zmq.ZMQError as exc:
+            answer = verify_answer(self.codec, sock.recv())
+            if isinstance(answer, wire.Reject):
+                log.warning("release of %s at %s refused: %s", transfer_id, endpoint, answer.reason)
+        except (zmq.ZMQError, TransferFailed) as exc:
             log.warning("release of %s at %s failed: %s", transfer_id, endpoint, exc)
             self._discard(endpoint)
 
@@ -135,11 +140,11 @@ class Puller:
             else:
                 transport = transport_for(job.transport, shm_split=self.shm_split)
                 pull = transport.pull(job.transfer_id, job.segments, job.checksum, self.layout)
-            sock.send(wire.encode(pull))
-            nbytes = transport.receive(sock, pull, self.layout, job.deadline)
+            sock.send(self.codec.encode(pull))
+            nbytes = transport.receive(sock, pull, self.layout, job.deadline, codec=self.codec)
             if job.cancelled.is_set():
                 raise TransferFailed("cancelled")
-            sock.send(wire.encode(wire.Done(job.transfer_id, True)))
+            sock.send(self.codec.encode(wire.Done(job.transfer_id, True)))
             seconds = time.perf_counter() - t0
             self.stats.record_recv(nbytes, sum(s.count for s in job.segments), seconds)
             self._finish(PullOutcome(job.request_id, True, job.local_block_ids, nbytes, seconds, "", job.transport,
@@ -177,10 +182,10 @@ class Puller:
     def _send_done(self, endpoint: str, transfer_id: str, reason: str) -> None:
         try:
             sock = self._socket(endpoint)
-            sock.send(wire.encode(wire.Done(transfer_id, False, reason)), zmq.NOBLOCK)
+            sock.send(self.codec.encode(wire.Done(transfer_id, False, reason)), zmq.NOBLOCK)
             # Release too: if the lease never left HELD (we failed before the server saw our Pull),
             # Done is refused by the state machine and Release ends it instead.
-            sock.send(wire.encode(wire.Release(transfer_id, reason)), zmq.NOBLOCK)
+            sock.send(self.codec.encode(wire.Release(transfer_id, reason)), zmq.NOBLOCK)
             if sock.poll(1000):
                 sock.recv()
             else:

@@ -1,7 +1,14 @@
-"""The prefill side's block server: one thread, one ROUTER socket bound on tcp and ipc, serving the
+"""The prefill side's block server: one thread, one ROUTER socket per endpoint (tcp, ipc), serving the
 blocks of leased requests to decode nodes that pull them, and moving each lease through its states
 (``lease.py``). It sleeps in ``zmq.poll`` until a message comes or the next lease deadline passes:
-nothing spins while the node is idle."""
+nothing spins while the node is idle.
+
+At the boundary (``_handle``), before anything else: every frame's MAC under the cluster secret
+(``wire.Codec``); a frame that fails is answered with a signed Reject, logged and counted
+(``unauthenticated``), never acted on. An ``shm`` Pull is served only on the ipc socket, and only when
+the peer's Unix-socket credentials show this uid and the pid its ``CmaTarget`` names (``auth.py``):
+``process_vm_writev`` then writes into the process that asked, not one the message names. Faults
+(``wire.Fault``) are armed only on a server started with ``faults=True``, which says so at start."""
 
 from __future__ import annotations
 
@@ -14,7 +21,9 @@ from dataclasses import dataclass
 import xxhash
 import zmq
 
+from infra.errors import PeerUnauthenticated, UpstreamError
 from kv_transfer import wire
+from kv_transfer.auth import peer_credentials
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseError, LeaseState, LeaseTable
 from kv_transfer.stats import TransferStats
@@ -27,12 +36,17 @@ PARK_S = 10.0
 the lease to this worker)."""
 
 
+REFUSAL_LOG_S = 10.0
+"""At most one log line per this many seconds for unauthenticated frames (each is counted in the
+``tandem_kv_unauthenticated_total`` metric regardless)."""
+
 SERVED_KEPT = 10_000
 """Recent pulls remembered for ``Query`` (a router asks right after a streamed answer ends)."""
 
 
 @dataclass
 class _Parked:
+    sock: zmq.Socket
     ident: bytes
     pull: wire.Pull
     since: float
@@ -44,11 +58,12 @@ def checksum(view) -> int:  # noqa: ANN001 - any buffer
 
 class BlockServer:
     def __init__(self, layout: KVLayout, leases: LeaseTable, endpoints: list[str], stats: TransferStats,
-                 *, faults: bool = False) -> None:
+                 codec: wire.Codec, *, faults: bool = False) -> None:
         self.layout = layout
         self.leases = leases
         self.endpoints = endpoints
         self.stats = stats
+        self.codec = codec
         self.faults_enabled = faults
         self._armed: dict[str, float] = {}
         self._ctx = zmq.Context.instance()
@@ -56,6 +71,10 @@ class BlockServer:
         self._wake_lock = threading.Lock()
         self._wake_push: zmq.Socket | None = None
         self._parked: dict[str, _Parked] = {}
+        self._refused_logged_at = -REFUSAL_LOG_S
+        self._refused_since_log = 0
+        self._local: set[zmq.Socket] = set()
+        """The ipc sockets: their peers carry kernel-checked credentials."""
         self._held: dict[str, tuple[_Parked, float]] = {}
         """Pulls delayed by the ``hold`` fault, with when to serve them."""
         self._early_release: dict[str, float] = {}
@@ -71,6 +90,10 @@ class BlockServer:
 
     # -- engine thread side ----------------------------------------------------------------------------
     def start(self) -> None:
+        if self.faults_enabled:
+            log.warning("FAULT INJECTION IS ON for the KV block server on %s (TANDEM_KV_FAULTS=1): any holder "
+                        "of the cluster secret can corrupt, stall, hold or expire this node's transfers. "
+                        "Tests only, never in production.", self.endpoints)
         self._thread.start()
         self._ready.wait(10)
         if self._error is not None:
@@ -101,27 +124,35 @@ class BlockServer:
 
     # -- server thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
+        # One socket per endpoint: which socket a frame came in on says whether it came over a Unix
+        # socket (with kernel-checked peer credentials) or over tcp (with none).
+        socks: list[zmq.Socket] = []
         try:
-            sock = self._ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
             for ep in self.endpoints:
+                sock = self._ctx.socket(zmq.ROUTER)
+                socks.append(sock)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.setsockopt(zmq.RCVHWM, 0)
                 if ep.startswith("ipc://"):
                     path = ep[len("ipc://"):]
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     if os.path.exists(path):
                         os.unlink(path)
+                    self._local.add(sock)
                 sock.bind(ep)
             wake = self._ctx.socket(zmq.PULL)
             wake.bind(self._wake_addr)
         except BaseException as exc:  # bind failure: report to start()
+            for sock in socks:
+                sock.close(0)
             self._error = exc
             self._ready.set()
             return
         self._ready.set()
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
         try:
             while not self._stop.is_set():
@@ -129,12 +160,14 @@ class BlockServer:
                 if wake in events:
                     while wake.poll(0):
                         wake.recv()
-                if sock in events:
-                    while sock.poll(0):
-                        self._handle(sock, sock.recv_multipart(copy=False))
-                self._housekeeping(sock)
+                for sock in socks:
+                    if sock in events:
+                        while sock.poll(0):
+                            self._handle(sock, sock.recv_multipart(copy=False))
+                self._housekeeping()
         finally:
-            sock.close(0)
+            for sock in socks:
+                sock.close(0)
             wake.close(0)
             if self._ucx is not None:
                 self._ucx.close()
@@ -148,7 +181,7 @@ class BlockServer:
             return 5000
         return max(1, min(5000, int((min(nexts) - time.monotonic()) * 1000) + 1))
 
-    def _housekeeping(self, sock: zmq.Socket) -> None:
+    def _housekeeping(self) -> None:
         for lease in self.leases.expire():
             log.warning("lease %s expired (%s)", lease.transfer_id, lease.reason)
             self._forget(lease.transfer_id)
@@ -167,32 +200,54 @@ class BlockServer:
             ended = self.leases.ended_state(tid)
             if self.leases.get(tid) is not None:
                 del self._parked[tid]
-                self._serve(sock, parked.ident, parked.pull)
+                self._serve(parked.sock, parked.ident, parked.pull)
             elif ended is not None:
                 del self._parked[tid]
-                self._reply(sock, parked.ident, wire.Reject(tid, f"lease already {ended}"))
+                self._reply(parked.sock, parked.ident, wire.Reject(tid, f"lease already {ended}"))
             elif now - parked.since > PARK_S:
                 del self._parked[tid]
-                self._reply(sock, parked.ident, wire.Reject(tid, "unknown or ended lease"))
+                self._reply(parked.sock, parked.ident, wire.Reject(tid, "unknown or ended lease"))
 
     def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
+        if len(frames) < 2:
+            return  # an empty message: nothing to answer
         try:
-            msg = wire.decode(frames[1].buffer)
-        except Exception as exc:  # a peer speaking something else: say so, keep serving
-            log.warning("undecodable message from a peer: %s", exc)
+            msg = self.codec.decode(frames[1].buffer)
+        except PeerUnauthenticated as exc:
+            # Answer at once (a misconfigured node fails fast instead of at its deadline), act on nothing.
+            with self.stats.lock:
+                self.stats.unauthenticated += 1
+            self._refused_since_log += 1
+            now = time.monotonic()
+            if now - self._refused_logged_at >= REFUSAL_LOG_S:  # a flood must not flood the log too
+                log.warning("refused %d unauthenticated KV message(s), the last: %s", self._refused_since_log,
+                            exc.message)
+                self._refused_logged_at, self._refused_since_log = now, 0
+            self._reply(sock, ident, wire.Reject("", f"unauthenticated: {exc.message}"))
+            return
+        except UpstreamError as exc:  # a cluster peer of another protocol version: say so, keep serving
+            log.warning("%s", exc.message)
+            self._reply(sock, ident, wire.Reject("", exc.message))
             return
         if isinstance(msg, wire.Pull):
+            refusal = self._refuse_peer(sock, frames[1], msg)
+            if refusal:
+                with self.stats.lock:
+                    self.stats.peer_refused += 1
+                log.warning("refused %s pull %s: %s", msg.transport, msg.transfer_id, refusal)
+                self._reply(sock, ident, wire.Reject(msg.transfer_id, refusal))
+                return
             ended = self.leases.ended_state(msg.transfer_id)
             if "hold" in self._armed and ended is None:
-                self._held[msg.transfer_id] = (_Parked(ident, msg, time.monotonic()),
+                self._held[msg.transfer_id] = (_Parked(sock, ident, msg, time.monotonic()),
                                                time.monotonic() + self._armed.pop("hold"))
                 log.warning("fault injection: holding pull %s", msg.transfer_id)
                 return
             if ended is not None:
                 self._reply(sock, ident, wire.Reject(msg.transfer_id, f"lease already {ended}"))
             elif self.leases.get(msg.transfer_id) is None:
-                self._parked[msg.transfer_id] = _Parked(ident, msg, time.monotonic())
+                self._parked[msg.transfer_id] = _Parked(sock, ident, msg, time.monotonic())
             else:
                 self._serve(sock, ident, msg)
         elif isinstance(msg, wire.Done):
@@ -209,7 +264,28 @@ class BlockServer:
         elif isinstance(msg, wire.Fault):
             if self.faults_enabled:
                 self._armed[msg.kind] = msg.seconds
+                log.warning("fault injection: armed %s (%.1f s)", msg.kind, msg.seconds)
+            else:
+                log.warning("refused a %s fault: fault injection is off on this node", msg.kind)
             self._reply(sock, ident, wire.Ack(ok=self.faults_enabled))
+
+    def _refuse_peer(self, sock: zmq.Socket, frame: zmq.Frame, pull: wire.Pull) -> str:
+        """Why this peer may not have this pull ("" when it may). A ``shm`` pull hands the peer this
+        process's pid and cache addresses and may make this process write into the pid it names:
+        only for a process of this host and user that is the very one it names, proven by the
+        kernel's credentials of its Unix socket, never over tcp."""
+        if pull.transport != "shm":
+            return ""
+        if sock not in self._local:
+            return "shm is a one-host transport: refused over tcp (use the ipc endpoint)"
+        peer = peer_credentials(frame)
+        if peer is None:
+            return "shm needs the peer's Unix-socket credentials, which this socket does not have"
+        if peer.uid != os.getuid():
+            return f"shm peer runs as uid {peer.uid}, not this node's uid {os.getuid()}"
+        if pull.cma is not None and pull.cma.pid != peer.pid:
+            return f"shm pull names pid {pull.cma.pid}, but its socket belongs to pid {peer.pid}"
+        return ""
 
     def _report(self, tid: str) -> wire.Message:
         transport, nbytes, blocks, start = self._served.get(tid, ("", 0, 0, 0.0))
@@ -223,7 +299,7 @@ class BlockServer:
         return wire.LeaseReport(tid, state.value, transport, nbytes, blocks, start, end or 0.0, reason)
 
     def _reply(self, sock: zmq.Socket, ident: bytes, msg: wire.Message) -> None:
-        sock.send_multipart([ident, wire.encode(msg)])
+        sock.send_multipart([ident, self.codec.encode(msg)])
 
     def _release(self, tid: str, reason: str) -> None:
         try:
@@ -291,10 +367,10 @@ class BlockServer:
                 spans[0] = bad
             header = wire.LayerHeader(pull.transfer_id, layer, [s.remote for s in pull.segments], lay.dtype,
                                       lay.block_shape, [v.nbytes for v in spans], sums)
-            sock.send_multipart([ident, wire.encode(header), *spans], copy=False)
+            sock.send_multipart([ident, self.codec.encode(header), *spans], copy=False)
             if layer == 0 and "stall" in self._armed:
                 self._stall(self._armed.pop("stall"))
-        sock.send_multipart([ident, wire.encode(wire.End(pull.transfer_id, lay.num_layers))])
+        sock.send_multipart([ident, self.codec.encode(wire.End(pull.transfer_id, lay.num_layers))])
 
     def _stall(self, seconds: float) -> None:
         log.warning("fault injection: stalling a transfer for %.1f s", seconds)

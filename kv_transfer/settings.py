@@ -1,5 +1,6 @@
 """The connector's settings: ``kv_connector_extra_config`` of ``--kv-transfer-config`` (written by the
-node from its own settings, see ``kv_transfer.config``)."""
+node from its own settings, see ``kv_transfer.config``). That JSON is on the engine's command line, so
+it never carries the cluster secret itself: only where to find it (``auth.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import tempfile
 from functools import cache
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from kv_transfer import wire
+from kv_transfer.auth import is_loopback, load_cluster_secret
 
 Transport = Literal["auto", "tcp", "ipc", "shm", "ucx"]
 
@@ -45,6 +49,13 @@ class ConnectorSettings(BaseModel):
     """``shm`` pulls: the prefill node writes half of the layers into this node's cache while this
     node reads the other half, so the copy runs on both nodes' cores (a node that cannot write
     leaves its half to this one)."""
+    cluster_secret_file: str | None = None
+    """File holding the cluster secret that signs every KV control message (``auth.py``). None:
+    ``$TANDEM_CLUSTER_SECRET``, else ``$TANDEM_CLUSTER_SECRET_FILE``, else the per-user default file,
+    which only a node binding loopback addresses alone may use."""
+    faults: bool = Field(default_factory=lambda: os.environ.get("TANDEM_KV_FAULTS") == "1")
+    """Let peers arm faults on this node's block server (``wire.Fault``: corrupt, stall, hold, expire)
+    for tests. Off unless ``TANDEM_KV_FAULTS=1``; a server started with it logs a WARNING."""
     idle_wait_ms: float = 5.0
     """On a step that computes nothing but waits for transfers, sleep up to this long until one ends.
     vLLM steps such an engine in a tight loop; on a CPU node that loop takes the very core the pull
@@ -62,9 +73,20 @@ class ConnectorSettings(BaseModel):
 
     @property
     def bind_endpoints(self) -> list[str]:
-        loopback = self.host.startswith("127.") or self.host in ("localhost", "::1")
-        host = self.bind_host or (self.host if loopback else "*")
+        host = self.bind_host or (self.host if is_loopback(self.host) else "*")
         return [f"tcp://{host}:{self.port}", f"ipc://{self.ipc_path}"]
+
+    @property
+    def binds_loopback_only(self) -> bool:
+        """Every address the block server binds is a loopback one (ipc is a local file)."""
+        return all(is_loopback(ep.removeprefix("tcp://").rsplit(":", 1)[0])
+                   for ep in self.bind_endpoints if ep.startswith("tcp://"))
+
+    def codec(self) -> wire.Codec:
+        """The signer of this node's KV messages; ``ConfigError`` when no usable secret is set (see
+        ``auth.py``: a node binding a real interface must be given one)."""
+        return wire.Codec(load_cluster_secret(secret_file=self.cluster_secret_file,
+                                              loopback_only=self.binds_loopback_only))
 
     def choose_transport(self, remote_host_id: str, requested: str | None = None) -> str:
         """``requested``: a per-request choice from kv_transfer_params (benchmarks), else the setting."""

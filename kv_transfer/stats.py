@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LISTS = ("recv_seconds", "recv_bytes", "send_seconds", "send_blocks")
-COUNTS = ("recv_blocks", "failed_transfers", "rejected", "recv_failed")
+COUNTS = ("recv_blocks", "failed_transfers", "rejected", "recv_failed", "unauthenticated", "peer_refused")
 GAUGES = ("leases_active", "leased_blocks", "leases_sending")
 
 
@@ -27,6 +27,11 @@ class TransferStats:
     failed_transfers: int = 0
     recv_failed: int = 0
     rejected: int = 0
+    unauthenticated: int = 0
+    """Control frames refused at the block server for a bad or missing MAC."""
+    peer_refused: int = 0
+    """Pulls refused because the peer could not prove what the transport needs (``shm``: same host,
+    same uid, the pid it names)."""
     lease_outcomes: dict[str, int] = field(default_factory=dict)
 
     def record_recv(self, nbytes: int, nblocks: int, seconds: float) -> None:

@@ -4,7 +4,10 @@ frames received straight into the destination blocks (``FrameTransport``: ``tcp`
 copied by the decode process out of the prefill process's memory with one kernel copy
 (``CmaTransport``: ``shm``, Linux cross-memory attach, ``process_vm_readv``).
 
-``receive`` raises ``TransferFailed`` with a reason on anything that is not a complete, verified copy.
+``receive`` raises ``TransferFailed`` with a reason on anything that is not a complete, verified copy,
+and on any answer whose MAC does not verify under the cluster secret (``wire.Codec``). ``shm`` reads
+only from the process its ipc socket's kernel credentials prove to be the prefill node (the Grant's
+pid is checked against them), never over tcp.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from typing import Protocol
 import xxhash
 import zmq
 
+from infra.errors import PeerUnauthenticated, UpstreamError
 from kv_transfer import wire
+from kv_transfer.auth import peer_credentials
 from kv_transfer.layout import KVLayout
 
 
@@ -38,19 +43,38 @@ class Transport(Protocol):
         """The Pull message that asks the prefill node for ``segments`` over this transport."""
         ...
 
-    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float) -> int:
-        """Receive every segment of ``pull`` into ``layout``; returns the bytes moved."""
+    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float, *,
+                codec: wire.Codec) -> int:
+        """Receive every segment of ``pull`` into ``layout``; returns the bytes moved. ``codec``
+        verifies every control frame from the prefill node."""
         ...
 
 
-def _recv_msg(sock: zmq.Socket, deadline: float) -> wire.Message:
+def verify_answer(codec: wire.Codec, data: bytes | memoryview) -> wire.Message:
+    """A prefill node's answer, verified: ``TransferFailed`` for one that fails authentication
+    (refused: the node would not take our Done either) or that this version cannot read."""
+    try:
+        return codec.decode(data)
+    except PeerUnauthenticated as exc:
+        raise TransferFailed(f"answer failed authentication (is the cluster secret the same on both nodes?): "
+                             f"{exc.message}", refused=True) from exc
+    except UpstreamError as exc:
+        raise TransferFailed(exc.message) from exc
+
+
+def _recv_frame(sock: zmq.Socket, deadline: float, codec: wire.Codec) -> tuple[wire.Message, zmq.Frame]:
     left_ms = int((deadline - time.monotonic()) * 1000)
     if left_ms <= 0 or not sock.poll(left_ms):
         raise TransferFailed("timed out waiting for the prefill node")
-    msg = wire.decode(sock.recv())
+    frame = sock.recv(copy=False)
+    msg = verify_answer(codec, frame.buffer)
     if isinstance(msg, wire.Reject):
         raise TransferFailed(f"prefill node refused: {msg.reason}", refused=True)
-    return msg
+    return msg, frame
+
+
+def _recv_msg(sock: zmq.Socket, deadline: float, codec: wire.Codec) -> wire.Message:
+    return _recv_frame(sock, deadline, codec)[0]
 
 
 def _drain(sock: zmq.Socket) -> None:
@@ -67,11 +91,12 @@ class FrameTransport:
     def pull(self, transfer_id: str, segments: list[wire.Segment], checksum: bool, layout: KVLayout) -> wire.Pull:
         return wire.Pull(transfer_id, segments, self.name, checksum)
 
-    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float) -> int:
+    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float, *,
+                codec: wire.Codec) -> int:
         total = 0
         seen = 0
         while True:
-            msg = _recv_msg(sock, deadline)
+            msg = _recv_msg(sock, deadline, codec)
             if isinstance(msg, wire.End):
                 if msg.transfer_id != pull.transfer_id:
                     continue  # the tail of an earlier, abandoned pull on this socket
@@ -166,10 +191,17 @@ class CmaTransport:
         return wire.CmaTarget(os.getpid(), [layout.address(i) for i in range(n)], layout.block_nbytes,
                               layout.layers[0].shape[0], list(range(n // 2)) if self.split else [])
 
-    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float) -> int:
-        msg = _recv_msg(sock, deadline)
+    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float, *,
+                codec: wire.Codec) -> int:
+        msg, frame = _recv_frame(sock, deadline, codec)
         if not isinstance(msg, wire.Grant) or msg.transfer_id != pull.transfer_id:
             raise TransferFailed(f"expected a Grant, got {type(msg).__name__}")
+        # Read only from the process that holds the other end of this Unix socket (the kernel says
+        # which), whatever pid the Grant names: never from a process that a message alone names.
+        peer = peer_credentials(frame)
+        if peer is None or peer.pid != msg.pid:
+            raise TransferFailed(f"Grant names pid {msg.pid}, but the socket's proven peer is "
+                                 f"{'pid ' + str(peer.pid) if peer else 'unknown (not an ipc socket)'}")
         if len(msg.layer_addresses) != layout.num_layers or any(b != layout.block_nbytes for b in msg.block_nbytes):
             raise TransferFailed("layout mismatch between prefill and decode caches")
         bn = layout.block_nbytes
@@ -178,7 +210,7 @@ class CmaTransport:
         mine = [layer for layer in range(layout.num_layers) if layer not in pushing]
         process_vm_readv(msg.pid, cma_pairs(pull, mine, here, msg.layer_addresses, bn, local_is_remote_side=False))
         if pushing:
-            done = _recv_msg(sock, deadline)
+            done = _recv_msg(sock, deadline, codec)
             if not isinstance(done, wire.Pushed) or done.transfer_id != pull.transfer_id:
                 raise TransferFailed(f"expected Pushed, got {type(done).__name__}")
             if not done.ok:  # the prefill node could not write: copy its share from here

@@ -44,7 +44,7 @@ import zmq
 
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
-from kv_transfer.transports import TransferFailed
+from kv_transfer.transports import TransferFailed, verify_answer
 from kv_transfer.wire import UcxPosted, UcxTarget
 
 log = logging.getLogger("tandem.kv.ucx")
@@ -280,7 +280,8 @@ class UcxReceiver:
         tw.pending = UcxTarget(tw.address, next(tw.tags) % (1 << _TAG_BITS), layout.block_nbytes)
         return tw.pending
 
-    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float) -> int:
+    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float, *,
+                codec: wire.Codec) -> int:
         tw = self._thread_worker()
         target, tw.pending = tw.pending, None
         if target is None:
@@ -294,7 +295,7 @@ class UcxReceiver:
                     for i, s in enumerate(pull.segments):
                         dest = _array(layout.span(layer, s.local, s.count))
                         requests.append(tw.worker.tag_recv(dest, _tag(u, target.tag, layer * nseg + i)))
-                posted = self._wait(tw, sock, pull, requests, deadline)
+                posted = self._wait(tw, sock, pull, requests, deadline, codec)
             except u.UCXError as exc:
                 raise TransferFailed(f"ucx: {exc}") from exc
             if posted.dtype != layout.dtype or posted.shape != layout.block_shape:
@@ -319,7 +320,7 @@ class UcxReceiver:
             self._drop(tw)
 
     def _wait(self, tw: _ThreadWorker, sock: zmq.Socket, pull: wire.Pull, requests: list[Any],
-              deadline: float) -> UcxPosted:
+              deadline: float, codec: wire.Codec) -> UcxPosted:
         """Until every receive completed and the prefill node's UcxPosted came, or the deadline."""
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -336,7 +337,7 @@ class UcxReceiver:
                     still.append(r)
             left = still
             while posted is None and sock.poll(0):
-                posted = self._control(sock, pull)
+                posted = self._control(sock, pull, codec)
             if not left and posted is not None:
                 return posted
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -347,11 +348,12 @@ class UcxReceiver:
                 poller.poll(left_ms)
 
     @staticmethod
-    def _control(sock: zmq.Socket, pull: wire.Pull) -> UcxPosted | None:
-        msg = wire.decode(sock.recv())
+    def _control(sock: zmq.Socket, pull: wire.Pull, codec: wire.Codec) -> UcxPosted | None:
+        data = sock.recv()
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv()
-        if isinstance(msg, wire.Reject) and msg.transfer_id == pull.transfer_id:
+        msg = verify_answer(codec, data)
+        if isinstance(msg, wire.Reject) and msg.transfer_id in ("", pull.transfer_id):
             raise TransferFailed(f"prefill node refused: {msg.reason}", refused=True)
         if isinstance(msg, UcxPosted) and msg.transfer_id == pull.transfer_id:
             return msg

@@ -1,13 +1,14 @@
 """The block wire format and the control messages between a decode node (which pulls) and a prefill
 node (which holds the blocks under a lease and serves them).
 
-Every message is a msgspec struct, tagged and versioned (``kv.<name>.v1``), msgpack-encoded, sent as
-the first ZeroMQ frame. Block data never goes through msgpack: a ``LayerHeader`` frame is followed by
-one raw frame per segment (the bytes of ``count`` consecutive blocks of that layer, exactly as they lie
-in the engine's paged KV cache), so both ends can send from and receive into the cache itself.
+Every message is a msgspec struct, tagged and versioned (``kv.<name>.v1``), msgpack-encoded, and sent
+as the first ZeroMQ frame inside a signed envelope (``Codec``, below). Block data never goes through
+msgpack: a ``LayerHeader`` frame is followed by one raw frame per segment (the bytes of ``count``
+consecutive blocks of that layer, exactly as they lie in the engine's paged KV cache), so both ends can
+send from and receive into the cache itself.
 
     decode (DEALER)                                prefill (ROUTER)
-      Pull(transfer_id, segments, transport) ───▶  lease HELD → SENDING
+      Pull(transfer_id, segments, transport) ───▶  MAC checked, lease HELD → SENDING
                                              ◀───  LayerHeader(layer 0) + raw segment frames
                                              ◀───  ...one header per layer...
                                              ◀───  End            (zmq transports)
@@ -22,14 +23,56 @@ in the engine's paged KV cache), so both ends can send from and receive into the
       Query(transfer_id)                     ───▶
                                              ◀───  LeaseReport(state, bytes, start, end)  (the lake's
                                                    transfer fields for streamed answers)
-                                             ◀───  Reject(reason) instead of data: unknown/expired lease
+    any peer
+      a frame whose MAC does not verify      ───▶  counted, logged
+                                             ◀───  Reject("", "unauthenticated: ...")  at once, so the
+                                                   peer fails fast instead of waiting out its deadline
+                                             ◀───  Reject(reason) instead of data: unknown/expired lease,
+                                                   or a one-host transport asked by an unproven peer
+
+The envelope (every control frame, both directions)::
+
+    b"TKV2" | timestamp: uint64 big-endian, microseconds since the epoch | MAC: 32 bytes | msgpack body
+    MAC = HMAC-SHA256(cluster secret, b"TKV2" + timestamp + body)
+
+The MAC proves the sender holds the cluster secret (``auth.py`` says where it comes from); the
+timestamp, under the MAC, bounds replays of a captured frame to ``MAX_SKEW_S`` either side of the
+receiver's clock (transfer ids are single-use anyway, so a replay inside that window meets an ended
+lease). Block data frames carry no MAC of their own: they are bound to their authenticated header by
+its xxh3 checksums (see ``auth.py`` for what that does and does not cover).
+
+``shm`` pulls are served only on the server's ``ipc://`` socket, to a peer whose Unix-socket
+credentials (SO_PEERCRED) show the same uid and the very pid its ``CmaTarget`` names; anything else is
+answered with a Reject. The decode side likewise reads only from the pid its ipc socket's peer proves.
+
+Versions (``PROTOCOL``)
+    1  plain msgpack frames, no authentication.
+    2  every control frame in the signed envelope above; ``shm`` only over ipc with proven peer
+       credentials. A v1 frame fails the MAC check and is answered with a Reject; a v1 peer cannot read
+       v2 answers and fails at its deadline.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import struct
+import time
+
 import msgspec
 
-PROTOCOL = 1
+from infra.errors import PeerUnauthenticated, UpstreamError
+
+PROTOCOL = 2
+
+MAGIC = b"TKV2"
+"""Envelope marker: the protocol version a frame was signed under."""
+MAX_SKEW_S = 120.0
+"""How far a frame's timestamp may lie from the receiver's clock (replay window and clock skew between
+hosts, which NTP keeps far below this)."""
+_MAC_BYTES = 32
+_TS = struct.Struct(">Q")
+_HEAD = len(MAGIC) + _TS.size + _MAC_BYTES
 
 
 class Segment(msgspec.Struct, array_like=True, frozen=True):
@@ -191,12 +234,47 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def encode(msg: Message) -> bytes:
-    return _encoder.encode(msg)
+class Codec:
+    """Signs every message it encodes and verifies every frame it decodes, under one cluster secret.
+    Thread-safe (no state beyond the key); one per process or per component is enough."""
 
+    def __init__(self, secret: bytes, *, max_skew_s: float = MAX_SKEW_S) -> None:
+        if not secret:
+            raise ValueError("an empty cluster secret")
+        self._key = secret
+        self._max_skew_s = max_skew_s
 
-def decode(data: bytes | memoryview) -> Message:
-    return _decoder.decode(data)
+    def encode(self, msg: Message) -> bytes:
+        body = _encoder.encode(msg)
+        stamp = _TS.pack(int(time.time() * 1e6))
+        return b"".join((MAGIC, stamp, self._mac(stamp, body), body))
+
+    def decode(self, data: bytes | memoryview) -> Message:
+        """The message in ``data``; ``PeerUnauthenticated`` unless its MAC verifies and its timestamp
+        is recent (nothing of an unverified frame is parsed, msgpack included); ``UpstreamError`` for
+        a verified frame that is no message of this version."""
+        view = memoryview(data)
+        if len(view) < _HEAD or view[:len(MAGIC)] != MAGIC:
+            raise PeerUnauthenticated("no signed envelope (an unauthenticated or protocol-1 peer)")
+        stamp = view[len(MAGIC):len(MAGIC) + _TS.size]
+        mac = view[len(MAGIC) + _TS.size:_HEAD]
+        body = view[_HEAD:]
+        if not hmac.compare_digest(mac, self._mac(stamp, body)):
+            raise PeerUnauthenticated("bad MAC (the peer holds another cluster secret, or the frame was altered)")
+        skew = time.time() - _TS.unpack(stamp)[0] / 1e6
+        if abs(skew) > self._max_skew_s:
+            raise PeerUnauthenticated(f"frame timestamp {skew:+.0f} s off this host's clock (replayed, or clocks "
+                                      "out of step)")
+        try:
+            return _decoder.decode(body)
+        except msgspec.DecodeError as exc:  # authenticated, yet not a message this version knows
+            raise UpstreamError(f"undecodable message from an authenticated peer: {exc}") from exc
+
+    def _mac(self, stamp: bytes | memoryview, body: bytes | memoryview) -> bytes:
+        h = hmac.new(self._key, MAGIC, hashlib.sha256)
+        h.update(stamp)
+        h.update(body)
+        return h.digest()
 
 
 def segments_of(remote_ids: list[int], local_ids: list[int]) -> list[Segment]:

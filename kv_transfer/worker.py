@@ -7,7 +7,6 @@ recomputes them or fails the request, per ``kv_load_failure_policy``)."""
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -47,11 +46,12 @@ class TandemWorker:
         if self.settings.huge_pages:
             outcomes = {advise_huge_pages(layout.address(i), layout.layers[i].nbytes) for i in range(layout.num_layers)}
             log.info("KV cache huge pages: %s", ", ".join(sorted(outcomes)))
-        self.server = BlockServer(layout, self.leases, self.settings.bind_endpoints, self.stats,
-                                  faults=os.environ.get("TANDEM_KV_FAULTS") == "1")
+        codec = self.settings.codec()  # ConfigError here stops the engine: no unauthenticated server
+        self.server = BlockServer(layout, self.leases, self.settings.bind_endpoints, self.stats, codec,
+                                  faults=self.settings.faults)
         self.server.start()
-        self.puller = Puller(layout, self.stats, threads=self.settings.pull_threads, on_outcome=self._activity.set,
-                             shm_split=self.settings.shm_split)
+        self.puller = Puller(layout, self.stats, codec, threads=self.settings.pull_threads,
+                             on_outcome=self._activity.set, shm_split=self.settings.shm_split)
         log.info("tandem connector: %d layers, %d blocks of %d bytes; block server on %s",
                  layout.num_layers, layout.layers[0].shape[0], layout.block_nbytes, self.settings.bind_endpoints)
 

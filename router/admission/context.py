@@ -70,6 +70,19 @@ class AdmissionSettings(BaseSettings):
     still queued when it passes is dropped unserved (503 ``deadline_exceeded``). A client sets its own
     with ``x-tandem-deadline-ms``."""
 
+    database_command_timeout_s: float = 5.0
+    """Longest one PostgreSQL statement may run (asyncpg ``command_timeout``; the statement is cancelled
+    on the server). Past it the caller gets ``StoreTimeout``: key lookups, session reads and writes
+    fail in bounded time while the database hangs."""
+    database_connect_timeout_s: float = 5.0
+    """Longest connecting to PostgreSQL, or waiting for a pooled connection, may take."""
+    redis_socket_timeout_s: float = 2.0
+    """Longest one Redis command may wait for its answer, on every client built here (keys, rate
+    limits, session caches). Past it: ``redis.TimeoutError``, which the callers treat as Redis down
+    (session reads fall back to the store). No client here uses blocking commands."""
+    redis_connect_timeout_s: float = 2.0
+    """Longest connecting to Redis may take."""
+
     session_cache_ttl_s: float = 86_400.0
     session_max_cached_turns: int = 500
     """Sessions longer than this are read from the store on every read instead of cached."""
@@ -94,10 +107,14 @@ class AdmissionContext:
         cls, settings: AdmissionSettings, *, clock_ms: ClockMs | None = None, start_writer: bool = True
     ) -> AdmissionContext:
         """Connect Redis and the store, create tables if missing, start the session writer."""
-        redis = aioredis.Redis.from_url(settings.redis_url)
-        caches = {name: aioredis.Redis.from_url(url) for name, url in settings.region_cache_urls.items()}
+        timeouts = {"socket_timeout": settings.redis_socket_timeout_s,
+                    "socket_connect_timeout": settings.redis_connect_timeout_s}
+        redis = aioredis.Redis.from_url(settings.redis_url, **timeouts)
+        caches = {name: aioredis.Redis.from_url(url, **timeouts) for name, url in settings.region_cache_urls.items()}
         home_redis = caches.get(settings.region, redis)
-        db = await open_database(settings.database_url or str(settings.sqlite_path))
+        db = await open_database(settings.database_url or str(settings.sqlite_path),
+                                 command_timeout_s=settings.database_command_timeout_s,
+                                 connect_timeout_s=settings.database_connect_timeout_s)
         keys = KeyStore(
             redis,
             db,

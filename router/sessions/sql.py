@@ -8,6 +8,11 @@ Both the session history and the API keys persist here; Redis is only their cach
 * Only portable types are used: ``TEXT``, ``BIGINT``, ``DOUBLE PRECISION``, ``INTEGER`` 0/1 for flags,
   JSON documents in ``TEXT``. ``INSERT ... ON CONFLICT DO NOTHING`` works on both (SQLite >= 3.24).
 * Driver errors become ``StoreError`` here, at the boundary.
+* Every PostgreSQL call is bounded: connecting (and taking a pooled connection, which may reconnect)
+  by ``connect_timeout_s``, each statement by ``command_timeout_s`` (asyncpg's ``command_timeout``,
+  which also cancels the statement on the server). Past either: ``StoreTimeout``. A hung or overloaded
+  database then fails the caller within a known time instead of holding its request (and its pool
+  slot) forever.
 
 ``open_database(url)`` picks the backend: ``postgresql://...`` → PostgreSQL, ``sqlite:///path`` or a
 bare path → SQLite. A PostgreSQL URL may carry ``?schema=NAME`` (not a libpq option; we strip it) to
@@ -26,9 +31,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import aiosqlite
 import asyncpg
 
-from infra.errors import ConfigError, StoreError
+from infra.errors import ConfigError, StoreError, StoreTimeout
 
 Row = tuple[Any, ...]
+
+DEFAULT_COMMAND_TIMEOUT_S = 5.0
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
 
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -55,11 +63,16 @@ class Database(Protocol):
 class PostgresDatabase:
     dialect = "postgresql"
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         self._pool = pool
+        self._command_timeout_s = command_timeout_s
+        self._connect_timeout_s = connect_timeout_s
 
     @classmethod
-    async def connect(cls, url: str, *, min_size: int = 1, max_size: int = 8) -> PostgresDatabase:
+    async def connect(cls, url: str, *, min_size: int = 1, max_size: int = 8,
+                      command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
+                      connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> PostgresDatabase:
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
         schema = query.pop("schema", None)
@@ -67,23 +80,36 @@ class PostgresDatabase:
         if schema is not None and not _SCHEMA_NAME.match(schema):
             raise ConfigError(f"invalid schema name {schema!r} in database URL")
         settings = {"search_path": schema} if schema else None
+        where = f"{parts.hostname}:{parts.port}"
         try:
             if schema:
-                conn = await asyncpg.connect(dsn)
+                conn = await asyncpg.connect(dsn, timeout=connect_timeout_s, command_timeout=command_timeout_s)
                 try:
                     await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
                 finally:
                     await conn.close()
             pool = await asyncpg.create_pool(
-                dsn, min_size=min_size, max_size=max_size, server_settings=settings
+                dsn, min_size=min_size, max_size=max_size, server_settings=settings,
+                timeout=connect_timeout_s, command_timeout=command_timeout_s,
             )
+        # TimeoutError before OSError: it is one (Python >= 3.10), and deserves its own message.
+        except TimeoutError as exc:
+            raise StoreTimeout(f"PostgreSQL at {where} did not answer within {connect_timeout_s:g} s "
+                               "(connect timeout)") from exc
         except (OSError, asyncpg.PostgresError) as exc:
-            raise StoreError(f"cannot connect to PostgreSQL at {parts.hostname}:{parts.port}: {exc}") from exc
-        return cls(pool)
+            raise StoreError(f"cannot connect to PostgreSQL at {where}: {exc}") from exc
+        return cls(pool, command_timeout_s=command_timeout_s, connect_timeout_s=connect_timeout_s)
+
+    def _timed_out(self, what: str) -> StoreTimeout:
+        return StoreTimeout(f"PostgreSQL {what} did not finish within its timeout ({self._command_timeout_s:g} s "
+                            f"per statement, {self._connect_timeout_s:g} s to get a connection)")
 
     async def execute(self, sql: str, *args: Any) -> int:
         try:
-            status = await self._pool.execute(sql, *args)
+            async with self._pool.acquire(timeout=self._connect_timeout_s) as conn:
+                status = await conn.execute(sql, *args)
+        except TimeoutError as exc:
+            raise self._timed_out("statement") from exc
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             raise StoreError(f"PostgreSQL statement failed: {exc}") from exc
         # status is e.g. "INSERT 0 1", "UPDATE 3", "DELETE 0", "CREATE TABLE"
@@ -92,14 +118,19 @@ class PostgresDatabase:
 
     async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         try:
-            async with self._pool.acquire() as conn, conn.transaction():
+            async with self._pool.acquire(timeout=self._connect_timeout_s) as conn, conn.transaction():
                 await conn.executemany(sql, rows)
+        except TimeoutError as exc:
+            raise self._timed_out("batch") from exc
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             raise StoreError(f"PostgreSQL batch failed: {exc}") from exc
 
     async def fetch(self, sql: str, *args: Any) -> list[Row]:
         try:
-            records = await self._pool.fetch(sql, *args)
+            async with self._pool.acquire(timeout=self._connect_timeout_s) as conn:
+                records = await conn.fetch(sql, *args)
+        except TimeoutError as exc:
+            raise self._timed_out("query") from exc
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             raise StoreError(f"PostgreSQL query failed: {exc}") from exc
         return [tuple(r.values()) for r in records]
@@ -162,10 +193,14 @@ class SqliteDatabase:
         await self._conn.close()
 
 
-async def open_database(url: str) -> Database:
-    """``postgresql://`` / ``postgres://`` → PostgreSQL; ``sqlite:///path`` or a plain path → SQLite."""
+async def open_database(url: str, *, command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
+                        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> Database:
+    """``postgresql://`` / ``postgres://`` → PostgreSQL; ``sqlite:///path`` or a plain path → SQLite.
+    The timeouts bound PostgreSQL (see the module docstring); SQLite is a local file with its own busy
+    timeout."""
     if url.startswith(("postgresql://", "postgres://")):
-        return await PostgresDatabase.connect(url)
+        return await PostgresDatabase.connect(url, command_timeout_s=command_timeout_s,
+                                              connect_timeout_s=connect_timeout_s)
     if url.startswith("sqlite:///"):
         return await SqliteDatabase.connect(url.removeprefix("sqlite:///"))
     if "://" in url:

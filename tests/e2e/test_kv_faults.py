@@ -32,6 +32,7 @@ import redis
 import zmq
 
 from kv_transfer import wire
+from kv_transfer.auth import load_cluster_secret
 from tests.e2e.conftest import engine_metric
 from tests.helpers import wait_for
 
@@ -125,13 +126,15 @@ def node_url(port: int) -> str:
 
 
 def arm(port: int, kind: str, seconds: float = 0.0) -> None:
-    """Arm one fault on the prefill node's block server (node port + 3)."""
+    """Arm one fault on the prefill node's block server (node port + 3), signed with the cluster secret
+    the nodes use (this user's default one, or TANDEM_CLUSTER_SECRET when the environment sets it)."""
+    codec = wire.Codec(load_cluster_secret(loopback_only=True))
     with zmq.Context.instance().socket(zmq.DEALER) as s:
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"tcp://127.0.0.1:{port + 3}")
-        s.send(wire.encode(wire.Fault(kind, seconds)))
+        s.send(codec.encode(wire.Fault(kind, seconds)))
         assert s.poll(5000), "block server did not answer"
-        assert wire.decode(s.recv()) == wire.Ack(True), "faults are not enabled on that node"
+        assert codec.decode(s.recv()) == wire.Ack(True), "faults are not enabled on that node"
 
 
 def metric(port: int, name: str, **labels: str) -> float:

@@ -4,8 +4,6 @@ the deadline, release) ends the lease and reports the pull as failed, never a ha
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -17,73 +15,8 @@ from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.puller import Puller, PullJob
 from kv_transfer.stats import TransferStats
-
-LAYERS, BLOCKS, SHAPE = 3, 32, (3, 16, 128)
-
-
-def _source() -> list[np.ndarray]:
-    rng = np.random.default_rng(7)
-    return [rng.standard_normal((BLOCKS, *SHAPE), dtype=np.float32) for _ in range(LAYERS)]
-
-
-def _serve(conn, endpoints: list[str]) -> None:  # noqa: ANN001 - runs in the child process
-    from kv_transfer.lease import LeaseTable
-    from kv_transfer.server import BlockServer
-
-    arrays = _source()
-    leases = LeaseTable("child")
-    server = BlockServer(KVLayout.from_arrays(arrays), leases, endpoints, TransferStats(), faults=True)
-    server.start()
-    conn.send("ready")
-    ended: list[tuple[str, str]] = []
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "offer":
-            server.offer(*cmd[1:])
-        elif cmd[0] == "ended":
-            ended += [(lease.transfer_id, lease.state.value) for lease in leases.take_ended()]
-            conn.send(ended)
-        elif cmd[0] == "stop":
-            server.close()
-            return
-
-
-class Remote:
-    def __init__(self) -> None:
-        d = tempfile.mkdtemp(prefix="tandem-kv-test-")
-        with zmq.Context.instance().socket(zmq.REP) as s:  # a free port, picked by the kernel
-            port = s.bind_to_random_port("tcp://127.0.0.1")
-        self.tcp, self.ipc = f"tcp://127.0.0.1:{port}", f"ipc://{d}/kv.sock"
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, [self.tcp, self.ipc]), daemon=True)
-        self.proc.start()
-        assert self.conn.poll(30) and self.conn.recv() == "ready"
-
-    def offer(self, tid: str, ids: list[int], ttl: float = 30.0) -> None:
-        self.conn.send(("offer", tid, ids, time.time() + ttl))
-
-    def ended(self, tid: str, timeout: float = 10.0) -> str:
-        """The lease's terminal state, waiting for it (the server acts asynchronously)."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            self.conn.send(("ended",))
-            states = dict(self.conn.recv())
-            if tid in states:
-                return states[tid]
-            time.sleep(0.05)  # polling another process's table; no event crosses the pipe for this
-        raise AssertionError(f"lease {tid} never ended")
-
-    def fault(self, kind: str, seconds: float = 0.0) -> None:
-        with zmq.Context.instance().socket(zmq.DEALER) as s:
-            s.connect(self.tcp)
-            s.send(wire.encode(wire.Fault(kind, seconds)))
-            assert s.poll(5000)
-            assert wire.decode(s.recv()) == wire.Ack(True)
-
-    def close(self) -> None:
-        self.conn.send(("stop",))
-        self.proc.join(10)
+from tests.kv_transfer.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote
+from tests.kv_transfer.block_server_proc import source as _source
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +29,7 @@ def remote() -> Iterator[Remote]:
 @pytest.fixture
 def local() -> tuple[list[np.ndarray], Puller]:
     arrays = [np.zeros((BLOCKS, *SHAPE), np.float32) for _ in range(LAYERS)]
-    puller = Puller(KVLayout.from_arrays(arrays), TransferStats())
+    puller = Puller(KVLayout.from_arrays(arrays), TransferStats(), wire.Codec(SECRET))
     yield arrays, puller
     puller.close()
 
@@ -129,7 +62,7 @@ def test_each_transport_moves_the_exact_blocks(remote: Remote, local, transport:
 @pytest.mark.parametrize("split", [True, False], ids=["split", "decode-copies-all"])
 def test_shm_with_and_without_the_prefill_node_writing_half(remote: Remote, split: bool) -> None:
     arrays = [np.zeros((BLOCKS, *SHAPE), np.float32) for _ in range(LAYERS)]
-    puller = Puller(KVLayout.from_arrays(arrays), TransferStats(), shm_split=split)
+    puller = Puller(KVLayout.from_arrays(arrays), TransferStats(), wire.Codec(SECRET), shm_split=split)
     try:
         src = _source()
         remote_ids, local_ids = [12, 13, 14, 20], [8, 9, 10, 30]
@@ -192,7 +125,7 @@ def test_the_router_can_ask_how_a_transfer_went(remote: Remote, local) -> None: 
 def test_a_corrupted_frame_fails_the_pull_and_the_lease(remote: Remote, local) -> None:  # noqa: ANN001
     _, puller = local
     remote.offer("bad", [1, 2])
-    remote.fault("corrupt")
+    assert remote.fault("corrupt") == wire.Ack(True)
     out = _pull(remote, puller, "bad", "tcp", [1, 2], [3, 4])
     assert not out.ok and "checksum" in out.reason and out.local_block_ids == [3, 4]
     assert remote.ended("bad") == "failed"
@@ -200,7 +133,7 @@ def test_a_corrupted_frame_fails_the_pull_and_the_lease(remote: Remote, local) -
 
 def test_an_expired_lease_is_refused(remote: Remote, local) -> None:  # noqa: ANN001
     _, puller = local
-    remote.fault("expire")
+    assert remote.fault("expire") == wire.Ack(True)
     remote.offer("late", [5])
     assert remote.ended("late") == "expired"
     out = _pull(remote, puller, "late", "tcp", [5], [6])
@@ -210,7 +143,7 @@ def test_an_expired_lease_is_refused(remote: Remote, local) -> None:  # noqa: AN
 def test_a_stalled_transfer_fails_at_its_deadline_and_the_lease_still_ends(remote: Remote, local) -> None:  # noqa: ANN001
     _, puller = local
     remote.offer("stall", [7, 8], ttl=3.0)
-    remote.fault("stall", 2.5)
+    assert remote.fault("stall", 2.5) == wire.Ack(True)
     t0 = time.monotonic()
     out = _pull(remote, puller, "stall", "tcp", [7, 8], [7, 8], timeout=1.0)
     assert not out.ok and "timed out" in out.reason and time.monotonic() - t0 < 5

@@ -24,8 +24,10 @@ from kv_transfer import wire  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
 from kv_transfer.transports import TransferFailed  # noqa: E402
 from kv_transfer.ucx import UcxReceiver  # noqa: E402
+from tests.kv_transfer.block_server_proc import SECRET  # noqa: E402
 
 LAYERS, BLOCKS, SHAPE = 3, 32, (3, 16, 128)  # 24 KiB blocks: above UCX's rendezvous threshold
+CODEC = wire.Codec(SECRET)
 
 
 def _source() -> list[np.ndarray]:
@@ -45,30 +47,30 @@ def _serve(endpoint: str, conn) -> None:  # noqa: ANN001 - runs in the child pro
     corrupt = False
     while True:
         ident, *frames = sock.recv_multipart()
-        msg = wire.decode(frames[0])
+        msg = CODEC.decode(frames[0])
         if isinstance(msg, wire.Pull):
             if msg.transfer_id.startswith("refuse"):
-                sock.send_multipart([ident, wire.encode(wire.Reject(msg.transfer_id, "unknown lease"))])
+                sock.send_multipart([ident, CODEC.encode(wire.Reject(msg.transfer_id, "unknown lease"))])
                 continue
             target = msg.ucx
             try:
                 posted = sender.send(msg, target, corrupt=corrupt)
             except UcxSendFailed as exc:
-                sock.send_multipart([ident, wire.encode(wire.Reject(msg.transfer_id, str(exc)))])
+                sock.send_multipart([ident, CODEC.encode(wire.Reject(msg.transfer_id, str(exc)))])
                 continue
             corrupt = False
-            sock.send_multipart([ident, wire.encode(posted)])
+            sock.send_multipart([ident, CODEC.encode(posted)])
         elif isinstance(msg, wire.Done):
             sender.forget(msg.transfer_id)
-            sock.send_multipart([ident, wire.encode(wire.Ack())])
+            sock.send_multipart([ident, CODEC.encode(wire.Ack())])
         elif isinstance(msg, wire.Fault):
             corrupt = msg.kind == "corrupt"
-            sock.send_multipart([ident, wire.encode(wire.Ack())])
+            sock.send_multipart([ident, CODEC.encode(wire.Ack())])
         elif isinstance(msg, wire.Release):  # used here as "how many transfers are still tracked?"
-            sock.send_multipart([ident, wire.encode(wire.Reject("inflight", str(sender.inflight)))])
+            sock.send_multipart([ident, CODEC.encode(wire.Reject("inflight", str(sender.inflight)))])
         elif isinstance(msg, wire.Ack):
             sender.close()
-            sock.send_multipart([ident, wire.encode(wire.Ack())])
+            sock.send_multipart([ident, CODEC.encode(wire.Ack())])
             return
 
 
@@ -87,9 +89,9 @@ class Prefill:
         with zmq.Context.instance().socket(zmq.DEALER) as s:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(self.endpoint)
-            s.send(wire.encode(msg))
+            s.send(CODEC.encode(msg))
             assert s.poll(10000), "the prefill process did not answer"
-            return wire.decode(s.recv())
+            return CODEC.decode(s.recv())
 
     def inflight(self) -> int:
         return int(self.call(wire.Release("?", "count")).reason)
@@ -125,14 +127,14 @@ def _pull(endpoint: str, receiver: UcxReceiver, layout: KVLayout, tid: str, remo
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
         pull = wire.Pull(tid, wire.segments_of(remote_ids, local_ids), "ucx", ucx=receiver.target(layout))
-        sock.send(wire.encode(pull))
+        sock.send(CODEC.encode(pull))
         try:
-            n = receiver.receive(sock, pull, layout, time.monotonic() + timeout)
+            n = receiver.receive(sock, pull, layout, time.monotonic() + timeout, codec=CODEC)
         except TransferFailed as exc:
             if not exc.refused:
-                sock.send(wire.encode(wire.Done(tid, False, exc.reason)))
+                sock.send(CODEC.encode(wire.Done(tid, False, exc.reason)))
             raise
-        sock.send(wire.encode(wire.Done(tid, True)))
+        sock.send(CODEC.encode(wire.Done(tid, True)))
         assert sock.poll(5000)  # the Ack: the prefill side has forgotten the transfer
         return n
 
@@ -208,7 +210,7 @@ def _die_mid_pull(endpoint: str) -> None:  # noqa: D401 - runs in a child proces
     sock.connect(endpoint)
     pull = wire.Pull("orphan", wire.segments_of(list(range(BLOCKS)), list(range(BLOCKS))), "ucx",
                      ucx=receiver.target(layout))
-    sock.send(wire.encode(pull))
+    sock.send(CODEC.encode(pull))
     sock.poll(5000)  # the prefill side has posted its sends; they never get a receiver
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -248,10 +250,10 @@ def test_a_prefill_node_dying_mid_transfer_fails_the_pull_at_its_deadline(receiv
     with zmq.Context.instance().socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(dying.endpoint)
-        sock.send(wire.encode(pull))
+        sock.send(CODEC.encode(pull))
         assert sock.poll(5000)  # UcxPosted is on its way: kill the sender now, the receive is left mid-way
         os.kill(dying.proc.pid, signal.SIGKILL)
         with pytest.raises(TransferFailed, match="timed out|ucx"):
-            receiver.receive(sock, pull, layout, time.monotonic() + 1.5)
+            receiver.receive(sock, pull, layout, time.monotonic() + 1.5, codec=CODEC)
     assert time.monotonic() - t0 < 5
     dying.proc.join(10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseState
 from kv_transfer.metadata import TandemMetadata
@@ -36,7 +37,7 @@ class RecordingEvent:
 def _worker(idle_wait_ms: float = 5.0) -> TandemWorker:
     w = TandemWorker(ConnectorSettings(port=9111, idle_wait_ms=idle_wait_ms), "engine-p", num_blocks=4)
     layout = KVLayout.from_arrays([np.zeros((4, 8), np.uint8)])
-    w.puller = Puller(layout, w.stats, threads=1)
+    w.puller = Puller(layout, w.stats, wire.Codec(b"x" * 32), threads=1)
     return w
 
 
