@@ -7,6 +7,7 @@ through the ``status_code`` attribute each class declares.
 
     TandemError
     ├── ConfigError                 bad settings, missing model folder, unusable install
+    │   └── PortInUse               a port a node needs is held by another process (names it)
     ├── RequestError                the client's fault (4xx)
     │   ├── InvalidRequest          400  malformed JSON, context window exceeded, bad field values
     │   ├── AuthenticationFailed    401  missing, unknown or revoked API key
@@ -40,6 +41,15 @@ class TandemError(Exception):
 
 class ConfigError(TandemError):
     """Settings or installation that cannot work; raised at start-up, never per request."""
+
+
+class PortInUse(ConfigError):
+    """A node's port is taken; the message names the port, what it is for and the process holding it."""
+
+    def __init__(self, message: str, *, port: int, holder_pid: int | None = None) -> None:
+        super().__init__(message)
+        self.port = port
+        self.holder_pid = holder_pid
 
 
 class RequestError(TandemError):
