@@ -116,7 +116,12 @@ class EngineProcess:
         return None if self.proc is None else self.proc.pid
 
     def start(self) -> None:
-        command = self.command or engine_command(self.settings, resolve_model(self.settings.model))
+        if self.command:
+            command = self.command
+        elif self.settings.engine_command:
+            command = [arg.replace("{port}", str(self.settings.port)) for arg in self.settings.engine_command]
+        else:
+            command = engine_command(self.settings, resolve_model(self.settings.model))
         out = None
         if self.settings.log_dir:
             self.settings.log_dir.mkdir(parents=True, exist_ok=True)

@@ -86,6 +86,10 @@ class NodeSettings(BaseSettings):
     """vLLM tool-call parser for ``tools`` / ``tool_choice`` (auto tool choice on). ``pythonic`` needs no
     special tokens, which the default model lacks (hermes needs <tool_call>); None turns tools off."""
     extra_engine_args: list[str] = Field(default_factory=list)
+    engine_command: list[str] | None = None
+    """Replaces the whole ``vllm serve`` command line (a wrapper script, another build); ``{port}`` in
+    an argument becomes ``port``. The supervision tests run a stand-in engine through it
+    (``TANDEM_NODE_ENGINE_COMMAND='["python", "-m", "tests.infra.fake_engine", "--port", "{port}"]'``)."""
     log_dir: Path | None = None
     """Where the engine's stdout/stderr go; None inherits the node's."""
 

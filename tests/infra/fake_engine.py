@@ -1,6 +1,7 @@
 """A STAND-IN engine process for supervision tests: answers /health, /metrics (vLLM's metric names) and
-/v1/models like a vLLM server, runs no model. What the tests exercise is the node agent around it:
-real processes that exit, are killed or stopped, hold ports, and leave helpers behind.
+/v1/models like a vLLM server, and chat completions like the benchmark's stand-in; runs no model.
+What the tests exercise is the node agent around it: real processes that exit, are killed or
+stopped, hold ports, and leave helpers behind.
 
     python -m tests.infra.fake_engine --port P [--helper] [--busy] [--exit-status N]
 
@@ -13,12 +14,10 @@ real processes that exit, are killed or stopped, hold ports, and leave helpers b
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import subprocess
 import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 def _metrics(busy: bool) -> str:
@@ -50,29 +49,21 @@ def main() -> None:
     if a.helper:  # same process group: no new session
         subprocess.Popen([sys.executable, "-m", "tests.infra.fake_engine", "--port", str(a.port + 2), "--listen-only"])
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            if self.path == "/health":
-                body, ctype = b"", "text/plain"
-            elif self.path == "/metrics":
-                body, ctype = _metrics(a.busy).encode(), "text/plain; version=0.0.4"
-            elif self.path == "/v1/models":
-                body = json.dumps({"data": [{"id": "fake", "max_model_len": 512}]}).encode()
-                ctype = "application/json"
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("content-type", ctype)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    # The router-facing part (chat and completions, streamed or not) is the benchmark's stand-in;
+    # this adds what a node agent reads from an engine.
+    import uvicorn
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
 
-        def log_message(self, *args: object) -> None:
-            pass
+    from bench.standin_engine import StandInEngine
 
-    ThreadingHTTPServer.allow_reuse_address = True
-    ThreadingHTTPServer(("127.0.0.1", a.port), Handler).serve_forever()
+    app = StandInEngine().app
+    app.router.routes += [
+        Route("/metrics", lambda _: PlainTextResponse(_metrics(a.busy)), methods=["GET"]),
+        Route("/v1/models", lambda _: JSONResponse({"data": [{"id": "fake", "max_model_len": 512}]}),
+              methods=["GET"]),
+    ]
+    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":
