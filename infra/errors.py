@@ -19,6 +19,7 @@ through the ``status_code`` attribute each class declares.
     ├── UpstreamError               502  a node failed or answered something we cannot use
     │   └── EngineRejected          the engine answered an error; keeps its status and message
     └── StoreError                  Redis / database failures on a path that must not swallow them
+        └── LakeUnwritable          the Parquet lake cannot be written (disk full, I/O error)
 """
 
 from __future__ import annotations
@@ -118,3 +119,11 @@ class EngineRejected(UpstreamError):
 
 class StoreError(TandemError):
     """Redis or database failure where the caller must know (not on the telemetry slow path)."""
+
+
+class LakeUnwritable(StoreError):
+    """Writing the Parquet lake failed at the file system (``disk_full`` for ENOSPC / EDQUOT)."""
+
+    def __init__(self, message: str, *, disk_full: bool) -> None:
+        super().__init__(message)
+        self.disk_full = disk_full
