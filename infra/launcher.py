@@ -71,6 +71,8 @@ class Child:
     """Monotonic time of the pending restart, while it waits out its backoff."""
     gave_up: bool = False
     exits: deque[float] = field(default_factory=deque)
+    descendants: list[psutil.Process] = field(default_factory=list)
+    """What the child had started, as last seen alive (a node agent's engine)."""
 
     def state(self) -> dict[str, object]:
         alive = self.proc.poll() is None
@@ -148,6 +150,7 @@ class Cluster:
         self.node_ids: dict[str, Role] = {}
         self.logs = spec.workdir / "logs"
         self.lake = spec.lake or spec.workdir / "lake"
+        self._state_client: redis.Redis | None = None
 
     @property
     def url(self) -> str:
@@ -232,7 +235,11 @@ class Cluster:
         events: list[str] = []
         for c in self.children:
             code = c.proc.poll()
-            if code is None or c.gave_up:
+            if code is None:
+                with contextlib.suppress(psutil.Error):
+                    c.descendants = psutil.Process(c.proc.pid).children(recursive=True)
+                continue
+            if c.gave_up:
                 continue
             if c.restart_at is None:  # newly found dead
                 c.last_exit = describe_exit(code)
@@ -249,6 +256,10 @@ class Cluster:
                 events.append(f"{c.name} exited ({c.last_exit}); restarting in {delay:.0f} s")
             elif now >= c.restart_at:
                 c.restart_at = None
+                # What the dead child started got its parent-death signal; whatever has not exited by now
+                # would hold the new child's ports (an engine still shutting down): kill it first.
+                _kill_all(c.descendants)
+                c.descendants = []
                 try:
                     c.proc = c.start()
                 except ConfigError as exc:  # an embedded Redis that would not come back: try again later
@@ -263,18 +274,17 @@ class Cluster:
     def publish_state(self) -> None:
         """The children's states in Redis for ``tandem cluster status``; best effort (Redis may be the
         child that is down)."""
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+        if self._state_client is None:
+            self._state_client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
         try:
             key = launcher_key(self.spec.router_port)
-            with client.pipeline(transaction=True) as pipe:
+            with self._state_client.pipeline(transaction=True) as pipe:
                 pipe.delete(key)
                 pipe.hset(key, mapping={c.name: json.dumps(c.state()) for c in self.children})
                 pipe.expire(key, 3600)
                 pipe.execute()
         except redis.RedisError:
-            pass
-        finally:
-            client.close()
+            pass  # the next call reconnects
 
     def wait_ready(self, on_progress=None) -> None:  # noqa: ANN001 - callable(str) for progress display
         deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -344,20 +354,16 @@ class Cluster:
                 _wait(proc, timeout_s)
         for _, proc in order:
             _wait(proc, timeout_s)
-        left: list[psutil.Process] = []
-        for p in descendants:
-            with contextlib.suppress(psutil.Error):
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    p.kill()
-                    left.append(p)
-        psutil.wait_procs(left, timeout=10)
+        _kill_all(descendants)
         self.children.clear()
         with contextlib.suppress(redis.RedisError):  # an embedded Redis is gone already: nothing to clean
-            client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+            client = self._state_client or redis.Redis.from_url(self.redis_url, socket_timeout=1,
+                                                                socket_connect_timeout=1)
             try:
                 client.delete(launcher_key(self.spec.router_port))
             finally:
                 client.close()
+                self._state_client = None
 
     def role_urls(self, role: str) -> list[str]:
         """Engine URLs of this cluster's nodes of one role (prefill, decode, both), in start order."""
@@ -374,6 +380,17 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _kill_all(procs: list[psutil.Process], timeout_s: float = 10.0) -> None:
+    """SIGKILL those of ``procs`` still alive (psutil checks a pid still is the process it was) and wait."""
+    left: list[psutil.Process] = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                p.kill()
+                left.append(p)
+    psutil.wait_procs(left, timeout=timeout_s)
 
 
 def _wait(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
