@@ -93,6 +93,9 @@ class ClusterSpec:
     redis_url: str | None = None
     """None: redis://127.0.0.1:6379/0 if it answers, else an embedded server on redis_port."""
     redis_port: int = 6390
+    embedded_redis: bool = False
+    """Start an embedded Redis on redis_port even if one answers at redis_url or the default (a
+    benchmark that restarts Redis must own the one it restarts)."""
     dtype: str = "bfloat16"
     kv_cache_gib: int = 1
     connector: str = "tandem"
@@ -174,7 +177,7 @@ class Cluster:
 
     def start(self) -> None:
         spec = self.spec
-        if spec.redis_url is None and not reachable(self.redis_url):
+        if spec.embedded_redis or (spec.redis_url is None and not reachable(self.redis_url)):
             self.redis_url = f"redis://127.0.0.1:{spec.redis_port}/0"
             def start_redis() -> subprocess.Popen[bytes]:
                 return start_embedded(spec.redis_port, spec.workdir / "redis")
