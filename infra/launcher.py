@@ -154,6 +154,7 @@ class Cluster:
         self.logs = spec.workdir / "logs"
         self.lake = spec.lake or spec.workdir / "lake"
         self._state_client: redis.Redis | None = None
+        self._next_snapshot = 0.0
 
     @property
     def url(self) -> str:
@@ -236,13 +237,12 @@ class Cluster:
         line per event, for the caller to print; also writes the children's states to Redis."""
         now = time.monotonic() if now is None else now
         events: list[str] = []
+        if now >= self._next_snapshot:
+            self._snapshot_descendants()
+            self._next_snapshot = now + 2.0
         for c in self.children:
             code = c.proc.poll()
-            if code is None:
-                with contextlib.suppress(psutil.Error):
-                    c.descendants = psutil.Process(c.proc.pid).children(recursive=True)
-                continue
-            if c.gave_up:
+            if code is None or c.gave_up:
                 continue
             if c.restart_at is None:  # newly found dead
                 c.last_exit = describe_exit(code)
@@ -273,6 +273,21 @@ class Cluster:
                 events.append(f"RESTARTED {c.name} (pid {c.proc.pid}, restart {c.restarts})")
         self.publish_state()
         return events
+
+    def _snapshot_descendants(self) -> None:
+        """Remember what each live child has started (one pass over the process table for all children)."""
+        kids: dict[int, list[psutil.Process]] = {}
+        for p in psutil.process_iter(["ppid"]):
+            kids.setdefault(p.info["ppid"], []).append(p)
+        for c in self.children:
+            if c.proc.poll() is not None:
+                continue
+            found, todo = [], [c.proc.pid]
+            while todo:
+                for p in kids.get(todo.pop(), []):
+                    found.append(p)
+                    todo.append(p.pid)
+            c.descendants = found
 
     def publish_state(self) -> None:
         """The children's states in Redis for ``tandem cluster status``; best effort (Redis may be the
