@@ -46,6 +46,9 @@ def _redis_binary() -> str:
 def start_embedded(port: int, workdir: Path, timeout_s: float = 15.0) -> subprocess.Popen[bytes]:
     """A redis-server on 127.0.0.1:port. No periodic saves; a ``SHUTDOWN SAVE`` leaves ``dump.rdb`` in
     ``workdir``, which the next start on the same workdir loads (a graceful restart keeps the data)."""
+    # Absolute: redis-server changes into --dir before it opens --logfile, so a relative path would
+    # name a file under itself (and the server exits at once).
+    workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [_redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
