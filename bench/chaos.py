@@ -94,7 +94,8 @@ class Request:
     start: float
     end: float = 0.0
     outcome: str = "running"
-    """ok, status <code>, error event, cut, hung."""
+    """ok, status <code>, error event (an SSE error event), cut (connection closed mid-answer),
+    refused (no router listening), hung (no byte for hang_s)."""
     response_id: str | None = None
     tokens: int = 0
 
@@ -171,6 +172,8 @@ class Workload:
                 req.outcome = "error event" if error else ("ok" if done else "cut")
         except httpx.TimeoutException:
             req.outcome = "hung"
+        except httpx.ConnectError:
+            req.outcome = "refused"  # nothing listening (the router is down): never reached a node
         except httpx.HTTPError:
             req.outcome = "cut"
         return 0.5
@@ -413,6 +416,7 @@ def _timeline(requests: list[Request], t0: float, t_end: float, bin_s: float = 5
         i = min(n - 1, int((r.end - t0) / bin_s))
         (ok if r.outcome == "ok" else bad)[i] += 1
     return [{"t_s": i * bin_s, "answers_per_s": ok[i] / bin_s, "failures_per_s": bad[i] / bin_s} for i in range(n)]
+    # t_s is each bin's start; the plot draws a bin at its middle.
 
 
 def plot(doc: dict[str, Any], out_png: Path) -> None:
@@ -423,7 +427,8 @@ def plot(doc: dict[str, Any], out_png: Path) -> None:
 
     tl = doc["timeline"]
     fig, ax = plt.subplots(figsize=(14, 4.5))
-    xs = [b["t_s"] for b in tl]
+    bin_s = tl[1]["t_s"] - tl[0]["t_s"] if len(tl) > 1 else 5.0
+    xs = [b["t_s"] + bin_s / 2 for b in tl]
     ax.plot(xs, [b["answers_per_s"] for b in tl], label="answers/s", color="tab:blue")
     ax.plot(xs, [b["failures_per_s"] for b in tl], label="failed requests/s", color="tab:red")
     top = max([b["answers_per_s"] for b in tl] + [b["failures_per_s"] for b in tl] + [1.0])
