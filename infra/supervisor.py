@@ -190,8 +190,12 @@ class EngineSupervisor:
             if self._on_healthy is not None:
                 self._on_healthy(engine)
             info = await self._describe(client, self.epoch)
-            await self.registry.register(info)
             registered = True
+            try:
+                await self.registry.register(info)
+            except StoreError as exc:
+                # Redis is down (or restarting): registering is a heartbeat, and _serve keeps beating.
+                log.warning("node %s: registration deferred to the next heartbeat: %s", s.node_id, exc)
             self.state = NodeState.SERVING
             await self._set_status(NodeState.SERVING)
             log.info("node %s (%s) ready at %s, epoch %d", info.node_id, info.role, info.url, info.epoch)

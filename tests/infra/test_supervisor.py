@@ -6,6 +6,7 @@ failing. The vLLM engine under the same supervision is covered by tests/e2e/test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -19,8 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
-from infra.errors import PortInUse
+from infra.errors import PortInUse, StoreError
 from infra.node import EngineProcess, describe
 from infra.node_settings import NodeSettings
 from infra.ports import port_free
@@ -110,8 +112,9 @@ async def agent(redis_unit_url: str, engine_args: Callable[[int], list[str]] | N
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.shield(task), 30) if not task.done() else None
-        await client.delete(status_key(settings.node_id), epoch_key(settings.node_id))
-        await registry.deregister(settings.node_id)
+        with contextlib.suppress(RedisError, StoreError):  # one test runs without a reachable Redis
+            await client.delete(status_key(settings.node_id), epoch_key(settings.node_id))
+            await registry.deregister(settings.node_id)
         await client.aclose()
 
 
@@ -202,3 +205,11 @@ async def test_a_taken_port_fails_the_first_start_at_once_naming_the_holder(redi
         assert f"port {settings.port} (engine HTTP)" in msg and f"pid {os.getpid()}" in msg, msg
     finally:
         holder.close()
+
+
+async def test_an_unreachable_registry_does_not_stop_the_node_serving() -> None:
+    """Redis down (or restarting) while the engine starts: the node serves and keeps trying to beat."""
+    closed = free_port_block()
+    async with agent(f"redis://127.0.0.1:{closed}/0") as a:
+        await until(_async(lambda: a.sup.state is NodeState.SERVING), 30, "serving without a registry")
+        assert a.sup.epoch == 1 and not a.task.done()
