@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
@@ -30,6 +30,14 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(telemetry_app, name="telemetry")
 app.add_typer(lake_app, name="lake")
 console = Console(stderr=True)
+
+
+@bench_app.callback()
+def _bench_signals() -> None:
+    """SIGTERM unwinds every benchmark like Ctrl-C, so the clusters and processes it started are stopped
+    by the code that started them (a shell's background job ignores SIGINT, so a script can only stop
+    it with SIGTERM). Their parent-death signal covers a benchmark killed outright."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @contextlib.contextmanager
@@ -166,9 +174,10 @@ def up(
                        node_base_port=node_base_port, redis_url=redis_url, dtype=dtype, kv_cache_gib=kv_cache_gib,
                        connector=connector.value, workdir=workdir, lake=lake, policy=policy)
     cluster = Cluster(spec)
-    stop = threading.Event()
+    # Ctrl-C and SIGTERM unwind from wherever the launcher is (start-up included) into the `finally`,
+    # which stops every child; further signals are ignored so that stop itself is not interrupted.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, _interrupt)
     try:
         with _clean_errors():
             cluster.start()
@@ -177,12 +186,16 @@ def up(
         console.print(f"Tandem is up: {cluster.url}/v1 ({prefill}P + {decode}D + {both} colocated; "
                       f"logs in {cluster.logs}, telemetry lake in {cluster.lake})")
         print(f"READY {cluster.url}", flush=True)
-        while not stop.wait(1.0):
-            dead = cluster.dead_children()
-            if dead:
-                console.print(f"[red]stopping: {', '.join(dead)} exited (logs in {cluster.logs})")
-                raise typer.Exit(1)
+        while True:
+            # One dead child is restarted with backoff; it never stops the others (infra/launcher.py).
+            for event in cluster.supervise():
+                print(event, flush=True)
+            time.sleep(0.5)  # polling children, which offer no exit notification to a non-async parent
+    except KeyboardInterrupt:
+        pass
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         console.print("stopping cluster…")
         cluster.stop()
 
@@ -372,6 +385,43 @@ def bench_admission(
     print(result_line(result), flush=True)
 
 
+@bench_app.command("chaos")
+def bench_chaos(
+    out: Annotated[Path, typer.Option(help="JSON results; a PNG timeline is written beside it.")] = Path(
+        "results/bench-chaos.json"),
+    streams: Annotated[int, typer.Option(help="Concurrent SSE clients.")] = 16,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 32,
+    settle_s: Annotated[float, typer.Option(help="Steady service before each fault.")] = 20.0,
+    stop_s: Annotated[float, typer.Option(help="How long the SIGSTOP fault stops the engine.")] = 30.0,
+    recovery_timeout_s: Annotated[float, typer.Option(help="A fault not recovered by then did not survive.")] = (
+        240.0),
+    fault: Annotated[list[str] | None, typer.Option(help="Faults to fire, in order (repeatable; default all: "
+                                                        "sigkill_decode_engine, sigkill_prefill_engine, "
+                                                        "sigkill_node_agent, sigstop_engine, sigkill_router, "
+                                                        "sigkill_lake_writer, restart_redis).")] = None,
+    router_port: Annotated[int, typer.Option(help="Router port.")] = 19600,
+    node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 19610,
+    redis_port: Annotated[int, typer.Option(help="Port of the benchmark's own Redis (it restarts it).")] = 19695,
+) -> None:
+    """A steady agent workload (SSE streams) on 1P + 1D + 1 colocated node while each fault fires once:
+    engines and a node agent killed, an engine stopped for 30 s, the router, the lake writer and Redis
+    killed or restarted. Per fault: failed requests, recovery time; overall hung streams, stranded KV
+    blocks, lost lake rows. ~15 min on 2 cores."""
+    from bench.chaos import FAULTS, ChaosConfig, result_line, run_chaos_bench
+
+    faults = tuple(fault or FAULTS)
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        console.print(f"[red]error:[/red] unknown fault {', '.join(unknown)}; choose from {', '.join(FAULTS)}")
+        raise typer.Exit(2)
+    cfg = ChaosConfig(streams=streams, max_tokens=max_tokens, settle_s=settle_s, stop_s=stop_s,
+                      recovery_timeout_s=recovery_timeout_s, faults=faults, router_port=router_port,
+                      node_base_port=node_base_port, redis_port=redis_port)
+    with _clean_errors():
+        summary = run_chaos_bench(out, cfg)
+    print(result_line(summary), flush=True)
+
+
 cluster_app = typer.Typer(help="Inspect a running cluster.", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
 
@@ -379,25 +429,77 @@ app.add_typer(cluster_app, name="cluster")
 @cluster_app.command("status")
 def cluster_status(
     url: Annotated[str, typer.Option(envvar="TANDEM_URL", help="Router base URL.")] = "http://127.0.0.1:8000",
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Registry Redis (node agents' and "
+                                           "launchers' states).")] = "redis://127.0.0.1:6379/0",
 ) -> None:
-    """Nodes, roles, load, KV usage and cached blocks, as the router sees them (GET /cluster)."""
+    """Nodes, roles, load, KV usage and cached blocks, as the router sees them (GET /cluster); node agents
+    (state, engine epoch, restarts, last failure) and the processes of `tandem up` (state, restarts)
+    from Redis. Either part is shown if the other is unreachable."""
     import httpx
     from rich.table import Table
 
+    out = Console()
+    reached = False
     try:
         data = httpx.get(f"{url}/cluster", timeout=10).json()
     except httpx.HTTPError as exc:
-        console.print(f"[red]error:[/red] router at {url} unreachable: {exc}")
-        raise typer.Exit(1) from exc
-    table = Table(title=f"Tandem cluster at {url} (policy {data['policy']})")
-    for col in ("node", "role", "running", "waiting", "KV usage", "cached blocks", "KV blocks", "events ok"):
-        table.add_column(col, no_wrap=(col == "node"))
-    for n in data["nodes"]:
-        ev = n["kv_events"]
-        table.add_row(n["node_id"], n["role"], str(n["running"]), str(n["waiting"]), f"{n['kv_usage']:.0%}",
-                      str(n["cached_blocks"]), str(n["num_kv_blocks"]),
-                      "-" if ev is None else ("yes" if not (ev["lost"] or ev["key_mismatches"]) else "NO"))
-    Console().print(table)
+        console.print(f"[yellow]router at {url} unreachable: {exc}[/yellow]")
+    else:
+        reached = True
+        table = Table(title=f"Tandem cluster at {url} (policy {data['policy']})")
+        for col in ("node", "role", "running", "waiting", "KV usage", "cached blocks", "KV blocks", "events ok"):
+            table.add_column(col, no_wrap=(col == "node"))
+        for n in data["nodes"]:
+            ev = n["kv_events"]
+            table.add_row(n["node_id"], n["role"], str(n["running"]), str(n["waiting"]), f"{n['kv_usage']:.0%}",
+                          str(n["cached_blocks"]), str(n["num_kv_blocks"]),
+                          "-" if ev is None else ("yes" if not (ev["lost"] or ev["key_mismatches"]) else "NO"))
+        out.print(table)
+    try:
+        statuses, launchers = asyncio.run(_supervision_state(redis_url))
+    except TandemError as exc:
+        console.print(f"[yellow]{exc.message}[/yellow]")
+    else:
+        reached = True
+        if statuses:
+            table = Table(title="Node agents")
+            for col in ("node", "state", "epoch", "engine restarts", "last failure"):
+                table.add_column(col, no_wrap=(col == "node"))
+            for st in statuses:
+                table.add_row(st.node_id, st.state.value, str(st.epoch), str(st.restarts), st.last_exit or "-")
+            out.print(table)
+        for key, children in launchers.items():
+            table = Table(title=f"Processes of tandem up ({key})")
+            for col in ("process", "state", "pid", "restarts", "last exit"):
+                table.add_column(col, no_wrap=(col == "process"))
+            for name, st in sorted(children.items()):
+                table.add_row(name, st["state"], str(st["pid"] or "-"), str(st["restarts"]), st["last_exit"] or "-")
+            out.print(table)
+    if not reached:
+        raise typer.Exit(1)
+
+
+async def _supervision_state(redis_url: str) -> tuple[list, dict[str, dict[str, dict]]]:
+    import json
+
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    from infra.errors import StoreError
+    from infra.registry import NodeRegistry
+
+    client = aioredis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        statuses = await NodeRegistry(client).statuses()
+        launchers: dict[str, dict[str, dict]] = {}
+        async for key in client.scan_iter(match="tandem:launcher:*"):
+            raw = await client.hgetall(key)
+            launchers[key.decode()] = {k.decode(): json.loads(v) for k, v in raw.items()}
+        return statuses, launchers
+    except RedisError as exc:
+        raise StoreError(f"Redis at {redis_url} unreadable: {exc}") from exc
+    finally:
+        await client.aclose()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ through the ``status_code`` attribute each class declares.
 
     TandemError
     ├── ConfigError                 bad settings, missing model folder, unusable install
+    │   └── PortInUse               a port a node needs is held by another process (names it)
     ├── RequestError                the client's fault (4xx)
     │   ├── InvalidRequest          400  malformed JSON, context window exceeded, bad field values
     │   ├── AuthenticationFailed    401  missing, unknown or revoked API key
@@ -18,7 +19,8 @@ through the ``status_code`` attribute each class declares.
     ├── UpstreamError               502  a node failed or answered something we cannot use
     │   └── EngineRejected          the engine answered an error; keeps its status and message
     ├── StoreError                  Redis / database failures on a path that must not swallow them
-    │   └── StoreTimeout            the store did not answer within its configured timeout
+    │   ├── StoreTimeout            the store did not answer within its configured timeout
+    │   └── LakeUnwritable          the Parquet lake cannot be written (disk full, I/O error)
     └── PeerUnauthenticated         node-to-node: a message without a valid MAC under the cluster secret,
                                     or a one-host transport asked for by a peer not proven to be local
 """
@@ -43,6 +45,15 @@ class TandemError(Exception):
 
 class ConfigError(TandemError):
     """Settings or installation that cannot work; raised at start-up, never per request."""
+
+
+class PortInUse(ConfigError):
+    """A node's port is taken; the message names the port, what it is for and the process holding it."""
+
+    def __init__(self, message: str, *, port: int, holder_pid: int | None = None) -> None:
+        super().__init__(message)
+        self.port = port
+        self.holder_pid = holder_pid
 
 
 class RequestError(TandemError):
@@ -120,3 +131,11 @@ class StoreTimeout(StoreError):
 class PeerUnauthenticated(TandemError):
     """A node-to-node message that is not from the cluster: no valid MAC under the cluster secret, or a
     one-host transport (``shm``) asked for by a peer whose local credentials do not prove it."""
+
+
+class LakeUnwritable(StoreError):
+    """Writing the Parquet lake failed at the file system (``disk_full`` for ENOSPC / EDQUOT)."""
+
+    def __init__(self, message: str, *, disk_full: bool) -> None:
+        super().__init__(message)
+        self.disk_full = disk_full

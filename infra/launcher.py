@@ -1,26 +1,84 @@
 """``tandem up``: a whole cluster on this machine (Redis if needed, N prefill, M decode, K colocated
-nodes, one router) as child processes, stopped together on Ctrl-C / SIGTERM.
+nodes, one router, the lake writer) as child processes, kept up, stopped together on Ctrl-C / SIGTERM.
 
 Also the fixture behind the end-to-end tests and benchmarks, which need the same real processes.
+
+Children and their lifetimes
+    Every child runs in its own session (one ``killpg`` reaches whatever it starts) and carries a
+    parent-death signal (``infra.lifetime.die_with_parent``): if the launcher dies, even by SIGKILL,
+    each child gets SIGTERM, and a node agent then stops its engine, whose own parent-death signal
+    covers the agent's death. ``stop`` signals the router first (no new work), then the nodes (they
+    deregister), then an embedded Redis, waits for each, and finally SIGKILLs any descendant still
+    alive, so nothing of the cluster outlives it or holds its ports.
+
+Keeping it up (``supervise``, called by ``tandem up`` once the cluster is ready)
+    A child that exits is started again with the same arguments after a backoff that doubles per
+    exit in ``CHILD_FAILURE_WINDOW_S`` (1 s, 2 s, ... capped at ``CHILD_BACKOFF_MAX_S``); one dead
+    child never stops the others. A node agent that exits with ``EXIT_UNHEALTHY`` gave up on its
+    engine after its own restarts: it is left down and reported. Each restart is printed and written
+    with the children's states to Redis (``tandem:launcher:<router port>``), which
+    ``tandem cluster status`` shows. During start-up (``wait_ready``) a dead child is still fatal:
+    that is a configuration problem (a taken port, a missing model), not a crash to ride out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import redis
 
 from infra.errors import ConfigError
+from infra.lifetime import die_with_parent
 from infra.redis_server import reachable, start_embedded
 from infra.registry import NODES_SET, Role, node_key
+from infra.supervisor import EXIT_UNHEALTHY, describe_exit
+
+CHILD_BACKOFF_S = 1.0
+"""Delay before restarting a child after its first exit in the window; doubles per further exit."""
+CHILD_BACKOFF_MAX_S = 30.0
+CHILD_FAILURE_WINDOW_S = 300.0
+"""Exits older than this no longer lengthen the backoff."""
+
+
+def launcher_key(router_port: int) -> str:
+    """Redis hash of a ``tandem up``'s children: name -> JSON state (see ``Child.state``)."""
+    return f"tandem:launcher:{router_port}"
+
+
+@dataclass
+class Child:
+    """One process of the cluster and how to start it again."""
+
+    name: str
+    start: Callable[[], subprocess.Popen[bytes]]
+    proc: subprocess.Popen[bytes]
+    is_node: bool = False
+    restarts: int = 0
+    last_exit: str | None = None
+    restart_at: float | None = None
+    """Monotonic time of the pending restart, while it waits out its backoff."""
+    gave_up: bool = False
+    exits: deque[float] = field(default_factory=deque)
+    descendants: list[psutil.Process] = field(default_factory=list)
+    """What the child had started, as last seen alive (a node agent's engine)."""
+
+    def state(self) -> dict[str, object]:
+        alive = self.proc.poll() is None
+        state = "running" if alive else ("unhealthy" if self.gave_up else "restarting")
+        return {"state": state, "pid": self.proc.pid if alive else None, "restarts": self.restarts,
+                "last_exit": self.last_exit, "updated_at": time.time()}
 
 
 @dataclass(frozen=True)
@@ -35,6 +93,9 @@ class ClusterSpec:
     redis_url: str | None = None
     """None: redis://127.0.0.1:6379/0 if it answers, else an embedded server on redis_port."""
     redis_port: int = 6390
+    embedded_redis: bool = False
+    """Start an embedded Redis on redis_port even if one answers at redis_url or the default (a
+    benchmark that restarts Redis must own the one it restarts)."""
     dtype: str = "bfloat16"
     kv_cache_gib: int = 1
     connector: str = "tandem"
@@ -86,29 +147,43 @@ def assign_cores(role: Role, has_pd: bool, slot: int = 0, slots: int = 1) -> str
 class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.children: list[Child] = []
         self.redis_url = spec.redis_url or "redis://127.0.0.1:6379/0"
         self.node_urls: dict[str, str] = {}
         self.node_ids: dict[str, Role] = {}
         self.logs = spec.workdir / "logs"
         self.lake = spec.lake or spec.workdir / "lake"
+        self._state_client: redis.Redis | None = None
+        self._next_snapshot = 0.0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.spec.router_port}"
 
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        """(name, current process) of every child."""
+        return [(c.name, c.proc) for c in self.children]
+
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
-        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
-        self.procs.append((name, proc))
+
+        def start() -> subprocess.Popen[bytes]:
+            with open(self.logs / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
+                return subprocess.Popen([sys.executable, "-m", "infra.cli", *args], stdout=log,
+                                        stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                        start_new_session=True, preexec_fn=die_with_parent())
+
+        self.children.append(Child(name, start, start(), is_node=args[0] == "node"))
 
     def start(self) -> None:
         spec = self.spec
-        if spec.redis_url is None and not reachable(self.redis_url):
+        if spec.embedded_redis or (spec.redis_url is None and not reachable(self.redis_url)):
             self.redis_url = f"redis://127.0.0.1:{spec.redis_port}/0"
-            self.procs.append(("redis", start_embedded(spec.redis_port, spec.workdir / "redis")))
+            def start_redis() -> subprocess.Popen[bytes]:
+                return start_embedded(spec.redis_port, spec.workdir / "redis")
+
+            self.children.append(Child("redis", start_redis, start_redis()))
         elif not reachable(self.redis_url):
             raise ConfigError(f"Redis at {self.redis_url} does not answer")
         has_pd = spec.prefill > 0 and spec.decode > 0
@@ -154,7 +229,80 @@ class Cluster:
             client.close()
 
     def dead_children(self) -> list[str]:
-        return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
+        return [f"{c.name} ({describe_exit(c.proc.returncode)})" for c in self.children if c.proc.poll() is not None]
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart children that exited, after their backoff; call it periodically from the thread that
+        started the cluster (the parent-death signal follows that thread). Returns what happened, one
+        line per event, for the caller to print; also writes the children's states to Redis."""
+        now = time.monotonic() if now is None else now
+        events: list[str] = []
+        if now >= self._next_snapshot:
+            self._snapshot_descendants()
+            self._next_snapshot = now + 2.0
+        for c in self.children:
+            code = c.proc.poll()
+            if code is None or c.gave_up:
+                continue
+            if c.restart_at is None:  # newly found dead
+                c.last_exit = describe_exit(code)
+                if c.is_node and code == EXIT_UNHEALTHY:
+                    c.gave_up = True
+                    events.append(f"{c.name} gave up on its engine ({c.last_exit}): unhealthy, left down "
+                                  f"(logs in {self.logs})")
+                    continue
+                c.exits.append(now)
+                while c.exits and now - c.exits[0] > CHILD_FAILURE_WINDOW_S:
+                    c.exits.popleft()
+                delay = min(CHILD_BACKOFF_MAX_S, CHILD_BACKOFF_S * 2 ** (len(c.exits) - 1))
+                c.restart_at = now + delay
+                events.append(f"{c.name} exited ({c.last_exit}); restarting in {delay:.0f} s")
+            elif now >= c.restart_at:
+                c.restart_at = None
+                # What the dead child started got its parent-death signal; whatever has not exited by now
+                # would hold the new child's ports (an engine still shutting down): kill it first.
+                _kill_all(c.descendants)
+                c.descendants = []
+                try:
+                    c.proc = c.start()
+                except ConfigError as exc:  # an embedded Redis that would not come back: try again later
+                    c.restart_at = now + CHILD_BACKOFF_MAX_S
+                    events.append(f"{c.name} restart failed: {exc.message}")
+                    continue
+                c.restarts += 1
+                events.append(f"RESTARTED {c.name} (pid {c.proc.pid}, restart {c.restarts})")
+        self.publish_state()
+        return events
+
+    def _snapshot_descendants(self) -> None:
+        """Remember what each live child has started (one pass over the process table for all children)."""
+        kids: dict[int, list[psutil.Process]] = {}
+        for p in psutil.process_iter(["ppid"]):
+            kids.setdefault(p.info["ppid"], []).append(p)
+        for c in self.children:
+            if c.proc.poll() is not None:
+                continue
+            found, todo = [], [c.proc.pid]
+            while todo:
+                for p in kids.get(todo.pop(), []):
+                    found.append(p)
+                    todo.append(p.pid)
+            c.descendants = found
+
+    def publish_state(self) -> None:
+        """The children's states in Redis for ``tandem cluster status``; best effort (Redis may be the
+        child that is down)."""
+        if self._state_client is None:
+            self._state_client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+        try:
+            key = launcher_key(self.spec.router_port)
+            with self._state_client.pipeline(transaction=True) as pipe:
+                pipe.delete(key)
+                pipe.hset(key, mapping={c.name: json.dumps(c.state()) for c in self.children})
+                pipe.expire(key, 3600)
+                pipe.execute()
+        except redis.RedisError:
+            pass  # the next call reconnects
 
     def wait_ready(self, on_progress=None) -> None:  # noqa: ANN001 - callable(str) for progress display
         deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -189,9 +337,11 @@ class Cluster:
         """One tiny request down each path before saying READY, so the first user request does not pay
         one-off costs (the router loading the tokenizer, the first NIXL handshake between P and D)."""
         url = url or self.url
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         routes = (["disaggregated"] if self.spec.prefill and self.spec.decode else []) + (
             ["colocated"] if self.spec.both else [])
+        if not routes:  # no node to warm (a router and writer alone, or prefill-only)
+            return
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         for route in routes:
             resp = httpx.post(f"{url}/v1/chat/completions", timeout=self.spec.startup_timeout_s,
                               headers={"x-tandem-route": route, "x-session-id": "tandem-warm-up"},
@@ -207,8 +357,13 @@ class Cluster:
         return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Router first (no new work), then nodes (they deregister), then an embedded Redis."""
+        """Router first (no new work), then nodes (they deregister), then an embedded Redis; then any
+        descendant still alive (an engine whose agent was SIGKILLed after its timeout) is killed."""
         order = sorted(self.procs, key=lambda np: (np[0] == "redis", not np[0].startswith("router")))
+        descendants: list[psutil.Process] = []
+        for _, proc in order:
+            with contextlib.suppress(psutil.Error):
+                descendants += psutil.Process(proc.pid).children(recursive=True)
         for name, proc in order:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -217,7 +372,16 @@ class Cluster:
                 _wait(proc, timeout_s)
         for _, proc in order:
             _wait(proc, timeout_s)
-        self.procs.clear()
+        _kill_all(descendants)
+        self.children.clear()
+        with contextlib.suppress(redis.RedisError):  # an embedded Redis is gone already: nothing to clean
+            client = self._state_client or redis.Redis.from_url(self.redis_url, socket_timeout=1,
+                                                                socket_connect_timeout=1)
+            try:
+                client.delete(launcher_key(self.spec.router_port))
+            finally:
+                client.close()
+                self._state_client = None
 
     def role_urls(self, role: str) -> list[str]:
         """Engine URLs of this cluster's nodes of one role (prefill, decode, both), in start order."""
@@ -234,6 +398,17 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _kill_all(procs: list[psutil.Process], timeout_s: float = 10.0) -> None:
+    """SIGKILL those of ``procs`` still alive (psutil checks a pid still is the process it was) and wait."""
+    left: list[psutil.Process] = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                p.kill()
+                left.append(p)
+    psutil.wait_procs(left, timeout=timeout_s)
 
 
 def _wait(proc: subprocess.Popen[bytes], timeout_s: float) -> None:

@@ -1,9 +1,10 @@
 """The node process (``tandem node``): runs one vLLM engine for a role and keeps it in the registry.
 
     tandem node ──spawn──▶ vllm serve (its own process group; OpenAI API on --port)
-        │  wait for /health, read capacity from /metrics and /v1/models
-        ├─ register NodeInfo in Redis, then every heartbeat_s: NodeLoad from /metrics
-        └─ SIGTERM/SIGINT or engine exit: deregister, stop the engine, exit
+        │  check the engine's ports are free, wait for /health, read capacity from /metrics, /v1/models
+        ├─ register NodeInfo (with a new epoch) in Redis, then every heartbeat_s: NodeLoad from /metrics
+        ├─ engine exit or hang: deregister at once, restart with backoff (infra/supervisor.py)
+        └─ SIGTERM/SIGINT: deregister, stop the engine, exit 0; too many failures: exit 3 (unhealthy)
 
 The router talks to the engine's HTTP server directly; this process is only its agent, so a slow
 heartbeat can never delay a token.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -29,10 +29,11 @@ import redis.asyncio as aioredis
 import decode_nodes
 import prefill_nodes
 from infra.engine_metrics import read_snapshot
-from infra.errors import ConfigError, StoreError, UpstreamError
+from infra.lifetime import die_with_parent, stop_group
 from infra.model import resolve_model
 from infra.node_settings import NodeSettings
-from infra.registry import NodeInfo, NodeLoad, NodeRegistry, Role
+from infra.registry import NodeInfo, NodeRegistry, Role
+from infra.supervisor import Engine, EngineSupervisor
 from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
 
 log = logging.getLogger("tandem.node")
@@ -97,46 +98,61 @@ def engine_env(settings: NodeSettings) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the node agent dies, even by SIGKILL, so an engine
-    (and the KV blocks it holds) never outlives the agent that registered it."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class EngineProcess:
-    """One ``vllm serve`` child in its own process group, so stopping it stops its workers too."""
+    """One engine child in its own process group, so stopping it stops its workers too. It gets SIGTERM
+    when the node agent dies, even by SIGKILL (parent-death signal), so an engine and the KV blocks it
+    holds never outlive the agent that registered it. ``command`` replaces the ``vllm serve`` line
+    (tests run a small stand-in process under the same supervision)."""
 
-    def __init__(self, settings: NodeSettings) -> None:
+    def __init__(self, settings: NodeSettings, command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.settings = settings
+        self.command = command
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
     def start(self) -> None:
-        model_path = resolve_model(self.settings.model)
+        if self.command:
+            command = self.command
+        elif self.settings.engine_command:
+            command = [arg.replace("{port}", str(self.settings.port)) for arg in self.settings.engine_command]
+        else:
+            command = engine_command(self.settings, resolve_model(self.settings.model))
         out = None
         if self.settings.log_dir:
             self.settings.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.settings.log_dir / f"engine-{self.settings.node_id}.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            engine_command(self.settings, model_path), env=engine_env(self.settings),
-            stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                command, env=self.env or engine_env(self.settings),
+                stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own copy
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM the group, SIGKILL what is left after ``timeout_s``; returns once every member of the
+        group is gone (the leader may die before vLLM's engine core, which holds ports and the cache)."""
+        if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc.pid, sig=signal.SIGTERM, timeout_s=timeout_s)
+        self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the group at once (a hung or stopped engine cannot act on SIGTERM) and wait for it."""
+        if self.proc is None:
+            return
+        stop_group(self.proc.pid, sig=signal.SIGKILL)
+        self.proc.wait()
 
 
 def parse_cores(spec: str) -> set[int]:
@@ -178,20 +194,7 @@ def pin_process_tree(pid: int, cores: set[int]) -> int:
     return narrowed
 
 
-async def wait_until_healthy(engine: EngineProcess, client: httpx.AsyncClient, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        code = engine.exited()
-        if code is not None:
-            raise ConfigError(f"engine exited with status {code} during start-up (see its log)")
-        with contextlib.suppress(httpx.HTTPError):
-            if (await client.get(f"{engine.settings.url}/health", timeout=2.0)).status_code == 200:
-                return
-        await asyncio.sleep(0.5)  # polling a child that has no readiness callback
-    raise ConfigError(f"engine not healthy after {timeout_s:.0f} s")
-
-
-async def describe(settings: NodeSettings, client: httpx.AsyncClient, model_path: Path) -> NodeInfo:
+async def describe(settings: NodeSettings, client: httpx.AsyncClient, model_path: Path, epoch: int = 0) -> NodeInfo:
     models = (await client.get(f"{settings.url}/v1/models", timeout=5.0)).json()["data"]
     snap = await read_snapshot(client, settings.url)
     return NodeInfo(
@@ -200,59 +203,40 @@ async def describe(settings: NodeSettings, client: httpx.AsyncClient, model_path
         max_model_len=int(models[0].get("max_model_len") or settings.max_model_len),
         kv_connector=settings.connector.value if settings.role is not Role.BOTH else "none",
         kv_events_endpoint=settings.kv_events_endpoint, kv_replay_endpoint=settings.kv_replay_endpoint,
-        model_path=str(model_path), num_kv_blocks=snap.num_kv_blocks, started_at=time.time(),
+        model_path=str(model_path), num_kv_blocks=snap.num_kv_blocks, started_at=time.time(), epoch=epoch,
     )
 
 
 async def run_node(settings: NodeSettings, *, ready: asyncio.Event | None = None) -> int:
-    """Run the node until a signal or the engine's exit. Returns the process exit status."""
-    engine = EngineProcess(settings)
+    """Run the node until a signal, or until its engine keeps failing. Returns the process exit status:
+    0 after a signal, ``supervisor.EXIT_UNHEALTHY`` when it gave up; raises ``PortInUse`` (a
+    ``ConfigError``) when a port is taken at start."""
+    model_path = resolve_model(settings.model)  # a missing model fails the node at once, not per restart
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     redis = aioredis.from_url(settings.redis_url)
     registry = NodeRegistry(redis, ttl_s=settings.registry_ttl_s)
-    status = 0
-    engine.start()
+
+    def on_healthy(engine: Engine) -> None:
+        if settings.cores is not None and engine.pid is not None:
+            n = pin_process_tree(engine.pid, parse_cores(settings.cores))
+            log.info("narrowed %d engine threads to cores %s", n, settings.cores)
+
+    def on_ready(info: NodeInfo) -> None:
+        if ready:
+            ready.set()
+
+    async def describe_engine(client: httpx.AsyncClient, epoch: int) -> NodeInfo:
+        return await describe(settings, client, model_path, epoch)
+
+    supervisor = EngineSupervisor(settings, registry, lambda: EngineProcess(settings), describe_engine,
+                                  on_healthy=on_healthy, on_ready=on_ready)
     try:
-        async with httpx.AsyncClient() as client:
-            waiter = asyncio.create_task(wait_until_healthy(engine, client, settings.startup_timeout_s))
-            stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            if stop.is_set():
-                waiter.cancel()
-                return 0
-            waiter.result()
-            if settings.cores is not None and engine.proc is not None:
-                n = pin_process_tree(engine.proc.pid, parse_cores(settings.cores))
-                log.info("narrowed %d engine threads to cores %s", n, settings.cores)
-            info = await describe(settings, client, resolve_model(settings.model))
-            await registry.register(info)
-            log.info("node %s (%s) ready at %s", info.node_id, info.role, info.url)
-            print(f"READY node {info.node_id} role={info.role} url={info.url}", flush=True)
-            if ready:
-                ready.set()
-            while not stop.is_set():
-                code = engine.exited()
-                if code is not None:
-                    log.error("engine exited with status %s", code)
-                    status = code or 1
-                    break
-                try:
-                    snap = await read_snapshot(client, settings.url)
-                    load = NodeLoad(running=snap.running, waiting=snap.waiting, kv_usage=snap.kv_usage,
-                                    updated_at=time.time())
-                    await registry.heartbeat(info, load)
-                except (UpstreamError, StoreError) as exc:
-                    # A missed beat is not fatal: the TTL covers a few; a dead engine is caught above.
-                    log.warning("heartbeat skipped: %s", exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), settings.heartbeat_s)
-            with contextlib.suppress(StoreError):
-                await registry.deregister(info.node_id)
+        return await supervisor.run(stop)
     finally:
-        await asyncio.to_thread(engine.stop)
         await redis.aclose()
-    return status
+
+
+__all__ = ["EngineProcess", "describe", "engine_command", "engine_env", "parse_cores", "pin_process_tree", "run_node"]

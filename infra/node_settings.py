@@ -60,12 +60,36 @@ class NodeSettings(BaseSettings):
     """NIXL's UCX progress thread busy-polls a core: ``idle`` runs it at SCHED_IDLE priority, ``normal``
     leaves NIXL as shipped. See kv_transfer/engine_hooks/sitecustomize.py."""
     heartbeat_s: float = 2.0
+    """How often the agent writes the engine's load to the registry and probes the engine's health."""
     registry_ttl_s: float = 6.0
     startup_timeout_s: float = 600.0
+    """Longest an engine may take to answer /health after its start; longer counts as a failed start."""
+    restart_backoff_s: float = 1.0
+    """Delay before restarting an engine after the first failure in the window; doubles with each
+    further failure in the window (infra/supervisor.py)."""
+    restart_backoff_max_s: float = 30.0
+    """Cap of that delay."""
+    max_failures: int = 5
+    """Engine failures (exit, hang, failed start) within ``failure_window_s`` after which the agent
+    stops restarting, marks the node unhealthy and exits non-zero, instead of looping."""
+    failure_window_s: float = 600.0
+    """Sliding window in which ``max_failures`` is counted; older failures are forgotten."""
+    health_timeout_s: float = 5.0
+    """Timeout of one probe of the engine (GET /health and /metrics)."""
+    health_failures: int = 3
+    """Consecutive failed probes (one every ``heartbeat_s``) after which the engine counts as hung and
+    is killed and restarted."""
+    stall_timeout_s: float = 30.0
+    """An engine with requests running or waiting whose token counters do not move for this long, or
+    with a process stopped (SIGSTOP, state T) for this long, counts as hung."""
     tool_call_parser: str | None = "pythonic"
     """vLLM tool-call parser for ``tools`` / ``tool_choice`` (auto tool choice on). ``pythonic`` needs no
     special tokens, which the default model lacks (hermes needs <tool_call>); None turns tools off."""
     extra_engine_args: list[str] = Field(default_factory=list)
+    engine_command: list[str] | None = None
+    """Replaces the whole ``vllm serve`` command line (a wrapper script, another build); ``{port}`` in
+    an argument becomes ``port``. The supervision tests run a stand-in engine through it
+    (``TANDEM_NODE_ENGINE_COMMAND='["python", "-m", "tests.infra.fake_engine", "--port", "{port}"]'``)."""
     log_dir: Path | None = None
     """Where the engine's stdout/stderr go; None inherits the node's."""
 
@@ -98,6 +122,18 @@ class NodeSettings(BaseSettings):
     @property
     def nixl_port(self) -> int:
         return self.port + 3
+
+    @property
+    def engine_ports(self) -> dict[int, str]:
+        """TCP ports the engine binds (port -> what for), checked free before every start. A loopback
+        node publishes KV events on an ipc socket, and a colocated node runs no connector."""
+        ports = {self.port: "engine HTTP", self.port + 2: "KV event replay"}
+        if not self.is_loopback:
+            ports[self.port + 1] = "KV events"
+        if self.role is not Role.BOTH and self.connector is not ConnectorKind.NONE:
+            ports[self.nixl_port] = ("NIXL side channel" if self.connector is ConnectorKind.NIXL
+                                     else "KV block server")
+        return ports
 
     @property
     def kv_connector_extra(self) -> dict[str, object]:

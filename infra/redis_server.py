@@ -14,6 +14,7 @@ from pathlib import Path
 import redis
 
 from infra.errors import ConfigError
+from infra.lifetime import die_with_parent
 
 
 def reachable(url: str, timeout_s: float = 1.0) -> bool:
@@ -43,11 +44,17 @@ def _redis_binary() -> str:
 
 
 def start_embedded(port: int, workdir: Path, timeout_s: float = 15.0) -> subprocess.Popen[bytes]:
+    """A redis-server on 127.0.0.1:port. No periodic saves; a ``SHUTDOWN SAVE`` leaves ``dump.rdb`` in
+    ``workdir``, which the next start on the same workdir loads (a graceful restart keeps the data)."""
+    # Absolute: redis-server changes into --dir before it opens --logfile, so a relative path would
+    # name a file under itself (and the server exits at once).
+    workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [_redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # Its own session, like every cluster child (stopped with killpg); dies with its starter.
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent(),
     )
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + timeout_s

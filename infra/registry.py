@@ -8,6 +8,21 @@ Control path only. A node writes two keys, both with a short TTL that its heartb
 and adds its id to the set ``tandem:nodes``. A node whose heartbeat lapses simply expires; readers
 prune ids whose keys are gone, so a crashed node leaves routing within one TTL. A clean shutdown
 deletes the keys at once. Values are msgpack-encoded ``msgspec`` structs carrying a schema version.
+
+Incarnations. A node id outlives its engines: the node agent restarts a dead or hung engine, and
+``tandem up`` restarts a dead agent, both under the same id. Every engine start takes a new *epoch*
+from a counter that survives both (``INCR tandem:epoch:<id>``, never expiring), and registers with
+it, so a reader that sees the epoch of an id change knows that everything the old engine held (KV
+blocks, leases, in-flight requests) is gone, even if it never saw the id leave the registry.
+
+Beside the routing keys, each agent keeps a status record for operators (``tandem cluster status``):
+
+    tandem:nodestatus:<id>   NodeStatus (serving / restarting / unhealthy, epoch, restarts, last exit)
+
+with a long TTL, so a node that gave up stays visible after its agent exited; routers never read it.
+
+Schema history: v1 the first; v2 adds ``NodeInfo.epoch`` (default 0, so v1 entries still decode and
+v1 readers ignore the field).
 """
 
 from __future__ import annotations
@@ -21,8 +36,10 @@ from redis.exceptions import RedisError
 
 from infra.errors import StoreError
 
-REGISTRY_SCHEMA_VERSION = 1
+REGISTRY_SCHEMA_VERSION = 2
 NODES_SET = "tandem:nodes"
+STATUS_TTL_S = 3600.0
+"""How long a node's status record outlives its last update (an unhealthy node stays visible)."""
 
 
 def node_key(node_id: str) -> str:
@@ -31,6 +48,14 @@ def node_key(node_id: str) -> str:
 
 def load_key(node_id: str) -> str:
     return f"tandem:load:{node_id}"
+
+
+def epoch_key(node_id: str) -> str:
+    return f"tandem:epoch:{node_id}"
+
+
+def status_key(node_id: str) -> str:
+    return f"tandem:nodestatus:{node_id}"
 
 
 class Role(enum.StrEnum):
@@ -61,6 +86,8 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_blocks: int = 0
     """KV cache capacity in blocks (0 until the engine reports it)."""
     started_at: float = 0.0
+    epoch: int = 0
+    """Incarnation of the engine behind this id (see the module docstring); 0 for a v1 entry."""
     schema_version: int = REGISTRY_SCHEMA_VERSION
 
 
@@ -74,6 +101,29 @@ class NodeLoad(msgspec.Struct, frozen=True, kw_only=True):
     updated_at: float = 0.0
 
 
+class NodeState(enum.StrEnum):
+    STARTING = "starting"
+    SERVING = "serving"
+    RESTARTING = "restarting"
+    """The engine died or hung; the agent waits out its backoff and starts a new one."""
+    UNHEALTHY = "unhealthy"
+    """Too many failures in the window: the agent gave up (and exited non-zero)."""
+    STOPPED = "stopped"
+
+
+class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """What an operator wants to know about a node agent; not read on any serving path."""
+
+    node_id: str
+    state: NodeState
+    epoch: int = 0
+    restarts: int = 0
+    """Engine restarts since the agent started."""
+    last_exit: str | None = None
+    """Why the last engine ended (exit status, signal, or "hung: ..."), if one did."""
+    updated_at: float = 0.0
+
+
 class LiveNode(msgspec.Struct, frozen=True, kw_only=True):
     info: NodeInfo
     load: NodeLoad
@@ -81,6 +131,7 @@ class LiveNode(msgspec.Struct, frozen=True, kw_only=True):
 
 _info_decoder = msgspec.msgpack.Decoder(NodeInfo)
 _load_decoder = msgspec.msgpack.Decoder(NodeLoad)
+_status_decoder = msgspec.msgpack.Decoder(NodeStatus)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -114,6 +165,29 @@ class NodeRegistry:
                 await pipe.execute()
         except RedisError as exc:
             raise StoreError(f"registry delete for node {node_id} failed: {exc}") from exc
+
+    async def next_epoch(self, node_id: str) -> int:
+        """A new incarnation number for ``node_id``: 1, 2, ... across agent and engine restarts."""
+        try:
+            return int(await self._redis.incr(epoch_key(node_id)))
+        except RedisError as exc:
+            raise StoreError(f"epoch counter for node {node_id} unavailable: {exc}") from exc
+
+    async def set_status(self, status: NodeStatus) -> None:
+        try:
+            await self._redis.set(status_key(status.node_id), _encoder.encode(status), px=int(STATUS_TTL_S * 1000))
+        except RedisError as exc:
+            raise StoreError(f"status write for node {status.node_id} failed: {exc}") from exc
+
+    async def statuses(self) -> list[NodeStatus]:
+        """Every node status record (live, restarting, or gave up within STATUS_TTL_S), by node id."""
+        try:
+            keys = [k async for k in self._redis.scan_iter(match=status_key("*"), count=500)]
+            raw = await self._redis.mget(keys) if keys else []
+        except RedisError as exc:
+            raise StoreError(f"node status read failed: {exc}") from exc
+        found = [_status_decoder.decode(r) for r in raw if r is not None]
+        return sorted(found, key=lambda st: st.node_id)
 
     async def live_nodes(self) -> list[LiveNode]:
         """Every node whose heartbeat has not lapsed; prunes lapsed ids from the set."""

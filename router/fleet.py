@@ -3,6 +3,13 @@
 A background task re-reads the registry every ``refresh_s``; a node whose heartbeat lapsed disappears
 from the next read, so it leaves routing within one registry TTL plus one refresh. If Redis is briefly
 unreachable the last good view is kept (a router that cannot see the registry still serves).
+
+Incarnations. A node id keeps its name across engine restarts (the node agent restarts a dead or hung
+engine; ``tandem up`` restarts a dead agent) but every engine start registers a new ``epoch``. Nothing
+an old incarnation held survives it: its KV blocks are dropped from the fleet index by the refresh
+hook (``KVEventSubscribers.sync`` treats a new epoch as a new node), and the fleet counts the restart
+(``restarts``) and logs it. Requests still in flight on the old engine end on their own (they fail
+and release their slot), so in-flight counts are left to them.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ class Fleet:
         self._refresh_s = refresh_s
         self._nodes: list[LiveNode] = []
         self._inflight: Counter[str] = Counter()
+        self._epochs: dict[str, int] = {}
+        self.restarts: Counter[str] = Counter()
+        """Incarnation changes seen per node id since this router started."""
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -56,12 +66,27 @@ class Fleet:
         except StoreError as exc:
             log.warning("registry unreadable, keeping last view: %s", exc)
             return
+        self._note_epochs(self._nodes)
         if self._on_refresh is not None:
             try:
                 await self._on_refresh(self._nodes)
             except (TandemError, OSError, zmq.ZMQError) as exc:
                 # The KV index follows the fleet on a best-effort basis; routing must go on without it.
                 log.warning("fleet refresh hook failed: %s", exc)
+
+    def _note_epochs(self, nodes: list[LiveNode]) -> None:
+        for n in nodes:
+            node_id, epoch = n.info.node_id, n.info.epoch
+            last = self._epochs.get(node_id)
+            if last is not None and epoch != last:
+                self.restarts[node_id] += 1
+                log.warning("node %s is a new incarnation (epoch %d -> %d): dropping what the old one held",
+                            node_id, last, epoch)
+            self._epochs[node_id] = epoch
+
+    def epoch(self, node_id: str) -> int | None:
+        """The epoch of ``node_id`` as last seen in the registry (kept while it is away)."""
+        return self._epochs.get(node_id)
 
     async def _loop(self) -> None:
         while True:

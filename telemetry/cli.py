@@ -92,6 +92,14 @@ def consume(
     ] = 30.0,
     compression: Annotated[str, typer.Option("--compression", help="Parquet codec.")] = "zstd",
     once: Annotated[bool, typer.Option("--once", help="Write what is waiting now, then exit.")] = False,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            "--metrics-port",
+            help="Serve Prometheus /metrics on 127.0.0.1:PORT (written, dead-lettered entries; disk full); "
+            "0: off.",
+        ),
+    ] = 0,
     cpu_priority: Annotated[
         CpuPriority,
         typer.Option(
@@ -117,6 +125,10 @@ def consume(
         compression=compression,
     )
     writer = LakeWriter(cfg)
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr="127.0.0.1")
     try:
         if once:
             s = writer.drain()

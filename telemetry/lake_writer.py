@@ -30,6 +30,25 @@ nothing (a redo overwrites the same files). Two writers redoing one part concurr
 files. Rows carry ``event_id``; within a part duplicates are dropped (the emitter never re-sends, so
 there are none in practice), and compaction de-duplicates a whole partition on ``event_id``.
 
+Entries it cannot write: the dead-letter stream
+------------------------------------------------
+An entry whose payload is not an Arrow IPC stream of its table (corrupt bytes, a stranger's XADD
+without the ``a`` field, rows without ``event_id`` / ``event_time``) would otherwise fail its part on
+every attempt and stop the writer. Each entry is decoded on its own; one that fails is left out of
+the part's files and moved, with the reason, to ``<stream>:dead`` (capped at ``dead_letter_maxlen``)
+*in the same transaction* that acknowledges the part, so it is dead-lettered exactly when the part
+commits, once, and the rest of the part is written as usual. Counted on
+``tandem_lake_dead_letter_entries_total{table}``. Because decoding is a pure function of the entry, a
+redo of the part makes the same decision.
+
+A lake it cannot write: back off, resume by itself
+---------------------------------------------------
+A file-system error while writing a part (ENOSPC, EDQUOT, EIO) raises ``LakeUnwritable``; ``run``
+logs it ("disk full"), sets ``tandem_lake_unwritable`` to 1 and retries with a doubling delay capped at
+``unwritable_backoff_max_s``. Nothing is lost meanwhile: the part's intent is recorded and its entries
+stay pending, so the retry (a recovery pass) redoes exactly that part once space returns, and the
+emitters bound the stream's growth (dropping and counting, never blocking serving).
+
 Compaction (``compact``) merges a partition's parts into one file: it writes a manifest
 ``_compact-<id>.json`` (inputs, output), then the output (temp, fsync, rename), then deletes the
 inputs and the manifest. A crash leaves a manifest; the next compaction completes it (output present:
@@ -40,6 +59,7 @@ open, and parts younger than ``min_age_s``, are never compacted (a redo would re
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -60,7 +80,7 @@ import pyarrow.parquet as pq
 import redis
 from redis.exceptions import RedisError
 
-from infra.errors import StoreError
+from infra.errors import LakeUnwritable, StoreError
 from telemetry.emitter import DEFAULT_STREAM_PREFIX, stream_key
 from telemetry.metrics import METRICS, TandemMetrics
 from telemetry.schemas import SCHEMA_VERSION, SCHEMAS, TABLE_NAMES, conform
@@ -109,6 +129,10 @@ class WriterConfig:
     """Parquet compression codec."""
     delete_acked: bool = True
     """XDEL entries once written, so the stream length is the backlog (the emitter bounds it)."""
+    dead_letter_maxlen: int = 10_000
+    """Most entries kept in each ``<stream>:dead`` (approximate trim, oldest first)."""
+    unwritable_backoff_max_s: float = 30.0
+    """Longest wait between attempts while the lake cannot be written (disk full)."""
 
 
 @dataclass(slots=True)
@@ -120,6 +144,15 @@ class Part:
     entry_ids: list[str]
     data: list[bytes | None]
     redo: bool = False
+    dead: list[DeadLetter] = field(default_factory=list)
+    """Entries ``write_part`` could not decode; ``commit`` moves them to the dead-letter stream."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    entry_id: str
+    payload: bytes
+    reason: str
 
 
 @dataclass(slots=True)
@@ -129,6 +162,7 @@ class WriteStats:
     files: int = 0
     redone_parts: int = 0
     lost_entries: int = 0
+    dead_letters: int = 0
 
     def add(self, other: WriteStats) -> None:
         self.entries += other.entries
@@ -136,10 +170,19 @@ class WriteStats:
         self.files += other.files
         self.redone_parts += other.redone_parts
         self.lost_entries += other.lost_entries
+        self.dead_letters += other.dead_letters
 
 
 def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
+
+
+def _payload(fields: dict[bytes, bytes] | None) -> bytes | None:
+    """An entry's Arrow payload: None when the entry is gone from the stream (no fields), ``b""`` when
+    it exists without one (never ours: it is dead-lettered, not silently dropped)."""
+    if fields is None:
+        return None
+    return fields.get(b"a", b"")
 
 
 def fsync_dir(path: Path) -> None:
@@ -175,15 +218,34 @@ def partition_dir(lake: Path, table: str, hour_index: int) -> Path:
     return lake / table / f"date={dt:%Y-%m-%d}" / f"hour={dt:%H}"
 
 
-def decode_entries(table: str, data: Iterable[bytes | None]) -> pa.Table:
-    """Arrow IPC payloads of ``table`` -> one table in the current schema."""
+def decode_entry(table: str, payload: bytes) -> pa.Table:
+    """One entry's Arrow IPC payload -> rows in ``table``'s current schema. Raises ``ValueError`` (or an
+    Arrow error, a subclass of it) for a payload that is not that, or rows without id or time."""
+    schema = SCHEMAS[table]
+    if not payload:
+        raise ValueError("entry has no Arrow payload (field 'a')")
+    t = conform(pa.ipc.open_stream(pa.py_buffer(payload)).read_all(), schema)
+    for col in ("event_id", "event_time"):
+        if col in schema.names and t.column(col).null_count:
+            raise ValueError(f"{t.column(col).null_count} rows without {col}")
+    return t
+
+
+def decode_entries(table: str, data: Iterable[bytes | None],
+                   on_bad: Callable[[int, bytes, Exception], None] | None = None) -> pa.Table:
+    """Arrow IPC payloads of ``table`` -> one table in the current schema. A payload that does not decode
+    raises, or, with ``on_bad``, is reported as ``on_bad(position, payload, error)`` and left out."""
     schema = SCHEMAS[table]
     tables = []
-    for payload in data:
+    for i, payload in enumerate(data):
         if payload is None:
             continue
-        t = pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
-        tables.append(conform(t, schema))
+        try:
+            tables.append(decode_entry(table, payload))
+        except (ValueError, TypeError, KeyError, pa.ArrowException) as exc:
+            if on_bad is None:
+                raise
+            on_bad(i, payload, exc)
     if not tables:
         return schema.empty_table()
     return pa.concat_tables(tables)
@@ -281,7 +343,7 @@ class LakeWriter:
         out: dict[str, list[tuple[str, bytes | None]]] = {}
         for stream, entries in resp or []:
             table = by_stream[_s(stream)]
-            out.setdefault(table, []).extend((_s(eid), (fields or {}).get(b"a")) for eid, fields in entries)
+            out.setdefault(table, []).extend((_s(eid), _payload(fields)) for eid, fields in entries)
         return out
 
     def read_pending(self) -> dict[str, list[tuple[str, bytes | None]]]:
@@ -304,7 +366,7 @@ class LakeWriter:
                 if not entries:
                     break
                 for eid, fields in entries:
-                    got[_s(eid)] = (fields or {}).get(b"a")
+                    got[_s(eid)] = _payload(fields)
                 start = _s(entries[-1][0])
             cursor = "0-0"
             while True:
@@ -321,7 +383,7 @@ class LakeWriter:
                 )
                 cursor = _s(resp[0])
                 for eid, fields in resp[1]:
-                    got[_s(eid)] = (fields or {}).get(b"a")
+                    got[_s(eid)] = _payload(fields)
                 for eid in resp[2] if len(resp) > 2 else []:
                     got[_s(eid)] = None
                 if cursor == "0-0":
@@ -388,15 +450,21 @@ class LakeWriter:
         res = self._redis_call("XRANGE part", snapshot)
         if not res[0]:
             return None
-        data = [(r[0][1] or {}).get(b"a") if r else None for r in res[1:]]
+        data = [_payload(r[0][1]) if r else None for r in res[1:]]
         return Part(table, part_id, ids, data, redo=True)
 
     # ---- writing and committing -----------------------------------------------------------------
 
     def write_part(self, part: Part) -> tuple[list[Path], int]:
         """Write the part's files (one per event hour); returns them and the rows written. Idempotent:
-        the same part always produces the same names and rows."""
-        rows = dedupe(decode_entries(part.table, part.data))
+        the same part always produces the same names and rows. Entries that do not decode are left out
+        and listed in ``part.dead`` for ``commit``. A file-system failure raises ``LakeUnwritable``."""
+
+        def bad(i: int, payload: bytes, exc: Exception) -> None:
+            part.dead.append(DeadLetter(part.entry_ids[i], payload, f"{type(exc).__name__}: {exc}"[:500]))
+
+        part.dead = []
+        rows = dedupe(decode_entries(part.table, part.data, on_bad=bad))
         meta = dict(SCHEMAS[part.table].metadata or {})
         meta[b"tandem.part_id"] = part.part_id.encode()
         meta[b"tandem.entries"] = ",".join(part.entry_ids).encode()
@@ -404,16 +472,26 @@ class LakeWriter:
         paths = []
         for hour, rows_h in split_by_hour(rows):
             final = partition_dir(self.config.lake, part.table, hour) / f"part-{part.part_id}.parquet"
-            write_parquet_atomic(rows_h.replace_schema_metadata(meta), final, self.config.compression)
+            try:
+                write_parquet_atomic(rows_h.replace_schema_metadata(meta), final, self.config.compression)
+            except OSError as exc:
+                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                raise LakeUnwritable(f"lake writer: cannot write {final}: {'disk full: ' if full else ''}{exc}",
+                                     disk_full=full) from exc
             paths.append(final)
         return paths, rows.num_rows
 
     def commit(self, part: Part) -> None:
-        """Acknowledge (and delete) the part's entries and drop its intent, atomically."""
+        """Acknowledge (and delete) the part's entries, move its undecodable ones to the dead-letter
+        stream and drop its intent, atomically."""
         stream = self._streams[part.table]
 
         def tx() -> None:
             pipe = self._redis.pipeline(transaction=True)
+            for d in part.dead:
+                pipe.xadd(f"{stream}:dead", {"a": d.payload, "entry_id": d.entry_id, "table": part.table,
+                                             "reason": d.reason, "at": str(time.time())},
+                          maxlen=self.config.dead_letter_maxlen, approximate=True)
             pipe.xack(stream, self.config.group, *part.entry_ids)
             if self.config.delete_acked:
                 pipe.xdel(stream, *part.entry_ids)
@@ -431,6 +509,11 @@ class LakeWriter:
                 log.warning("lake writer: %d entries of part %s are gone from the stream", lost, part.part_id)
             paths, rows = self.write_part(part)
             self.commit(part)
+            if part.dead:
+                log.error("lake writer: %d entries of %s moved to %s:dead (first: %s %s)", len(part.dead),
+                          table, self._streams[table], part.dead[0].entry_id, part.dead[0].reason)
+                self._metrics.lake_dead_letter_entries.labels(table).inc(len(part.dead))
+            stats.dead_letters += len(part.dead)
             stats.entries += len(part.entry_ids)
             stats.rows += rows
             stats.files += len(paths)
@@ -477,6 +560,7 @@ class LakeWriter:
         total = WriteStats()
         backoff = 0.0
         next_recover = 0.0
+        unwritable = False
         while not stop.is_set():
             try:
                 if time.monotonic() >= next_recover:
@@ -485,6 +569,20 @@ class LakeWriter:
                 else:
                     s = self.run_once()
                 backoff = 0.0
+                if unwritable:
+                    unwritable = False
+                    self._metrics.lake_unwritable.set(0)
+                    log.warning("lake writer: the lake at %s is writable again; resuming", self.config.lake)
+            except LakeUnwritable as exc:
+                # Entries stay pending under their part's intent; the recovery pass redoes that part.
+                unwritable = True
+                self._metrics.lake_unwritable.set(1)
+                backoff = min(self.config.unwritable_backoff_max_s, max(0.5, backoff * 2))
+                log.error("%s; %s, backing off %.1f s (nothing is lost: the entries stay pending)", exc,
+                          "disk full" if exc.disk_full else "lake unwritable", backoff)
+                next_recover = 0.0
+                stop.wait(backoff)
+                continue
             except StoreError as exc:
                 backoff = min(10.0, max(0.2, backoff * 2))
                 log.warning("%s; retrying in %.1fs", exc, backoff)

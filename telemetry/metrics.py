@@ -23,6 +23,10 @@ registry, so nothing is registered twice.
                                                     redis_unavailable, stream_full, invalid, closed
     tandem_telemetry_sent_events_total{table}       counter, events the emitter put in Redis
     tandem_lake_written_events_total{table}         counter, events the lake writer put in Parquet
+    tandem_lake_dead_letter_entries_total{table}    counter, stream entries the lake writer could not
+                                                    decode, moved to ``<stream>:dead``
+    tandem_lake_unwritable                          gauge, 1 while the lake cannot be written (disk full,
+                                                    I/O error) and the writer backs off, else 0
 """
 
 from __future__ import annotations
@@ -102,6 +106,16 @@ class TandemMetrics:
             "Telemetry events written to the Parquet lake",
             ["table"],
             registry=r,
+        )
+
+        self.lake_dead_letter_entries = Counter(
+            "tandem_lake_dead_letter_entries",
+            "Telemetry stream entries the lake writer could not decode (moved to the dead-letter stream)",
+            ["table"],
+            registry=r,
+        )
+        self.lake_unwritable = Gauge(
+            "tandem_lake_unwritable", "1 while the lake cannot be written (disk full, I/O error)", registry=r
         )
 
     def observe_request(self, record: Mapping[str, Any]) -> None:

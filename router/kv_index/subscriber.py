@@ -17,8 +17,11 @@ Sequence handling, per node (``expected`` = the next seq to apply):
     the range, an undecodable batch): the node's blocks are forgotten (``clear_node``) and rebuilt
     from the events that follow. Dropping hits is safe; keeping blocks whose BlockRemoved we lost
     would send requests to a node for a prefix it no longer holds.
-A restart is also visible in the registry (``NodeInfo.started_at``): the manager then drops the node
-and starts a fresh subscriber, which covers a new engine whose seq has already passed the old one's.
+A restart is also visible in the registry (``NodeInfo.epoch``, a new one per engine start under the
+same node id, and ``started_at``): the manager then drops the node's blocks and starts a fresh
+subscriber. This covers a new engine whose seq has already passed the old one's, and a new engine
+that has published nothing yet (an empty cache is silent: without the epoch the old engine's blocks
+would stay in the index, predicting hits the new engine cannot deliver).
 """
 
 from __future__ import annotations
@@ -272,7 +275,8 @@ class KVEventSubscriber:
 
 
 def _identity(info: NodeInfo) -> tuple[object, ...]:
-    return (info.model, info.block_size, info.kv_events_endpoint, info.kv_replay_endpoint, info.started_at)
+    return (info.model, info.block_size, info.kv_events_endpoint, info.kv_replay_endpoint, info.started_at,
+            info.epoch)
 
 
 class KVEventSubscribers:
@@ -300,7 +304,7 @@ class KVEventSubscribers:
 
     async def sync(self, nodes: Iterable[LiveNode]) -> None:
         """Start subscribers for new nodes; stop them and drop the blocks of nodes that left, and of
-        nodes that restarted or moved (different ``started_at`` or endpoints)."""
+        nodes that restarted or moved (different ``epoch``, ``started_at`` or endpoints)."""
         wanted = {n.info.node_id: n.info for n in nodes if n.info.kv_events_endpoint}
         for node_id, (ident, sub) in list(self._subs.items()):
             info = wanted.get(node_id)

@@ -58,3 +58,33 @@ async def test_unreachable_redis_raises_store_error() -> None:
     with pytest.raises(StoreError):
         await NodeRegistry(client).live_nodes()
     await client.aclose()
+
+
+async def test_a_v1_entry_without_epoch_still_decodes_with_epoch_0(registry: NodeRegistry) -> None:
+    import msgspec
+
+    from infra.registry import node_key
+
+    class NodeInfoV1(msgspec.Struct, kw_only=True):  # the v1 layout: no epoch field
+        node_id: str
+        role: str
+        model: str
+        url: str
+        block_size: int
+        max_model_len: int
+        kv_connector: str
+        schema_version: int = 1
+
+    old = NodeInfoV1(node_id="v1", role="decode", model="m", url="http://127.0.0.1:1", block_size=16,
+                     max_model_len=2048, kv_connector="tandem")
+    await registry._redis.set(node_key("v1"), msgspec.msgpack.encode(old))  # noqa: SLF001 - an old writer
+    await registry._redis.sadd(NODES_SET, "v1")  # noqa: SLF001
+    [node] = await registry.live_nodes()
+    assert node.info.node_id == "v1" and node.info.epoch == 0 and node.info.schema_version == 1
+
+
+async def test_epochs_count_up_per_node_and_survive_deregistration(registry: NodeRegistry) -> None:
+    assert [await registry.next_epoch("e") for _ in range(2)] == [1, 2]
+    await registry.deregister("e")
+    assert await registry.next_epoch("e") == 3
+    assert await registry.next_epoch("other") == 1

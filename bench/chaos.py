@@ -1,0 +1,470 @@
+"""`tandem bench chaos`: a steady agent workload while a schedule fires each fault once (issue 12).
+
+Cluster: 1 prefill + 1 decode + 1 colocated node, router, lake writer, and a Redis of its own (the
+benchmark restarts it, so it must not be the shared one), all started and kept up by the same
+launcher code as `tandem up` (``Cluster.supervise`` runs between every step, from the main thread).
+Load: ``streams`` closed-loop SSE clients (agent-like: a shared system prompt, a short question),
+each waiting the answer's Retry-After (at most 2 s) after a failure, as OpenAI's clients do.
+
+Faults, in order, each after the cluster has served steadily for ``settle_s``:
+
+    sigkill_decode_engine    kill -9 the decode node's VLLM::EngineCore (its agent restarts the engine)
+    sigkill_prefill_engine   kill -9 the prefill node's VLLM::EngineCore
+    sigkill_node_agent       kill -9 the colocated node's agent (tandem up restarts it; its engine dies)
+    sigstop_engine           SIGSTOP the decode node's engine core for ``stop_s``, then SIGCONT
+    sigkill_router           kill -9 the router (tandem up restarts it)
+    sigkill_lake_writer      kill -9 the lake writer (tandem up restarts it)
+    restart_redis            SHUTDOWN SAVE of the cluster's Redis (tandem up restarts it; data kept)
+
+Per fault:
+    recovery_s       fault -> the component is back (a new epoch for an engine or agent, a new pid for a
+                     process, a running engine after a stop) *and* full service: every child running,
+                     every node registered and seen by the router, one request down each route answered
+    failed           requests that ended without an answer between the fault and recovery + 5 s
+    survived         recovery within ``recovery_timeout_s`` with no one touching the cluster
+Whole run:
+    hung_streams     requests that went ``hang_s`` without a byte (the client's read timeout)
+    stranded_blocks  KV blocks still held once the engines are idle: sum over engines of KV usage x
+                     blocks, plus blocks under a transfer lease (engine /metrics), polled up to 60 s
+    lost_lake_rows   answered requests (response id seen by the client) with no row in the lake's
+                     ``requests`` table, polled while the lake writer drains (up to 120 s)
+
+Output: JSON (config, per-fault rows, timeline), a PNG timeline of answers/s and failures/s with the
+faults marked, and the RESULT line
+``RESULT faults=… survived=… hung_streams=… stranded_blocks=… lost_lake_rows=… failed_requests=…
+recovery_p50_s=… recovery_max_s=…``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import psutil
+import redis
+from rich.console import Console
+
+from infra.engine_metrics import parse_metrics
+from infra.launcher import Child, Cluster, ClusterSpec
+from infra.registry import NodeInfo, node_key
+
+console = Console(stderr=True)
+
+FAULTS = ("sigkill_decode_engine", "sigkill_prefill_engine", "sigkill_node_agent", "sigstop_engine",
+          "sigkill_router", "sigkill_lake_writer", "restart_redis")
+SYSTEM = "You are a coding agent in a Python repository. " + " ".join(
+    f"Rule {i}: small functions, clear names, tests that can fail." for i in range(25))
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    streams: int = 16
+    """Concurrent SSE clients."""
+    max_tokens: int = 32
+    settle_s: float = 20.0
+    """Steady service before each fault (and before the first)."""
+    stop_s: float = 30.0
+    """How long the SIGSTOP fault keeps the engine stopped."""
+    hang_s: float = 60.0
+    """A stream without a byte for this long counts as hung."""
+    recovery_timeout_s: float = 240.0
+    """A fault whose component is not back with full service by then did not survive."""
+    faults: tuple[str, ...] = FAULTS
+    router_port: int = 19600
+    node_base_port: int = 19610
+    redis_port: int = 19695
+    dtype: str = "float32"
+    kv_cache_gib: int = 1
+    workdir: Path = Path(".tandem/bench-chaos")
+
+
+@dataclass(slots=True)
+class Request:
+    start: float
+    end: float = 0.0
+    outcome: str = "running"
+    """ok, status <code>, error event (an SSE error event), cut (connection closed mid-answer),
+    refused (no router listening), hung (no byte for hang_s)."""
+    response_id: str | None = None
+    tokens: int = 0
+
+
+@dataclass(slots=True)
+class FaultResult:
+    fault: str
+    at_s: float
+    recovery_s: float | None = None
+    survived: bool = False
+    failed: int = 0
+    failed_outcomes: dict[str, int] = field(default_factory=dict)
+
+
+class Workload:
+    """``streams`` threads of closed-loop SSE requests; every request's outcome is kept."""
+
+    def __init__(self, url: str, model: str, cfg: ChaosConfig) -> None:
+        self.url, self.model, self.cfg = url, model, cfg
+        self.stop = threading.Event()
+        self.requests: list[Request] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._worker, args=(n,), daemon=True) for n in range(cfg.streams)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(self.cfg.hang_s + 30)
+
+    def _worker(self, n: int) -> None:
+        timeout = httpx.Timeout(connect=10, read=self.cfg.hang_s, write=10, pool=10)
+        with httpx.Client(timeout=timeout) as client:
+            i = 0
+            while not self.stop.is_set():
+                i += 1
+                req = Request(start=time.monotonic())
+                with self._lock:
+                    self.requests.append(req)
+                retry_after = self._one(client, req, n, i)
+                req.end = time.monotonic()
+                if req.outcome != "ok":
+                    self.stop.wait(min(2.0, retry_after))  # a client's pause before retrying
+
+    def _one(self, client: httpx.Client, req: Request, n: int, i: int) -> float:
+        body = {"model": self.model, "stream": True, "max_tokens": self.cfg.max_tokens, "temperature": 0,
+                "messages": [{"role": "system", "content": SYSTEM},
+                             {"role": "user", "content": f"Session {n}, step {i}: what should I check next?"}]}
+        try:
+            with client.stream("POST", f"{self.url}/v1/chat/completions", json=body,
+                               headers={"x-session-id": f"chaos-{n}"}) as resp:
+                if resp.status_code != 200:
+                    req.outcome = f"status {resp.status_code}"
+                    resp.read()
+                    return float(resp.headers.get("retry-after") or 0.5)
+                done = error = False
+                for line in resp.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        done = True
+                        continue
+                    with contextlib.suppress(ValueError):
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            error = True
+                        req.response_id = req.response_id or chunk.get("id")
+                        req.tokens += sum(1 for c in chunk.get("choices") or [] if (c.get("delta") or {}).get(
+                            "content"))
+                req.outcome = "error event" if error else ("ok" if done else "cut")
+        except httpx.TimeoutException:
+            req.outcome = "hung"
+        except httpx.ConnectError:
+            req.outcome = "refused"  # nothing listening (the router is down): never reached a node
+        except httpx.HTTPError:
+            req.outcome = "cut"
+        return 0.5
+
+    def snapshot(self) -> list[Request]:
+        with self._lock:
+            return list(self.requests)
+
+
+class Chaos:
+    """The cluster, the faults and the measurements; every wait ticks the launcher's supervision."""
+
+    def __init__(self, cfg: ChaosConfig) -> None:
+        self.cfg = cfg
+        spec = ClusterSpec(prefill=1, decode=1, both=1, router_port=cfg.router_port,
+                           node_base_port=cfg.node_base_port, redis_port=cfg.redis_port, embedded_redis=True,
+                           dtype=cfg.dtype, kv_cache_gib=cfg.kv_cache_gib, workdir=cfg.workdir)
+        self.cluster = Cluster(spec)
+        self.t0 = time.monotonic()
+        self.events: list[str] = []
+        self.model = ""
+
+    # ---- waiting, with the launcher kept running ------------------------------------------------
+
+    def tick(self) -> None:
+        for event in self.cluster.supervise():
+            self.events.append(f"{time.monotonic() - self.t0:7.1f}s {event}")
+            console.print(f"  launcher: {event}")
+
+    def wait_until(self, cond: Callable[[], bool], timeout_s: float, every_s: float = 1.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.tick()
+            if cond():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(every_s)  # polling processes and HTTP endpoints that offer no notification
+
+    def hold(self, seconds: float) -> None:
+        self.wait_until(lambda: False, seconds, every_s=0.5)
+
+    # ---- the cluster's parts ----------------------------------------------------------------------
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.cluster.children if c.name == name)
+
+    def node_name(self, role: str) -> str:
+        return next(n for n, r in self.cluster.node_ids.items() if r.value == role)
+
+    def engine_core(self, node: str) -> psutil.Process:
+        agent = psutil.Process(self.child(node).proc.pid)
+        return next(p for p in agent.children(recursive=True) if "EngineCor" in p.name())
+
+    def epoch(self, node: str) -> int:
+        with contextlib.suppress(redis.RedisError):
+            raw = redis.Redis.from_url(self.cluster.redis_url, socket_timeout=1).get(node_key(node))
+            if raw is not None:
+                return msgspec.msgpack.decode(raw, type=NodeInfo).epoch
+        return 0
+
+    def full_service(self) -> bool:
+        if any(c.proc.poll() is not None for c in self.cluster.children):
+            return False
+        try:
+            if self.cluster.live_node_ids() != set(self.cluster.node_ids):
+                return False
+            health = httpx.get(f"{self.cluster.url}/health", timeout=2).json()
+            if sum(health.get("nodes", {}).values()) < len(self.cluster.node_ids):
+                return False
+            for route in ("disaggregated", "colocated"):
+                resp = httpx.post(f"{self.cluster.url}/v1/chat/completions", timeout=30,
+                                  headers={"x-tandem-route": route, "x-session-id": "chaos-probe"},
+                                  json={"model": self.model, "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": "ping"}]})
+                if resp.status_code != 200:
+                    return False
+        except (httpx.HTTPError, redis.RedisError, ValueError):
+            return False
+        return True
+
+    # ---- faults -------------------------------------------------------------------------------------
+
+    def inject(self, fault: str) -> Callable[[], bool]:
+        """Fire ``fault``; returns the check that its component is back."""
+        if fault in ("sigkill_decode_engine", "sigkill_prefill_engine"):
+            node = self.node_name("decode" if fault == "sigkill_decode_engine" else "prefill")
+            before = self.epoch(node)
+            self.engine_core(node).kill()
+            return lambda: self.epoch(node) > before
+        if fault == "sigkill_node_agent":
+            node = self.node_name("both")
+            before, pid = self.epoch(node), self.child(node).proc.pid
+            os.kill(pid, signal.SIGKILL)
+            return lambda: self.child(node).proc.pid != pid and self.epoch(node) > before
+        if fault == "sigstop_engine":
+            node = self.node_name("decode")
+            core = self.engine_core(node)
+            before = self.epoch(node)
+            core.suspend()
+            self.hold(self.cfg.stop_s)
+            with contextlib.suppress(psutil.Error):
+                core.resume()
+            return lambda: self.epoch(node) > before or _running(core)
+        if fault in ("sigkill_router", "sigkill_lake_writer", "restart_redis"):
+            name = {"sigkill_router": "router", "sigkill_lake_writer": "lake-writer", "restart_redis": "redis"}[fault]
+            pid = self.child(name).proc.pid
+            if fault == "restart_redis":
+                with contextlib.suppress(redis.RedisError):
+                    redis.Redis.from_url(self.cluster.redis_url, socket_timeout=5).shutdown(save=True)
+            else:
+                os.kill(pid, signal.SIGKILL)
+            return lambda: self.child(name).proc.pid != pid and self.child(name).proc.poll() is None
+        raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+
+    # ---- the run --------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.cluster.start()
+        try:
+            with console.status("starting the chaos cluster (1P + 1D + 1 colocated)…") as status:
+                self.cluster.wait_ready(on_progress=lambda m: status.update(f"starting the chaos cluster… {m}"))
+            self.model = httpx.get(f"{self.cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            load = Workload(self.cluster.url, self.model, cfg)
+            self.t0 = time.monotonic()
+            load.start()
+            results: list[FaultResult] = []
+            for fault in cfg.faults:
+                self.hold(cfg.settle_s)
+                console.print(f"[bold]{fault}[/bold] at {time.monotonic() - self.t0:.0f} s")
+                t_fault = time.monotonic()
+                back = self.inject(fault)
+                ok = self.wait_until(lambda back=back: back() and self.full_service(), cfg.recovery_timeout_s)
+                res = FaultResult(fault, at_s=round(t_fault - self.t0, 1), survived=ok,
+                                  recovery_s=round(time.monotonic() - t_fault, 1) if ok else None)
+                results.append(res)
+                console.print(f"  {'recovered' if ok else 'NOT recovered'} after {time.monotonic() - t_fault:.0f} s")
+                if not ok:
+                    break  # the cluster did not heal; the rest of the schedule would measure nothing
+            self.hold(cfg.settle_s)
+            load.finish()
+            t_end = time.monotonic()
+            stranded = self.stranded_blocks()
+            lost, answered = self.lost_lake_rows(load.snapshot())
+        finally:
+            self.cluster.stop()
+        return self.summarise(cfg, results, load.snapshot(), t_end, stranded, lost, answered)
+
+    def stranded_blocks(self) -> int:
+        """KV blocks held once every engine is idle (polled up to 60 s: leases end within their TTL)."""
+        def held() -> int | None:
+            total = 0
+            for url in self.cluster.node_urls.values():
+                try:
+                    text = httpx.get(f"{url}/metrics", timeout=5).text
+                except httpx.HTTPError:
+                    return None
+                snap = parse_metrics(text)
+                if snap.running or snap.waiting:
+                    return None
+                total += round(snap.kv_usage * snap.num_kv_blocks) + _leased(text)
+            return total
+
+        last: list[int | None] = [None]
+
+        def zero() -> bool:
+            last[0] = held()
+            return last[0] == 0
+
+        self.wait_until(zero, 60)
+        return last[0] if last[0] is not None else -1
+
+    def lost_lake_rows(self, requests: list[Request]) -> tuple[int, int]:
+        """(answered requests missing from the lake, answered requests), polled while the writer drains."""
+        import duckdb
+
+        from telemetry.query import query
+
+        answered = {r.response_id for r in requests if r.outcome == "ok" and r.response_id}
+        missing: list[int] = [len(answered)]
+
+        def drained() -> bool:
+            try:
+                rows = query(self.cluster.lake, "SELECT DISTINCT response_id FROM requests").column(0).to_pylist()
+            except (duckdb.Error, OSError):  # a part renamed or compacted under the query: poll again
+                return False
+            missing[0] = len(answered - set(rows))
+            return missing[0] == 0
+
+        self.wait_until(drained, 120, every_s=2.0)
+        return missing[0], len(answered)
+
+    def summarise(self, cfg: ChaosConfig, results: list[FaultResult], requests: list[Request], t_end: float,
+                  stranded: int, lost: int, answered: int) -> dict[str, Any]:
+        for res in results:
+            lo = self.t0 + res.at_s
+            hi = lo + (res.recovery_s if res.recovery_s is not None else cfg.recovery_timeout_s) + 5
+            bad = [r for r in requests if r.outcome not in ("ok", "running") and lo <= r.end <= hi]
+            res.failed = len(bad)
+            res.failed_outcomes = {o: sum(1 for r in bad if r.outcome == o) for o in sorted({r.outcome for r in bad})}
+        recoveries = [r.recovery_s for r in results if r.recovery_s is not None]
+        summary = {
+            "faults": len(cfg.faults), "survived": sum(r.survived for r in results),
+            "hung_streams": sum(1 for r in requests if r.outcome == "hung"), "stranded_blocks": stranded,
+            "lost_lake_rows": lost, "failed_requests": sum(1 for r in requests if r.outcome not in ("ok", "running")),
+            "recovery_p50_s": round(statistics.median(recoveries), 1) if recoveries else None,
+            "recovery_max_s": max(recoveries) if recoveries else None,
+        }
+        timeline = _timeline(requests, self.t0, t_end)
+        return {"benchmark": "chaos", "time": time.time(), "config": {**asdict(cfg), "workdir": str(cfg.workdir)},
+                "summary": summary, "faults": [asdict(r) for r in results], "answered": answered,
+                "requests": len(requests), "timeline": timeline, "launcher_events": self.events}
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
+def _leased(metrics_text: str) -> int:
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("tandem_kv_leased_blocks"):
+            with contextlib.suppress(ValueError, IndexError):
+                total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+def _timeline(requests: list[Request], t0: float, t_end: float, bin_s: float = 5.0) -> list[dict[str, float]]:
+    """Answers/s and failures/s per ``bin_s`` bin of request end times."""
+    n = max(1, int((t_end - t0) / bin_s) + 1)
+    ok = [0] * n
+    bad = [0] * n
+    for r in requests:
+        if r.outcome == "running" or r.end < t0:
+            continue
+        i = min(n - 1, int((r.end - t0) / bin_s))
+        (ok if r.outcome == "ok" else bad)[i] += 1
+    return [{"t_s": i * bin_s, "answers_per_s": ok[i] / bin_s, "failures_per_s": bad[i] / bin_s} for i in range(n)]
+    # t_s is each bin's start; the plot draws a bin at its middle.
+
+
+def plot(doc: dict[str, Any], out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = doc["timeline"]
+    fig, ax = plt.subplots(figsize=(14, 4.5))
+    bin_s = tl[1]["t_s"] - tl[0]["t_s"] if len(tl) > 1 else 5.0
+    xs = [b["t_s"] + bin_s / 2 for b in tl]
+    ax.plot(xs, [b["answers_per_s"] for b in tl], label="answers/s", color="tab:blue")
+    ax.plot(xs, [b["failures_per_s"] for b in tl], label="failed requests/s", color="tab:red")
+    top = max([b["answers_per_s"] for b in tl] + [b["failures_per_s"] for b in tl] + [1.0])
+    for f in doc["faults"]:
+        ax.axvline(f["at_s"], color="black", lw=0.8, ls="--")
+        if f["recovery_s"] is not None:
+            ax.axvspan(f["at_s"], f["at_s"] + f["recovery_s"], color="orange", alpha=0.15)
+        ax.text(f["at_s"], top * 1.02, f["fault"].replace("_", " "), rotation=30, fontsize=7, va="bottom")
+    ax.set_xlabel("seconds since the load started")
+    ax.set_ylabel("per second (5 s bins)")
+    ax.set_ylim(0, top * 1.35)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    s = doc["summary"]
+    ax.set_title(f"Tandem chaos: {s['survived']}/{s['faults']} faults survived, {s['failed_requests']} failed, "
+                 f"{s['hung_streams']} hung (recovery shaded)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def result_line(summary: dict[str, Any]) -> str:
+    keys = ("faults", "survived", "hung_streams", "stranded_blocks", "lost_lake_rows", "failed_requests",
+            "recovery_p50_s", "recovery_max_s")
+    return "RESULT " + " ".join(f"{k}={summary[k]}" for k in keys)
+
+
+def run_chaos_bench(out: Path, cfg: ChaosConfig | None = None) -> dict[str, Any]:
+    cfg = cfg or ChaosConfig()
+    unknown = [f for f in cfg.faults if f not in FAULTS]
+    if unknown:
+        raise ValueError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = Chaos(cfg).run()
+    out.write_text(json.dumps(doc, indent=2))
+    png = out.with_suffix(".png")
+    plot(doc, png)
+    console.print(f"wrote {out} and {png}")
+    return doc["summary"]

@@ -1,0 +1,220 @@
+"""`tandem up` keeps the cluster up and takes it all down with it (issue 12), on real processes: the real
+launcher, node agent, router and lake writer, with the node's engine replaced by a STAND-IN engine
+process (``TANDEM_NODE_ENGINE_COMMAND``, tests/infra/fake_engine.py) so no vLLM engine is needed.
+The same with vLLM engines: tests/e2e/test_supervision.py. Redis DB 12."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import redis
+
+from infra.launcher import launcher_key
+from infra.registry import NODES_SET, NodeInfo, node_key
+from tests.helpers import wait_for
+from tests.infra.test_supervisor import free_port_block
+
+ROOT = Path(__file__).resolve().parents[2]
+REDIS_URL = "redis://127.0.0.1:6379/12"
+PY = sys.executable
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen[str]
+    router_port: int
+    node_port: int
+    lines: queue.Queue[str]
+    seen: list[str] = field(default_factory=list)
+    pids: set[int] = field(default_factory=set)
+    """Every process of the cluster ever seen (descendants of `tandem up`)."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    @property
+    def node_id(self) -> str:
+        return f"both-0-{self.node_port}"
+
+    def wait_line(self, prefix: str, timeout_s: float = 60) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.05, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line starting {prefix!r} in {timeout_s} s:\n{''.join(self.seen[-30:])}"
+                                     ) from None
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+
+    def descendants(self) -> list[psutil.Process]:
+        procs = psutil.Process(self.proc.pid).children(recursive=True)
+        self.pids.update(p.pid for p in procs)
+        return procs
+
+    def child(self, needle: str) -> psutil.Process:
+        [p] = [p for p in self.descendants() if needle in " ".join(p.cmdline())]
+        return p
+
+    def epoch(self) -> int:
+        raw = redis.Redis.from_url(REDIS_URL).get(node_key(self.node_id))
+        if raw is None:
+            return 0
+        import msgspec
+
+        return msgspec.msgpack.decode(raw, type=NodeInfo).epoch
+
+    def alive(self) -> list[int]:
+        out = []
+        for pid in self.pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[Up]:
+    redis.Redis.from_url(REDIS_URL).flushdb()
+    router_port, node_port = free_port_block(), free_port_block()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "200",
+           "TANDEM_NODE_ENGINE_COMMAND": json.dumps([PY, "-m", "tests.infra.fake_engine", "--port", "{port}"]),
+           "TANDEM_NODE_HEARTBEAT_S": "0.2", "TANDEM_NODE_RESTART_BACKOFF_S": "0.1"}
+    proc = subprocess.Popen([PY, "-m", "infra.cli", "up", "--colocated", "--port", str(router_port),
+                             "--node-base-port", str(node_port), "--redis-url", REDIS_URL, "--workdir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env, cwd=ROOT)
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")], daemon=True).start()
+    u = Up(proc, router_port, node_port, lines)
+    try:
+        u.wait_line("READY ", 120)
+        u.descendants()
+        yield u
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)  # the children's parent-death signal takes the rest down
+        proc.wait()
+        for pid in u.alive():
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_dead_children_are_restarted_and_shown_and_sigterm_stops_everything(up: Up) -> None:
+    router = up.child("infra.cli router")
+    assert httpx.get(f"{up.url}/health").status_code == 200
+
+    up.child("telemetry consume").kill()
+    up.wait_line("RESTARTED lake-writer")
+    assert httpx.get(f"{up.url}/health").status_code == 200  # one dead child stops nothing else
+
+    epoch = up.epoch()
+    up.child("tests.infra.fake_engine").kill()  # the node agent restarts its engine, not the launcher
+    assert wait_for(lambda: up.epoch() > epoch, timeout_s=30), "the node did not come back with a new epoch"
+
+    router.kill()
+    up.wait_line("RESTARTED router")
+    assert wait_for(lambda: _health(up.url) == 200, timeout_s=60), "the restarted router never served"
+
+    epoch = up.epoch()
+    up.child(f"--node-id {up.node_id}").kill()  # the agent itself: the launcher restarts it
+    up.wait_line(f"RESTARTED {up.node_id}")
+    assert wait_for(lambda: up.epoch() > epoch, timeout_s=30), "the restarted agent did not register anew"
+    assert len([p for p in up.descendants() if "tests.infra.fake_engine" in " ".join(p.cmdline())]) == 1
+
+    children = {k.decode(): json.loads(v) for k, v in redis.Redis.from_url(REDIS_URL).hgetall(
+        launcher_key(up.router_port)).items()}
+    assert children["lake-writer"]["restarts"] == 1 and children["router"]["restarts"] == 1
+    assert children["lake-writer"]["last_exit"] == "killed by SIGKILL"
+    assert children[up.node_id]["restarts"] == 1 and children[up.node_id]["state"] == "running"
+    status = subprocess.run([PY, "-m", "infra.cli", "cluster", "status", "--url", up.url, "--redis-url", REDIS_URL],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+    assert status.returncode == 0, status.stderr
+    assert "Processes of tandem up" in status.stdout and "Node agents" in status.stdout
+
+    up.descendants()
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(timeout=60) == 0
+    assert up.alive() == [], "processes of the cluster outlived a SIGTERM to tandem up"
+    r = redis.Redis.from_url(REDIS_URL)
+    assert not any(r.exists(node_key(n.decode())) for n in r.smembers(NODES_SET)), "node still registered"
+
+
+def test_sigkill_of_tandem_up_takes_every_child_down(up: Up) -> None:
+    up.descendants()
+    assert len(up.pids) >= 4  # node agent, its engine, router, lake writer
+    up.proc.send_signal(signal.SIGKILL)
+    up.proc.wait()
+    assert wait_for(lambda: up.alive() == [], timeout_s=60), f"left alive: {up.alive()}"
+
+
+def _health(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_sigterm_to_a_running_bench_stops_every_process_it_started(tmp_path: Path) -> None:
+    """`tandem bench admission` (the one benchmark without engines) starts a router and a stand-in
+    engine; a SIGTERM mid-run unwinds it like Ctrl-C, and nothing it started survives."""
+    bench = subprocess.Popen([PY, "-m", "infra.cli", "bench", "admission", "--out", str(tmp_path / "b.json"),
+                              "-n", "300", "--requests", "100000", "--concurrency", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+    seen: set[int] = set()
+
+    def running_part_two() -> bool:
+        kids = psutil.Process(bench.pid).children(recursive=True)
+        seen.update(p.pid for p in kids)
+        return len(kids) >= 2 and _health_any(kids)
+
+    try:
+        assert wait_for(running_part_two, timeout_s=120), "the bench never started its router and stand-in"
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=60)
+        assert wait_for(lambda: not _alive(seen), timeout_s=30), f"left alive: {_alive(seen)}"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        for pid in _alive(seen):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _health_any(procs: list[psutil.Process]) -> bool:
+    """True once one of the bench's processes listens (the router is serving)."""
+    for p in procs:
+        try:
+            if any(c.status == psutil.CONN_LISTEN for c in p.net_connections(kind="tcp")):
+                return True
+        except psutil.Error:
+            pass
+    return False
+
+
+def _alive(pids: set[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
