@@ -69,7 +69,7 @@ class OverheadBenchConfig:
     kv_cache_gib: int = 1
     redis_url: str = "redis://127.0.0.1:6379/11"
     """Registry of the Tandem arms (a database of its own, so no other node is in the fleet)."""
-    port_base: int = 19600
+    port_base: int = 19400
     ceiling_streams: int = 64
     ceiling_tokens: int = 1500
     """Router ceiling: concurrent streams over the stand-in, and chunks per stream."""
@@ -110,6 +110,37 @@ def _cpu_s(pid: int) -> float:
         return total
     except psutil.NoSuchProcess:
         return 0.0
+
+
+class _CpuMeter:
+    """Samples a process tree's CPU seconds every 100 ms in a thread, so that its CPU over any window
+    of the run can be read afterwards."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        self.pid = pid
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), _cpu_s(self.pid)))
+            self._stop.wait(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.monotonic(), _cpu_s(self.pid)))
+
+    def between(self, start: float, end: float) -> float:
+        """CPU seconds used between two monotonic times (to the nearest samples)."""
+        inside = [cpu for t, cpu in self.samples if start <= t <= end + 0.15]
+        before = [cpu for t, cpu in self.samples if t < start]
+        first = before[-1] if before else (inside[0] if inside else 0.0)
+        return (inside[-1] - first) if inside else 0.0
 
 
 @dataclass
@@ -184,13 +215,19 @@ def vllm_bench_serve(served: Served, cfg: OverheadBenchConfig, seed: int, out_di
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
            "--result-filename", name, "--disable-tqdm"]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    cpu0 = _cpu_s(served.router_pid) if served.router_pid else 0.0
+    meter = _CpuMeter(served.router_pid) if served.router_pid else None
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    cpu1 = _cpu_s(served.router_pid) if served.router_pid else 0.0
+    ended = time.monotonic()
+    if meter is not None:
+        meter.stop()
     if proc.returncode != 0:
         raise ConfigError(f"vllm bench serve failed ({proc.returncode}): {proc.stderr[-2000:]}")
     data = json.loads((out_dir / name).read_text())
     completed = int(data.get("completed", 0))
+    # The router's CPU over the benchmark's own window (its "duration", which ends just before the
+    # client writes its result and exits), not over the client's start-up, when the router idles.
+    window = float(data.get("duration") or 0.0)
+    router_cpu = meter.between(ended - window - 1.0, ended) if meter is not None else None
     return {
         "seed": seed, "completed": completed, "failed": cfg.num_prompts - completed,
         "req_s": round(float(data["request_throughput"]), 3),
@@ -198,7 +235,8 @@ def vllm_bench_serve(served: Served, cfg: OverheadBenchConfig, seed: int, out_di
         "ttft_p50_ms": round(float(data["median_ttft_ms"]), 1),
         "ttft_p99_ms": round(float(data["p99_ttft_ms"]), 1),
         "tpot_p50_ms": round(float(data["median_tpot_ms"]), 2),
-        "router_cpu_ms_per_req": round((cpu1 - cpu0) * 1000 / max(1, completed), 2) if served.router_pid else None,
+        "router_cpu_ms_per_req": round(router_cpu * 1000 / max(1, completed), 2) if router_cpu is not None else None,
+        "duration_s": round(window, 2),
     }
 
 

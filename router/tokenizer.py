@@ -63,6 +63,16 @@ def _token_ids(tok: Any, body: dict[str, Any]) -> list[int]:
         # As vLLM does before rendering: a message without content (an assistant turn that only calls
         # tools) renders as empty text, not as a missing attribute.
         messages = [{**m, "content": m.get("content") or ""} for m in body["messages"]]
+        rust = getattr(tok, "_tokenizer", None)
+        if rust is not None and hasattr(rust, "encode"):
+            # Render, then encode with the Rust tokenizer directly: what apply_chat_template(tokenize=True)
+            # does (no special tokens added to a rendered chat, as vLLM), without the BatchEncoding and
+            # padding machinery around it, which cost as much as the encoding on every request.
+            text = tok.apply_chat_template(
+                messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=False,
+                **(body.get("chat_template_kwargs") or {}),
+            )
+            return list(rust.encode(text, add_special_tokens=False).ids)
         ids = tok.apply_chat_template(
             messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=True,
             **(body.get("chat_template_kwargs") or {}),

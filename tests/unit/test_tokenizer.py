@@ -33,3 +33,23 @@ def test_completion_prompts_and_token_lists() -> None:
 
 def test_unrenderable_messages_fall_back_to_no_ids() -> None:
     assert _ids({"messages": "not a list"}) is None
+
+
+def test_the_fast_path_equals_transformers_own_tokenization() -> None:
+    """The router encodes the rendered chat with the Rust tokenizer directly; the ids must be exactly
+    those of apply_chat_template(tokenize=True), which is what vLLM computes."""
+    from collections.abc import Mapping
+
+    from router.tokenizer import _load
+
+    tok = _load(str(default_model_dir()))
+    chats = [
+        [{"role": "user", "content": "hello"}],
+        [{"role": "system", "content": "You are terse.\n\n  Tabs\there."},
+         {"role": "user", "content": "def f(x):\n    return x  # ünïcödé ✓ 漢字"},
+         {"role": "assistant", "content": "ok"}, {"role": "user", "content": "<|im_start|> is text here"}],
+    ]
+    for messages in chats:
+        want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        want = list(want["input_ids"] if isinstance(want, Mapping) else want)
+        assert _ids({"messages": messages}) == want
