@@ -36,8 +36,9 @@ class HistoryMode(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class SessionParams:
     session_id: str
+    """The named session, a new id in server-history mode when none was named, else ""."""
     created: bool
-    """True when the request named no session and this id was just made for it."""
+    """True when the request named no session."""
     mode: HistoryMode
 
 
@@ -52,7 +53,9 @@ async def session_params(
         raise InvalidRequest(f"{HISTORY_HEADER} must be 'client' or 'server'", param=HISTORY_HEADER) from exc
     if x_session_id:
         return SessionParams(validate_id(x_session_id, "x-session-id"), False, mode)
-    return SessionParams(new_session_id(), True, mode)
+    # Only server-history mode keeps a session the client did not name (router/app.py): an id is made
+    # for it alone, not for every nameless request (a uuid4 per request showed in the router's profile).
+    return SessionParams(new_session_id() if mode is HistoryMode.SERVER else "", True, mode)
 
 
 async def prepend_history(

@@ -37,16 +37,17 @@ def build_app(ctx) -> FastAPI:
             admission, prompt_tokens=body["prompt_tokens"], max_tokens=body.get("max_tokens")
         )
         await ctx.gate.settle(admission, completion_tokens=1)
-        ctx.sessions.record_turn(
-            Turn(
-                turn_id=body["turn_id"],
-                session_id=session.session_id,
-                tenant_id=admission.tenant.tenant_id,
-                created_at=1.0,
-                messages=[Message(role="user", content="hi")],
-                response=Message(role="assistant", content="hello"),
+        if session.session_id:  # a nameless request in client-history mode has no session
+            ctx.sessions.record_turn(
+                Turn(
+                    turn_id=body["turn_id"],
+                    session_id=session.session_id,
+                    tenant_id=admission.tenant.tenant_id,
+                    created_at=1.0,
+                    messages=[Message(role="user", content="hi")],
+                    response=Message(role="assistant", content="hello"),
+                )
             )
-        )
         return {
             "tenant": admission.tenant.tenant_id,
             "priority": admission.priority,
@@ -104,7 +105,10 @@ async def test_429_with_retry_after_for_requests_and_tokens(ctx, client, clock):
 async def test_priority_header_and_session_header(ctx, client):
     body = {"prompt_tokens": 1, "turn_id": "t1"}
     r = await client.post("/v1/chat/completions", json=body, headers={"x-tandem-priority": "batch"})
-    assert r.json()["priority"] == "batch" and r.json()["session"].startswith("sess-")
+    assert r.json()["priority"] == "batch" and r.json()["session"] == ""  # named none: sessionless
+    r = await client.post("/v1/chat/completions", json=body,
+                          headers={"x-tandem-priority": "batch", "x-tandem-history": "server"})
+    assert r.json()["session"].startswith("sess-")  # server-history mode keeps one for the client
     r = await client.post("/v1/chat/completions", json=body, headers={"x-tandem-priority": "urgent"})
     assert r.status_code == 400
     r = await client.post("/v1/chat/completions", json=body, headers={"x-session-id": "bad id!"})
