@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra.errors import InvalidRequest
 
-
 INTERNAL_FIELDS = frozenset({"kv_transfer_params", "request_id", "priority"})
 """Body fields only the router may give an engine. ``kv_transfer_params`` names where a decode pulls KV
 from (a client's could point a decode node at a server it controls, or pin blocks); ``request_id``
