@@ -11,8 +11,10 @@ through the ``status_code`` attribute each class declares.
     ├── RequestError                the client's fault (4xx)
     │   ├── InvalidRequest          400  malformed JSON, context window exceeded, bad field values
     │   ├── AuthenticationFailed    401  missing, unknown or revoked API key
+    │   ├── PermissionDenied        403  a valid key without the scope a route or header needs (admin)
     │   ├── ModelNotFound           404  model not served by any live node
     │   ├── NotFound                404  unknown resource (session, response id)
+    │   ├── PayloadTooLarge         413  a body over the router's size limit (refused before reading it all)
     │   ├── ValidationFailed        422  well-formed JSON that violates the request schema
     │   └── RateLimited             429  over a request or token limit (carries retry_after)
     ├── Unavailable                 503  no node can take the request now (carries retry_after)
@@ -69,6 +71,17 @@ class AuthenticationFailed(RequestError):
     status_code = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+
+class PermissionDenied(RequestError):
+    status_code = 403
+    error_type = "permission_error"
+    code = "permission_denied"
+
+
+class PayloadTooLarge(RequestError):
+    status_code = 413
+    code = "request_too_large"
 
 
 class ModelNotFound(RequestError):

@@ -1,7 +1,13 @@
 """The router's HTTP edge: OpenAI-compatible API over FastAPI, SSE streaming, errors in OpenAI's shape.
 
     POST /v1/chat/completions   POST /v1/completions   (stream and non-stream)
-    GET  /v1/models             GET  /health           GET  /metrics
+    GET  /v1/models             GET  /health           GET  /metrics          GET /cluster
+    POST /v1/feedback
+
+Once auth is on (a key exists, or ``TANDEM_AUTH=required``), every route but ``/health`` needs a key;
+``/metrics`` and ``/cluster`` (node URLs, load) need an admin key (403 otherwise); feedback is accepted
+only from the tenant that owns the response (another's → 404, as if it did not exist). Bodies are
+bounded before they are read (``router.edge``: 413, then JSON depth, message count and size: 400).
 
 Admission on every generation route, in this order: auth + requests/min (401, 429), body checks,
 session and history headers, tokens/min after tokenizing (429), then a slot on each chosen node, queued
@@ -17,11 +23,10 @@ during a stream, Starlette cancels the generator and the decode stream is closed
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
@@ -29,13 +34,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 
-from infra.errors import ConfigError, InvalidRequest, TandemError, ValidationFailed
+from infra.errors import (
+    ConfigError,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    PermissionDenied,
+    TandemError,
+    ValidationFailed,
+)
 from infra.registry import NodeRegistry, Role
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.http import AdmissionDependencies
+from router.admission.keys import Tenant
 from router.background import TaskSet
+from router.edge import BodyLimit, check_chat, parse_json
 from router.fleet import Fleet
 from router.kv_activity import KVActivity
 from router.kv_index import FleetIndex, KVEventSubscribers
@@ -97,19 +112,23 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
 
 
+UNKNOWN_MODEL = "(unknown)"
+"""The metrics label of every request naming a model no node serves: client strings never become
+label values (each would be a new time series, kept forever)."""
+
+
 class Feedback(BaseModel):
-    response_id: str = Field(min_length=1)
-    rating: int
-    comment: str | None = None
-    labels: list[str] = Field(default_factory=list)
+    """Bounded: feedback is stored with the request's record; a comment is a remark, not a document."""
+
+    response_id: str = Field(min_length=1, max_length=128)
+    rating: int = Field(ge=-1_000_000, le=1_000_000)
+    comment: str | None = Field(default=None, max_length=4096)
+    labels: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=32)
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    raw = await request.body()  # bounded by BodyLimit: never more than max_body_bytes
+    data = parse_json(raw, request.app.state.settings.max_json_depth)
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
     try:
@@ -119,6 +138,11 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         loc = ".".join(str(p) for p in first.get("loc", ()))
         raise ValidationFailed(f"{loc or 'body'}: {first.get('msg')}", param=loc or None,
                                code="invalid_value") from exc
+
+
+async def _any_key(ctx: AdmissionContext) -> bool:
+    """Whether the key store holds a key (also sets Redis's auth flag from it)."""
+    return await ctx.keys.refresh_flag()
 
 
 def create_app(settings: RouterSettings | None = None) -> FastAPI:
@@ -142,6 +166,10 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
         responses = ResponseIndex(redis)
         admission = await AdmissionContext.create(settings.admission or AdmissionSettings(redis_url=settings.redis_url))
+        if admission.settings.auth == "required" and not await _any_key(admission):
+            await admission.close()
+            raise ConfigError("TANDEM_AUTH=required but the key store holds no API key (create one with "
+                              "`tandem keys create`, against the same TANDEM_DATABASE_URL / TANDEM_SQLITE_PATH)")
         turns = TurnRecorder(admission)
         app.include_router(sessions_router(admission.sessions, AdmissionDependencies(admission)))
         await fleet.start()
@@ -177,6 +205,29 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    template_kwargs_allowed = frozenset(settings.chat_template_kwargs)
+
+    async def tenant_of(request: Request, *, admin: bool = False) -> Tenant:
+        """The request's tenant (401 while auth is on and the key is missing or bad); with ``admin``,
+        403 unless the key is an admin key (or auth is off)."""
+        tenant = await request.app.state.admission.gate.authenticate(request.headers.get("authorization"))
+        if admin and not tenant.may_administer:
+            raise PermissionDenied("this route needs an admin key (`tandem keys create --admin`)")
+        return tenant
+
+    def route_preference(request: Request, tenant: Tenant) -> str | None:
+        prefer = request.headers.get("x-tandem-route")
+        if prefer is None:
+            return None
+        if prefer not in ("colocated", "disaggregated"):
+            raise InvalidRequest("x-tandem-route must be `colocated` or `disaggregated`", param="x-tandem-route")
+        allowed = settings.route_header == "always" or (settings.route_header == "auto" and tenant.may_administer)
+        if not allowed:
+            # Forcing the path overrides the policy's placement (and P/D load balance): operators only.
+            raise PermissionDenied("x-tandem-route needs an admin key (or TANDEM_ROUTER_ROUTE_HEADER=always)",
+                                   param="x-tandem-route")
+        return prefer
 
     async def serve(request: Request, kind: Kind, endpoint: str) -> Response:
         orch: Orchestrator = request.app.state.orchestrator
@@ -189,6 +240,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         admission = await gate.admit(request.headers.get("authorization"),
                                      priority_header=request.headers.get("x-tandem-priority"))
         req = await _parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        prefer = route_preference(request, admission.tenant)
         deadline = request_deadline(request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s,
                                     arrival=arrival)
         session = await session_params(request.headers.get(SESSION_HEADER), request.headers.get(HISTORY_HEADER))
@@ -201,6 +253,11 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
                              session_id=session_id, tenant_id=admission.tenant.tenant_id,
                              priority=admission.priority, deadline=deadline)
         messages = [m.model_dump(exclude_none=True) for m in req.messages] if kind == "chat" else None
+        if messages is not None:
+            check_chat(messages, req.model_extra or {}, max_messages=settings.max_messages,
+                       max_message_chars=settings.max_message_chars,
+                       trust_request_chat_template=settings.trust_request_chat_template,
+                       allowed_template_kwargs=template_kwargs_allowed)
         if session.mode is HistoryMode.SERVER:
             if messages is None or session_id is None:
                 raise InvalidRequest(f"{HISTORY_HEADER}: server applies to chat completions only",
@@ -216,9 +273,6 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         async def charge(prompt_tokens: int, max_tokens: int | None) -> None:
             await gate.charge_tokens(admission, prompt_tokens, max_tokens)
 
-        prefer = request.headers.get("x-tandem-route")
-        if prefer not in (None, "colocated", "disaggregated"):
-            raise InvalidRequest("x-tandem-route must be `colocated` or `disaggregated`", param="x-tandem-route")
         kv_tasks: TaskSet = request.app.state.kv_tasks
         leg = None
         try:
@@ -243,6 +297,8 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             finish("cancelled", 499)
             return Response(status_code=499)
         except TandemError as exc:
+            if isinstance(exc, ModelNotFound):
+                trace.model = UNKNOWN_MODEL
             if leg is not None:
                 orch.abandon(leg, f"request failed: {exc.message}", kv_tasks.spawn)
             finish("rejected" if exc.status_code < 500 or exc.status_code == 503 else "error", exc.status_code, exc)
@@ -262,8 +318,12 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> JSONResponse:
+        tenant = await tenant_of(request)
         fb: Feedback = await _parse(request, Feedback)
         ref = await request.app.state.responses.lookup(fb.response_id)
+        if ref.tenant_id != tenant.tenant_id:
+            # As if it did not exist: another tenant's response ids are not even confirmed.
+            raise NotFound(f"No response with id `{fb.response_id}`.", param="response_id")
         emitter: Emitter | None = request.app.state.emitter
         if emitter is not None:
             emitter.emit("feedback", {"response_id": fb.response_id, "request_id": ref.request_id,
@@ -274,6 +334,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
+        await tenant_of(request)
         fleet: Fleet = request.app.state.fleet
         data = [{"id": name, "object": "model", "created": int(n.info.started_at), "owned_by": "tandem",
                  "max_model_len": n.info.max_model_len} for name, n in sorted(fleet.models().items())]
@@ -291,6 +352,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     async def cluster(request: Request) -> dict[str, Any]:
         """Admin view: every live node with its role, load, KV usage, cached blocks in the router's
         index and its KV-event stream health."""
+        await tenant_of(request, admin=True)
         fleet: Fleet = request.app.state.fleet
         blocks = {node: n for per_model in request.app.state.index.block_counts().values()
                   for node, n in per_model.items()}
@@ -310,6 +372,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
+        await tenant_of(request, admin=True)
         fleet: Fleet = request.app.state.fleet
         metrics.live_nodes.clear()
         for role in Role:

@@ -1,7 +1,8 @@
 """Validation of the OpenAI request bodies the router accepts.
 
 Only what the router itself relies on is typed; every other field (temperature, tools, logprobs, ...)
-is kept as given and forwarded to the engine, which validates it in turn.
+is kept as given and forwarded to the engine, which validates it in turn, except the fields in
+``INTERNAL_FIELDS``: the router sets those for engines, and a client's are dropped at validation.
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra.errors import InvalidRequest
+
+INTERNAL_FIELDS = frozenset({"kv_transfer_params", "request_id", "priority"})
+"""Body fields only the router may give an engine. ``kv_transfer_params`` names where a decode pulls KV
+from (a client's could point a decode node at a server it controls, or pin blocks); ``request_id``
+would let a client choose the engine's id for its request (colliding with another's); ``priority`` is
+the engine scheduler's, which the router's own classes (``x-tandem-priority``) decide."""
 
 
 class StreamOptions(BaseModel):
@@ -26,6 +33,13 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_internal(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not INTERNAL_FIELDS.isdisjoint(data):
+            data = {k: v for k, v in data.items() if k not in INTERNAL_FIELDS}
+        return data
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

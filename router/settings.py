@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -45,3 +46,26 @@ class RouterSettings(BaseSettings):
     router's redis_url."""
     default_max_tokens: int | None = None
     """max_tokens applied when a request gives none (None: up to the context window, as vLLM does)."""
+
+    # -- the edge (router.edge): what a client may send ----------------------------------------------
+    max_body_bytes: int = 10 * 1024 * 1024
+    """Largest request body (bytes) on any route: a larger Content-Length is refused with 413 before the
+    body is read, a chunked body at the byte that passes it. 10 MiB holds a full 128k-token context
+    with room to spare, and bounds the router's tokenizing to seconds of CPU."""
+    max_json_depth: int = 64
+    """Deepest nesting of objects and arrays in a body (400 beyond it). OpenAI's schemas need under ten
+    levels; tool schemas a few more."""
+    max_messages: int = 4096
+    """Most messages in one chat request (400 beyond it)."""
+    max_message_chars: int = 2 * 1024 * 1024
+    """Most characters in one message's content (its text parts summed; 400 beyond it)."""
+    trust_request_chat_template: bool = False
+    """Accept a client's ``chat_template`` (as vLLM's ``--trust-request-chat-template``; the engine
+    must be started with it too). Off: such a request is a 400 before the router renders anything."""
+    chat_template_kwargs: frozenset[str] = frozenset(
+        {"add_generation_prompt", "continue_final_message", "enable_thinking", "thinking", "reasoning_effort"})
+    """Names a client may give in ``chat_template_kwargs`` (scalar values only); any other is a 400.
+    In the environment, a JSON list."""
+    route_header: Literal["auto", "always", "never"] = "auto"
+    """Who may force the path with ``x-tandem-route``: auto (default) while auth is off or for admin keys;
+    always; never. A request that may not gets 403."""

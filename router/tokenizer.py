@@ -4,6 +4,13 @@ Used before any node is involved: an over-long request is refused with a 400 ins
 prefill node (and, in P/D, KV blocks held for a decode that would then refuse it), and the routing
 keys are computed from exactly the tokens the engine will hash. Nodes register their model folder; a
 router on another host without that folder skips both and lets the engine refuse instead.
+
+A prompt the router has the tokenizer for but cannot render (a template error, template arguments it
+refuses) is the client's error, a 400: the router never serves a prompt it counted as 0 tokens, which
+would bypass both the context check and the token limits. The template arguments are vLLM's: the
+request's ``add_generation_prompt`` (default true) and ``continue_final_message``, overridden by its
+``chat_template_kwargs`` (names from an allowlist, ``router.edge``), and a client ``chat_template`` only
+when the operator trusts them.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from infra.errors import InvalidRequest
 from infra.registry import NodeInfo
 
 log = logging.getLogger("tandem.router.tokenizer")
@@ -46,10 +54,12 @@ class PromptTokenizer:
                 return _token_ids(tok, body)  # shorter than the hand-off to a thread would cost
             return await asyncio.to_thread(_token_ids, tok, body)
         except (TemplateError, ValueError, TypeError, KeyError) as exc:
-            # The engine renders the same template and will answer this request with its own error;
-            # the router only loses its length check and routing keys for it.
-            log.warning("cannot render prompt for %s: %s", node.model, exc)
-            return None
+            # The engine renders the same template and would refuse it too; serving it uncounted would
+            # skip the context check and charge 0 tokens against the tenant's limits.
+            log.info("cannot render prompt for %s: %s", node.model, exc)
+            raise InvalidRequest(f"the prompt cannot be rendered with the model's chat template: {exc}",
+                                 param="messages" if "messages" in body else "prompt",
+                                 code="invalid_prompt") from exc
 
 
 INLINE_CHARS = 16_384
@@ -76,6 +86,17 @@ def _load(path: str) -> Any | None:
     return AutoTokenizer.from_pretrained(path)
 
 
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The template's arguments as vLLM builds them: request fields, then ``chat_template_kwargs``."""
+    kwargs: dict[str, Any] = {"add_generation_prompt": body.get("add_generation_prompt", True)}
+    if body.get("continue_final_message"):
+        kwargs["continue_final_message"] = True
+    if body.get("chat_template") is not None:  # only present when the operator trusts them (router.edge)
+        kwargs["chat_template"] = body["chat_template"]
+    kwargs.update(body.get("chat_template_kwargs") or {})
+    return kwargs
+
+
 def _token_ids(tok: Any, body: dict[str, Any]) -> list[int]:
     if "messages" in body:
         # As vLLM does before rendering: a message without content (an assistant turn that only calls
@@ -86,15 +107,10 @@ def _token_ids(tok: Any, body: dict[str, Any]) -> list[int]:
             # Render, then encode with the Rust tokenizer directly: what apply_chat_template(tokenize=True)
             # does (no special tokens added to a rendered chat, as vLLM), without the BatchEncoding and
             # padding machinery around it, which cost as much as the encoding on every request.
-            text = tok.apply_chat_template(
-                messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=False,
-                **(body.get("chat_template_kwargs") or {}),
-            )
+            text = tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=False,
+                                           **template_kwargs(body))
             return list(rust.encode(text, add_special_tokens=False).ids)
-        ids = tok.apply_chat_template(
-            messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=True,
-            **(body.get("chat_template_kwargs") or {}),
-        )
+        ids = tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=True, **template_kwargs(body))
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping)
             ids = ids["input_ids"]
         return list(ids)

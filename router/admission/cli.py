@@ -59,6 +59,9 @@ def create(
         typer.Option(help="Priority class of the tenant's requests (a request's x-tandem-priority header may "
                           "lower it to batch, never raise it).", case_sensitive=False),
     ] = None,
+    admin: Annotated[
+        bool, typer.Option("--admin", help="An admin key: may read /metrics and /cluster and send x-tandem-route.")
+    ] = False,
 ) -> None:
     """Create a key for TENANT and print it once: it is stored only as a hash and cannot be shown again.
 
@@ -69,14 +72,15 @@ def create(
     async def work(ctx: AdmissionContext) -> tuple[ApiKeyInfo, str]:
         s = ctx.settings
         return await ctx.keys.create_key(
-            tenant, rpm=rpm, tpm=tpm, priority=priority, default_rpm=s.default_rpm, default_tpm=s.default_tpm
+            tenant, rpm=rpm, tpm=tpm, priority=priority, default_rpm=s.default_rpm, default_tpm=s.default_tpm,
+            admin=admin,
         )
 
     info, key = _run(work)
     err = Console(stderr=True)
     err.print(
         f"created key [bold]{info.key_id}[/bold] for tenant [bold]{info.tenant_id}[/bold] "
-        f"(rpm {_limit(info.rpm)}, tpm {_limit(info.tpm)}, {info.priority}). "
+        f"(rpm {_limit(info.rpm)}, tpm {_limit(info.tpm)}, {info.priority}{', admin' if info.admin else ''}). "
         "Store it now; it will not be shown again:"
     )
     typer.echo(key)
@@ -94,6 +98,8 @@ def list_keys(
     for k in rows:
         created = dt.datetime.fromtimestamp(k.created_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
         state = "[red]revoked[/red]" if k.revoked else "[green]active[/green]"
+        if k.admin:
+            state += " admin"
         table.add_row(k.key_id, k.tenant_id, _limit(k.rpm), _limit(k.tpm), str(k.priority), state, created)
     Console().print(table)
 

@@ -10,9 +10,14 @@ Where keys live
     The persistent store (PostgreSQL, or SQLite by default) is the source of truth: tables
     ``tandem_tenants`` (limits, priority) and ``tandem_api_keys`` (hash, tenant, revoked). Redis holds
     the fast-path copy, one hash per key, ``<prefix>key:<sha256>`` with fields
-    t=tenant, k=key_id, r=requests/min, m=tokens/min, p=priority, x=revoked (0/1); or n=1 for a
+    t=tenant, k=key_id, r=requests/min, m=tokens/min, p=priority, x=revoked (0/1), a=admin (0/1); or n=1 for a
     *negative* entry (no such key), which expires after ``negative_ttl_s``. Losing Redis loses nothing:
     a miss reads the store and refills Redis.
+
+Admin keys
+    ``tandem keys create --admin``: a key listed in ``tandem_admin_keys`` (a table of its own, so a store
+    created before admin keys existed needs no migration). Admin keys may read ``/metrics`` and
+    ``/cluster`` and force the path with ``x-tandem-route``; their requests are otherwise like any other.
 
 When auth is on
     ``<prefix>keys:exist`` is "1" once any key was ever created (revoked keys count, so revoking the last
@@ -58,6 +63,8 @@ SCHEMA = (
         tenant_id TEXT NOT NULL REFERENCES tandem_tenants(tenant_id),
         revoked INTEGER NOT NULL DEFAULT 0,
         created_at DOUBLE PRECISION NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS tandem_admin_keys (
+        key_id TEXT PRIMARY KEY REFERENCES tandem_api_keys(key_id))""",
 )
 
 
@@ -72,6 +79,13 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     priority: Priority = Priority.INTERACTIVE
     key_id: str | None = None
     """The key that authenticated the request; None when auth is off."""
+    admin: bool = False
+    """An admin key (``tandem keys create --admin``): /metrics, /cluster, ``x-tandem-route``."""
+
+    @property
+    def may_administer(self) -> bool:
+        """Admin routes are open while auth is off (no key at all), else only to admin keys."""
+        return self.key_id is None or self.admin
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +99,7 @@ class ApiKeyInfo:
     priority: Priority
     revoked: bool
     created_at: float
+    admin: bool = False
 
 
 def hash_key(key: str) -> str:
@@ -120,11 +135,11 @@ local function tandem_auth()
   if ARGV[1] ~= '1' and flag ~= '1' then return {1} end
   if ARGV[2] == '0' then return {6} end
   if ARGV[2] == '2' then return {7} end
-  local rec = redis.call('HMGET', KEYS[1], 't', 'k', 'r', 'm', 'p', 'x', 'n')
+  local rec = redis.call('HMGET', KEYS[1], 't', 'k', 'r', 'm', 'p', 'x', 'n', 'a')
   if rec[7] then return {7} end
   if not rec[1] then return {2} end
   if rec[6] == '1' then return {3, rec[1], rec[2]} end
-  return {0, rec[1], rec[2], rec[3], rec[4], rec[5]}
+  return {0, rec[1], rec[2], rec[3], rec[4], rec[5], rec[8] or '0'}
 end
 """
 
@@ -217,6 +232,7 @@ class KeyStore:
                 rpm=int(reply[3]),
                 tpm=int(reply[4]),
                 priority=Priority(_s(reply[5])),
+                admin=_s(reply[6]) == "1",
             )
         if code == AuthCode.AUTH_OFF:
             return self.anonymous
@@ -255,16 +271,18 @@ class KeyStore:
     async def refill(self, key_hash: str) -> bool:
         """Copy one key from the store into Redis (or a negative entry). True if the key exists."""
         rows = await self._db.fetch(
-            """SELECT k.key_id, k.tenant_id, t.rpm, t.tpm, t.priority, k.revoked
+            """SELECT k.key_id, k.tenant_id, t.rpm, t.tpm, t.priority, k.revoked, a.key_id
                FROM tandem_api_keys k JOIN tandem_tenants t ON t.tenant_id = k.tenant_id
+               LEFT JOIN tandem_admin_keys a ON a.key_id = k.key_id
                WHERE k.key_hash = $1""",
             key_hash,
         )
         rkey = self.record_key(key_hash)
         try:
             if rows:
-                key_id, tenant_id, rpm, tpm, priority, revoked = rows[0]
-                await self._write_record(rkey, key_id, tenant_id, rpm, tpm, priority, bool(revoked))
+                key_id, tenant_id, rpm, tpm, priority, revoked, admin = rows[0]
+                await self._write_record(rkey, key_id, tenant_id, rpm, tpm, priority, bool(revoked),
+                                         admin=admin is not None)
             else:
                 async with self._redis.pipeline(transaction=True) as pipe:
                     pipe.delete(rkey)
@@ -276,13 +294,15 @@ class KeyStore:
         return bool(rows)
 
     async def _write_record(
-        self, rkey: str, key_id: str, tenant_id: str, rpm: int, tpm: int, priority: str, revoked: bool
+        self, rkey: str, key_id: str, tenant_id: str, rpm: int, tpm: int, priority: str, revoked: bool,
+        *, admin: bool = False,
     ) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(rkey)
             pipe.hset(
                 rkey,
-                mapping={"t": tenant_id, "k": key_id, "r": rpm, "m": tpm, "p": priority, "x": int(revoked)},
+                mapping={"t": tenant_id, "k": key_id, "r": rpm, "m": tpm, "p": priority, "x": int(revoked),
+                         "a": int(admin)},
             )
             await pipe.execute()
 
@@ -296,6 +316,7 @@ class KeyStore:
         priority: Priority | None = None,
         default_rpm: int = 600,
         default_tpm: int = 1_000_000,
+        admin: bool = False,
     ) -> tuple[ApiKeyInfo, str]:
         """Create a key for ``tenant_id`` (creating the tenant, or updating the limits given).
         Returns the key's info and the key itself, which is never stored and cannot be shown again."""
@@ -342,10 +363,12 @@ class KeyStore:
             tenant_id,
             now,
         )
+        if admin:
+            await self._db.execute("INSERT INTO tandem_admin_keys (key_id) VALUES ($1)", key_id)
         try:
             await self._redis.set(self.flag_key, "1")
             await self._write_record(
-                self.record_key(hash_key(key)), key_id, tenant_id, rpm, tpm, str(priority), False
+                self.record_key(hash_key(key)), key_id, tenant_id, rpm, tpm, str(priority), False, admin=admin
             )
         except RedisError as exc:
             raise StoreError(
@@ -361,12 +384,14 @@ class KeyStore:
             priority=priority,
             revoked=False,
             created_at=now,
+            admin=admin,
         )
         return info, key
 
     async def list_keys(self, tenant_id: str | None = None) -> list[ApiKeyInfo]:
-        sql = """SELECT k.key_id, k.tenant_id, t.rpm, t.tpm, t.priority, k.revoked, k.created_at
-                 FROM tandem_api_keys k JOIN tandem_tenants t ON t.tenant_id = k.tenant_id"""
+        sql = """SELECT k.key_id, k.tenant_id, t.rpm, t.tpm, t.priority, k.revoked, k.created_at, a.key_id
+                 FROM tandem_api_keys k JOIN tandem_tenants t ON t.tenant_id = k.tenant_id
+                 LEFT JOIN tandem_admin_keys a ON a.key_id = k.key_id"""
         args: tuple[str, ...] = ()
         if tenant_id is not None:
             sql += " WHERE k.tenant_id = $1"
@@ -381,6 +406,7 @@ class KeyStore:
                 priority=Priority(r[4]),
                 revoked=bool(r[5]),
                 created_at=float(r[6]),
+                admin=r[7] is not None,
             )
             for r in rows
         ]

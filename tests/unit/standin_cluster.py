@@ -9,7 +9,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -35,12 +35,17 @@ class StandInCluster:
     node_ids: dict[str, str]
     """Registry node id per node name."""
     admission: AdmissionSettings
+    admin_headers: dict[str, str] = field(default_factory=dict)
+    """``Authorization`` of an admin key (for /metrics and /cluster), once ``create_key`` turned auth on."""
 
-    async def create_key(self, tenant: str, priority: Priority = Priority.INTERACTIVE) -> str:
-        """A real API key (auth turns on for the router's prefix)."""
+    async def create_key(self, tenant: str, priority: Priority = Priority.INTERACTIVE, *, admin: bool = False) -> str:
+        """A real API key (auth turns on for the router's prefix; an admin key is made with the first)."""
         ctx = await AdmissionContext.create(self.admission, start_writer=False)
         try:
-            return (await ctx.keys.create_key(tenant, rpm=0, tpm=0, priority=priority))[1]
+            if not self.admin_headers:
+                ops = (await ctx.keys.create_key("ops", rpm=0, tpm=0, admin=True))[1]
+                self.admin_headers = {"Authorization": f"Bearer {ops}"}
+            return (await ctx.keys.create_key(tenant, rpm=0, tpm=0, priority=priority, admin=admin))[1]
         finally:
             await ctx.close()
 

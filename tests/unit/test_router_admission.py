@@ -32,13 +32,14 @@ def _retry_after(resp: httpx.Response) -> int:
     return value
 
 
-async def _metric(client: httpx.AsyncClient, name: str, **labels: str) -> float:
-    return metric((await client.get("/metrics")).text, name, **labels) or 0.0
+async def _metric(client: httpx.AsyncClient, name: str, headers: dict[str, str] | None = None, **labels: str) -> float:
+    return metric((await client.get("/metrics", headers=headers)).text, name, **labels) or 0.0
 
 
 def _queued(client: httpx.AsyncClient, c: StandInCluster, node: str, priority: str):  # noqa: ANN202
     async def depth() -> float:
-        return await _metric(client, "tandem_admission_queue_depth", node=c.node_ids[node], priority=priority)
+        return await _metric(client, "tandem_admission_queue_depth", c.admin_headers, node=c.node_ids[node],
+                             priority=priority)
 
     return depth
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from infra.errors import InvalidRequest
 from infra.model import default_model_dir
 from infra.registry import NodeInfo, Role
 from router.tokenizer import PromptTokenizer
@@ -31,8 +34,19 @@ def test_completion_prompts_and_token_lists() -> None:
     assert len(_ids({"prompt": "hello world"}) or []) >= 2
 
 
-def test_unrenderable_messages_fall_back_to_no_ids() -> None:
-    assert _ids({"messages": "not a list"}) is None
+def test_unrenderable_messages_are_the_clients_error_never_a_zero_count() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        _ids({"messages": "not a list"})
+    assert info.value.code == "invalid_prompt"
+
+
+def test_template_arguments_follow_vllm_and_kwargs_override_them() -> None:
+    chat = [{"role": "user", "content": "hello"}]
+    with_prompt = _ids({"messages": chat})
+    assert _ids({"messages": chat, "chat_template_kwargs": {"add_generation_prompt": True}}) == with_prompt
+    without = _ids({"messages": chat, "add_generation_prompt": False})
+    assert without and with_prompt and len(without) < len(with_prompt)
+    assert _ids({"messages": chat, "chat_template_kwargs": {"add_generation_prompt": False}}) == without
 
 
 def test_the_fast_path_equals_transformers_own_tokenization() -> None:
