@@ -30,7 +30,7 @@ from typing import Annotated, Any, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 
@@ -64,7 +64,7 @@ from router.schemas import ChatCompletionRequest, CompletionRequest, Message
 from router.sessions.http import HISTORY_HEADER, HistoryMode, prepend_history, session_params, sessions_router
 from router.sessions.models import SESSION_HEADER
 from router.settings import RouterSettings
-from router.sse import relay
+from router.sse import RelayResponse
 from router.tokenizer import PromptTokenizer
 from router.turns import TurnRecorder
 from telemetry import Emitter, EmitterConfig
@@ -304,9 +304,8 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             finish("rejected" if exc.status_code < 500 or exc.status_code == 503 else "error", exc.status_code, exc)
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(relay(chunks, stack, trace, include_usage, lambda st, e: finish(st, 200, e)),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        return RelayResponse(chunks, stack, trace, include_usage, lambda st, e: finish(st, 200, e),
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -4,6 +4,12 @@ A background task re-reads the registry every ``refresh_s``; a node whose heartb
 from the next read, so it leaves routing within one registry TTL plus one refresh. If Redis is briefly
 unreachable the last good view is kept (a router that cannot see the registry still serves).
 
+Failures. A leg that cannot reach its node (refused, reset, timed out: ``UpstreamError`` that is no
+engine answer) marks the node down at once (``mark_down``): it leaves routing for ``down_s`` without
+waiting for its registry entry to lapse, and comes back when that passes (the next request probes it)
+or when the registry shows a new incarnation. If every node of a model is down, all are offered again:
+trying beats refusing.
+
 Incarnations. A node id keeps its name across engine restarts (the node agent restarts a dead or hung
 engine; ``tandem up`` restarts a dead agent) but every engine start registers a new ``epoch``. Nothing
 an old incarnation held survives it: its KV blocks are dropped from the fleet index by the refresh
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -39,8 +46,12 @@ class Pools:
 
 class Fleet:
     def __init__(self, registry: NodeRegistry, *, refresh_s: float = 0.5,
-                 on_refresh: Callable[[list[LiveNode]], Awaitable[None]] | None = None) -> None:
+                 on_refresh: Callable[[list[LiveNode]], Awaitable[None]] | None = None,
+                 down_s: float = 5.0) -> None:
         self._registry = registry
+        self._down_s = down_s
+        self._down: dict[str, float] = {}
+        """node id -> monotonic time until which it is left out of routing."""
         self._on_refresh = on_refresh
         self._refresh_s = refresh_s
         self._nodes: list[LiveNode] = []
@@ -80,6 +91,7 @@ class Fleet:
             last = self._epochs.get(node_id)
             if last is not None and epoch != last:
                 self.restarts[node_id] += 1
+                self._down.pop(node_id, None)  # a new engine: worth trying at once
                 log.warning("node %s is a new incarnation (epoch %d -> %d): dropping what the old one held",
                             node_id, last, epoch)
             self._epochs[node_id] = epoch
@@ -104,10 +116,28 @@ class Fleet:
             out.setdefault(n.info.model, n)
         return out
 
-    def pools(self, model: str) -> Pools:
+    def mark_down(self, node_id: str, reason: str) -> None:
+        """Leave ``node_id`` out of routing for ``down_s``: a leg could not reach it."""
+        if node_id not in self._down:
+            log.warning("node %s marked down for %.0f s: %s", node_id, self._down_s, reason)
+        self._down[node_id] = time.monotonic() + self._down_s
+
+    def is_down(self, node_id: str) -> bool:
+        until = self._down.get(node_id)
+        if until is None:
+            return False
+        if time.monotonic() >= until:
+            del self._down[node_id]  # probed back in by the next request
+            return False
+        return True
+
+    def pools(self, model: str, *, exclude: frozenset[str] = frozenset()) -> Pools:
         nodes = [n for n in self._nodes if n.info.model == model]
         if not nodes:
             raise ModelNotFound(f"The model `{model}` does not exist or no node serves it.", param="model")
+        if self._down or exclude:
+            up = [n for n in nodes if n.info.node_id not in exclude and not self.is_down(n.info.node_id)]
+            nodes = up or [n for n in nodes if n.info.node_id not in exclude] or nodes
 
         def cands(role: Role) -> list[Candidate]:
             return [Candidate(node=n, inflight=self._inflight[n.info.node_id]) for n in nodes if n.info.role is role]

@@ -47,9 +47,7 @@ def _engine_error(resp_status: int, text: str) -> EngineRejected:
 
 def _stream_error(payload: bytes) -> EngineRejected | None:
     """An engine's in-band error event (``{"error": {...}}``, no choices), or None for a normal chunk.
-    Only payloads that start like one are decoded."""
-    if not payload.lstrip()[:8].startswith(b'{"error"'):
-        return None
+    Only payloads that start like one are passed here."""
     chunk = json.loads(payload)
     if "choices" in chunk:
         return None
@@ -180,18 +178,23 @@ class _events:  # noqa: N801  (used like a generator function)
         *events, self._rest = data.split(b"\n\n")
         batch: list[bytes] = []
         for event in events:
-            for line in event.split(b"\n"):
+            # The common case, one "data: {...}" line, without the general loop (this runs per token).
+            lines = (event,) if b"\n" not in event else event.split(b"\n")
+            for line in lines:
                 if not line.startswith(b"data:"):
                     continue  # comments, other fields: not ours to forward
-                payload = line[5:].strip()
-                if payload == _DONE:
-                    self._saw_done = True
-                    return batch
-                try:
-                    err = _stream_error(payload)
-                except ValueError as exc:
-                    raise UpstreamError(f"stream from {self._url} sent malformed data") from exc
-                if err is not None:
-                    raise err
+                payload = line[6:] if line.startswith(b"data: ") else line[5:].strip()
+                if payload[:2] != b'{"':
+                    payload = payload.strip()
+                    if payload == _DONE:
+                        self._saw_done = True
+                        return batch
+                if payload.startswith(b'{"error"'):
+                    try:
+                        err = _stream_error(payload)
+                    except ValueError as exc:
+                        raise UpstreamError(f"stream from {self._url} sent malformed data") from exc
+                    if err is not None:
+                        raise err
                 batch.append(payload)
         return batch

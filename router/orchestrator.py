@@ -265,6 +265,7 @@ class Orchestrator:
                 raise  # the client's request is at fault; another node would refuse it too
             kv_params = self._fallback(exc, trace)
         except UpstreamError as exc:
+            self._node_failed(decision.prefill, exc)
             kv_params = self._fallback(exc, trace)
         finally:
             trace.prefill_end = time.time()
@@ -311,22 +312,49 @@ class Orchestrator:
         if is_tandem_params(params):
             background(release_lease(params, reason))
 
+    def _node_failed(self, node: Candidate, exc: UpstreamError) -> None:
+        """A leg could not reach ``node`` (no engine answer at all): leave it out of routing now rather
+        than when its registry entry lapses. An engine's own error answer says the node is alive."""
+        if not isinstance(exc, EngineRejected):
+            self.fleet.mark_down(node.node_id, exc.message)
+
     def _retry_leg(self, leg: Leg, trace: RequestTrace, exc: TandemError) -> Leg:
-        """The decode leg failed before any token: serve the request on the prefill node instead."""
+        """The decode leg failed before any token: serve the request once more, on the prefill node of a
+        P/D pair (alive, with the prompt cached), else on another node that can serve it alone."""
         retryable = isinstance(exc, UpstreamError) and not (isinstance(exc, EngineRejected) and exc.status_code < 500)
-        prefill = leg.decision.prefill
-        # Only a P/D leg whose prefill succeeded: its prefill node is alive and has the prompt cached.
-        if not retryable or prefill is None or "kv_transfer_params" not in leg.body \
-                or self.settings.prefill_fallback is FallbackPolicy.ERROR:
+        if not retryable or self.settings.prefill_fallback is FallbackPolicy.ERROR:
             raise exc
-        log.warning("decode leg on %s failed (%s); serving on prefill node %s", trace.decode_node, exc.message,
-                    prefill.node_id)
-        self.metrics.fallbacks.inc()
-        trace.fallback, trace.mode, trace.decode_node = True, "colocated", prefill.node_id
-        trace.reason = f"{trace.reason}; decode leg failed, served by the prefill node"
+        assert isinstance(exc, UpstreamError)
+        failed = leg.decision.decode
+        self._node_failed(failed, exc)
+        prefill = leg.decision.prefill
+        path = leg.url[len(failed.node.info.url):]
         body = {k: v for k, v in leg.body.items() if k != "kv_transfer_params"}
-        return Leg(replace(leg.decision, decode=prefill, prefill=None), prefill.node.info.url + leg.url[
-            len(leg.decision.decode.node.info.url):], body)
+        if prefill is not None and "kv_transfer_params" in leg.body:
+            target, why = prefill, "served by the prefill node"
+        else:
+            target = self._another_node(trace.model, failed.node_id)
+            if target is None:
+                raise exc
+            why = f"served by {target.node_id}"
+        log.warning("decode leg on %s failed (%s); %s", failed.node_id, exc.message, why)
+        self.metrics.fallbacks.inc()
+        trace.fallback, trace.mode, trace.decode_node = True, "colocated", target.node_id
+        trace.decode_role = target.node.info.role.value
+        trace.reason = f"{trace.reason}; decode leg failed, {why}"
+        return Leg(replace(leg.decision, decode=target, prefill=None), target.node.info.url + path, body)
+
+    def _another_node(self, model: str, failed: str) -> Candidate | None:
+        """The least busy node other than ``failed`` that serves ``model`` alone (colocated, else decode)."""
+        try:
+            pools = self.fleet.pools(model, exclude=frozenset({failed}))
+        except TandemError:
+            return None
+        for pool in (pools.colocated, pools.decode):
+            options = [c for c in pool if c.node_id != failed]
+            if options:
+                return min(options, key=lambda c: c.inflight)
+        return None
 
     async def complete(self, leg: Leg, trace: RequestTrace,
                        background: Callable[[Awaitable[Any]], None] | None = None) -> dict[str, Any]:

@@ -8,8 +8,9 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
+from infra.errors import UpstreamError
 from router.orchestrator import RequestTrace
-from router.sse import relay
+from router.sse import RelayResponse
 
 RID = "chatcmpl-0123456789abcdef"
 
@@ -29,12 +30,30 @@ async def _batches(batches: list[list[bytes]]) -> AsyncIterator[list[bytes]]:
         yield b
 
 
-async def _run(batches: list[list[bytes]], include_usage: bool) -> tuple[bytes, RequestTrace, list]:
+async def _run(batches: list[list[bytes]], include_usage: bool, *, fail: bool = False
+               ) -> tuple[bytes, RequestTrace, list]:
     trace = RequestTrace(request_id=RID, kind="chat", model="m")
     finished: list = []
-    out = b"".join([x async for x in relay(_batches(batches), AsyncExitStack(), trace, include_usage,
-                                           lambda st, e: finished.append((st, e)))])
-    return out, trace, finished
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def source() -> AsyncIterator[list[bytes]]:
+        async for b in _batches(batches):
+            yield b
+        if fail:
+            raise UpstreamError("stream from node broke: ConnectionResetError")
+
+    closed: list[bool] = []
+    stack = AsyncExitStack()
+    stack.callback(lambda: closed.append(True))
+    response = RelayResponse(source(), stack, trace, include_usage, lambda st, e: finished.append((st, e)))
+    await response.stream_response(send)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert sent[-1]["more_body"] is False and all(m["more_body"] for m in sent[1:-1])
+    assert closed == [True]  # the upstream stream is closed whatever happened
+    return b"".join(m["body"] for m in sent[1:]), trace, finished
 
 
 def _events(out: bytes) -> list[bytes]:
@@ -71,3 +90,13 @@ async def test_a_foreign_engine_id_is_replaced_and_tool_calls_are_collected() ->
     assert [e["id"] for e in events] == [RID, RID]
     assert trace.tool_calls == {0: {"id": "call_1", "name": "read", "arguments": '{"p":"a.py"}'}}
     assert trace.finish_reason == "tool_calls"
+
+
+async def test_a_stream_that_breaks_after_tokens_ends_with_an_error_event() -> None:
+    out, trace, finished = await _run([[_chunk(RID, {"content": "partial"})]], include_usage=False, fail=True)
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[0] == b"data: " + _chunk(RID, {"content": "partial"})
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2][len(b"data: "):])
+    assert "broke" in error["error"]["message"]
+    assert finished[0][0] == "error" and trace.content == ["partial"]
