@@ -72,8 +72,9 @@ so that no stream waits on them."""
 def _prompt_chars(body: dict[str, Any]) -> int:
     messages = body.get("messages")
     if isinstance(messages, list):
-        return sum(len(c) if isinstance(c := m.get("content"), str) else INLINE_CHARS
-                   for m in messages if isinstance(m, dict)) + len(str(body.get("tools") or ""))
+        return sum(len(c) if isinstance(c := m.get("content"), str) else
+                   sum(len(str(p.get("text", ""))) for p in c if isinstance(p, dict)) if isinstance(c, list)
+                   else INLINE_CHARS for m in messages if isinstance(m, dict)) + len(str(body.get("tools") or ""))
     prompt = body.get("prompt")
     return len(prompt) if isinstance(prompt, str) else INLINE_CHARS + 1
 
@@ -97,11 +98,24 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def _content_text(content: Any) -> Any:
+    """A message's content as the engine renders it for a text chat template: a list of content parts
+    (OpenAI's ``[{"type": "text", "text": ...}]``, which `vllm bench serve` and many SDK users send)
+    becomes its text parts joined by newlines, as vLLM's own parser does; no content is empty text.
+    Anything else is left for the template (and its error) to judge."""
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "\n".join(texts)
+        return content
+    return content or ""
+
+
 def _token_ids(tok: Any, body: dict[str, Any]) -> list[int]:
     if "messages" in body:
         # As vLLM does before rendering: a message without content (an assistant turn that only calls
         # tools) renders as empty text, not as a missing attribute.
-        messages = [{**m, "content": m.get("content") or ""} for m in body["messages"]]
+        messages = [{**m, "content": _content_text(m.get("content"))} for m in body["messages"]]
         rust = getattr(tok, "_tokenizer", None)
         if rust is not None and hasattr(rust, "encode"):
             # Render, then encode with the Rust tokenizer directly: what apply_chat_template(tokenize=True)

@@ -67,3 +67,11 @@ def test_the_fast_path_equals_transformers_own_tokenization() -> None:
         want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         want = list(want["input_ids"] if isinstance(want, Mapping) else want)
         assert _ids({"messages": messages}) == want
+
+
+def test_text_content_parts_render_like_a_string() -> None:
+    """OpenAI's content-part form (what `vllm bench serve` and SDK users send) is tokenized as vLLM does:
+    text parts joined by newlines. It used to fail rendering, and since rendering errors are 400s,
+    every such request was refused."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    assert _ids({"messages": parts}) == _ids({"messages": [{"role": "user", "content": "hello\nthere"}]})
