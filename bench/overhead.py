@@ -409,11 +409,13 @@ def plot(doc: dict[str, Any], out_png: Path) -> None:
     for ax, (key, title) in zip(axes, panels, strict=True):
         xs = [a for a in arms if key in s[a]]
         vals = [s[a][key] for a in xs]
-        err = [[v - s[a][f"{key}_range"][0] for a, v in zip(xs, vals, strict=True)],
-               [s[a][f"{key}_range"][1] - v for a, v in zip(xs, vals, strict=True)]]
+        err = [[max(0.0, v - s[a][f"{key}_range"][0]) for a, v in zip(xs, vals, strict=True)],
+               [max(0.0, s[a][f"{key}_range"][1] - v) for a, v in zip(xs, vals, strict=True)]]  # rounding
         ax.bar(xs, vals, yerr=err, capsize=4, color=[colors[a] for a in xs])
-        for i, v in enumerate(vals):
-            ax.annotate(f"{v:.2f}" if v < 100 else f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=9)
+        for i, (a, v) in enumerate(zip(xs, vals, strict=True)):
+            top = s[a][f"{key}_range"][1]  # above the range whisker, not on it
+            ax.annotate(f"{v:.2f}" if v < 100 else f"{v:.0f}", (i, top), xytext=(0, 3), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=9)
         if key == "req_s" and "plain" in s:
             ax.axhline(0.95 * s["plain"]["req_s"], color="k", linestyle=":", label="95% of plain")
             ax.legend(fontsize=8, loc="lower right")
