@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from infra.lifetime import stop_group
 from tests.conftest import REDIS_E2E_URL
 
 pytestmark = pytest.mark.e2e
@@ -82,10 +82,5 @@ def test_a_two_core_node_keeps_vllms_one_core_binding(tmp_path: Path) -> None:
         assert os.sched_getaffinity(worker.pid) == {cores[0]}, (
             f"{worker.name()} main thread (OpenMP thread 0) widened or moved: {os.sched_getaffinity(worker.pid)}")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc.pid, timeout_s=60)  # the node and its engine: a process group of their own
+        proc.wait()
