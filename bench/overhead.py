@@ -283,8 +283,6 @@ async def _count_chunks(url: str, model: str, streams: int, tokens: int) -> int:
 def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
     """SSE chunks relayed per second by the router process alone on one core (the first), over the
     stand-in engine and the load client on the others."""
-    import redis as redis_sync
-
     from infra.model import default_model_dir
     from infra.registry import NodeInfo, NodeRegistry
 
@@ -298,7 +296,6 @@ def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
                     block_size=128, max_model_len=1 << 20, kv_connector="none",
                     model_path=str(default_model_dir()))
     procs: list[subprocess.Popen[bytes]] = []
-    r = redis_sync.Redis.from_url(cfg.redis_url)
     me = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, other)  # the client, and the children started from here, stay off the router's core
@@ -344,7 +341,6 @@ def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
                 p.kill()
                 p.wait()
         asyncio.run(NodeRegistry(_async_redis(cfg.redis_url), ttl_s=3600).deregister(node.node_id))
-        r.close()
 
 
 def _async_redis(url: str) -> Any:

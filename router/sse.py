@@ -65,13 +65,6 @@ class _Chunk(msgspec.Struct):
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
-def _has_token(choice: _Choice) -> bool:
-    delta = choice.delta
-    if delta is not None:
-        return bool(delta.content or delta.tool_calls or delta.reasoning_content)
-    return bool(choice.text)
-
-
 OnFinish = Callable[[str, TandemError | None], None]
 """Called once when the stream ends: (status, error)."""
 
@@ -122,9 +115,10 @@ class _Relay:
                     if delta.tool_calls:
                         for call in delta.tool_calls:
                             trace.add_tool_call_delta(call)
+                    token = token or bool(delta.content or delta.tool_calls or delta.reasoning_content)
                 elif choice.text:
                     trace.content.append(choice.text)
-                token = token or _has_token(choice)
+                    token = True
             if token:
                 now = now or time.time()
                 trace.first_token = trace.first_token or now

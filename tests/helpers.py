@@ -15,3 +15,17 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float 
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def alive_pids(pids: set[int]) -> list[int]:
+    """The processes of ``pids`` still running (zombies, whose parent has not reaped them, count as gone)."""
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out

@@ -29,7 +29,7 @@ import redis
 
 from infra.registry import NodeInfo, node_key
 from tests.e2e.test_cache_routing import SYSTEM
-from tests.helpers import wait_for
+from tests.helpers import alive_pids, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -158,24 +158,13 @@ def test_a_killed_decode_engine_comes_back_with_a_new_epoch_and_nothing_stale(tm
         pids.update(p.pid for p in psutil.Process(up.pid).children(recursive=True))
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=120) == 0
-        assert wait_for(lambda: not _alive(pids), timeout_s=30), f"left alive after SIGTERM: {_alive(pids)}"
+        assert wait_for(lambda: not alive_pids(pids), timeout_s=30), f"left alive after SIGTERM: {alive_pids(pids)}"
     finally:
         if load is not None:
             load.stop.set()
         if up.poll() is None:
             up.kill()  # the children's parent-death signal stops the rest
             up.wait()
-        for pid in _alive(pids):
+        for pid in alive_pids(pids):
             os.kill(pid, signal.SIGKILL)
         r.flushdb()
-
-
-def _alive(pids: set[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out

@@ -24,7 +24,7 @@ import redis
 
 from infra.launcher import launcher_key
 from infra.registry import NODES_SET, NodeInfo, node_key
-from tests.helpers import wait_for
+from tests.helpers import alive_pids, wait_for
 from tests.infra.test_supervisor import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,12 +189,12 @@ def test_sigterm_to_a_running_bench_stops_every_process_it_started(tmp_path: Pat
         assert wait_for(running_part_two, timeout_s=120), "the bench never started its router and stand-in"
         bench.send_signal(signal.SIGTERM)
         bench.wait(timeout=60)
-        assert wait_for(lambda: not _alive(seen), timeout_s=30), f"left alive: {_alive(seen)}"
+        assert wait_for(lambda: not alive_pids(seen), timeout_s=30), f"left alive: {alive_pids(seen)}"
     finally:
         if bench.poll() is None:
             bench.kill()
             bench.wait()
-        for pid in _alive(seen):
+        for pid in alive_pids(seen):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -207,14 +207,3 @@ def _health_any(procs: list[psutil.Process]) -> bool:
         except psutil.Error:
             pass
     return False
-
-
-def _alive(pids: set[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
