@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import queue
+import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -29,3 +32,31 @@ def alive_pids(pids: set[int]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+class OutputLines:
+    """The stdout of a child started with ``stdout=PIPE, text=True``, read by a thread so a test can
+    wait for a line (``READY …``) with a deadline instead of blocking on the pipe."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        self.proc = proc
+        self.seen: list[str] = []
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [self._lines.put(x) for x in iter(proc.stdout.readline, "")],  # type: ignore[union-attr]
+                         daemon=True).start()
+
+    def until(self, prefix: str, timeout_s: float, what: str = "process") -> str:
+        """Wait for a line starting with ``prefix`` and return it; RuntimeError (with the output's tail)
+        if the child exits or ``timeout_s`` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"{what} not ready in {timeout_s:.0f} s:\n{''.join(self.seen[-40:])}") from None
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited {self.proc.returncode}:\n{''.join(self.seen[-40:])}")

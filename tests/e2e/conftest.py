@@ -7,12 +7,9 @@ registry in its own Redis database. Node i listens on NODE_BASE + 10*i in that o
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +20,7 @@ import redis
 
 from infra.registry import NODES_SET
 from tests.conftest import REDIS_E2E_URL
-from tests.helpers import wait_for  # noqa: F401 - re-exported for the e2e tests
+from tests.helpers import OutputLines, wait_for  # noqa: F401 - wait_for re-exported for the e2e tests
 
 ROUTER_PORT = 18000
 NODE_BASE = 18100
@@ -41,11 +38,6 @@ class LiveCluster:
     lake: Path
 
 
-def _reader(stream, lines: queue.Queue) -> None:  # noqa: ANN001
-    for line in iter(stream.readline, ""):
-        lines.put(line)
-
-
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
     workdir = tmp_path_factory.mktemp("cluster")
@@ -57,21 +49,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    seen: list[str] = []
+    output = OutputLines(proc)
     try:
-        while True:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"tandem up not ready in {START_TIMEOUT_S} s:\n{''.join(seen[-40:])}") from None
-            seen.append(line)
-            if line.startswith("READY "):
-                break
-            if proc.poll() is not None:
-                raise RuntimeError(f"tandem up exited {proc.returncode}:\n{''.join(seen[-40:])}")
+        output.until("READY ", START_TIMEOUT_S, what="tandem up")
         model = httpx.get(f"http://127.0.0.1:{ROUTER_PORT}/v1/models").json()["data"][0]["id"]
         yield LiveCluster(url=f"http://127.0.0.1:{ROUTER_PORT}", prefill_url=f"http://127.0.0.1:{NODE_BASE}",
                           decode_url=f"http://127.0.0.1:{NODE_BASE + 10}",

@@ -11,11 +11,8 @@ engine processes.
 from __future__ import annotations
 
 import os
-import queue
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -23,6 +20,7 @@ import pytest
 
 from infra.lifetime import stop_group
 from tests.conftest import REDIS_E2E_URL
+from tests.helpers import OutputLines
 
 pytestmark = pytest.mark.e2e
 
@@ -57,18 +55,9 @@ def test_a_two_core_node_keeps_vllms_one_core_binding(tmp_path: Path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")],  # type: ignore[union-attr]
-                     daemon=True).start()
-    seen: list[str] = []
+    output = OutputLines(proc)
     try:
-        deadline = time.monotonic() + 600
-        while not any(x.startswith("READY node") for x in seen):
-            try:
-                seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
-            except queue.Empty:
-                pytest.fail(f"node not ready:\n{''.join(seen[-30:])}")
-            assert proc.poll() is None, f"node exited {proc.returncode}:\n{''.join(seen[-30:])}"
+        output.until("READY node", 600, what="node")
         engine = _engine_threads(proc.pid)
         # Nothing of the engine runs outside the node's cores.
         outside = {tid: aff for tid, (_, aff) in engine.items() if not aff <= node_cores}
