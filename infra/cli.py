@@ -132,16 +132,15 @@ def router(
 
     Request headers: x-tandem-priority (interactive|batch; lowers the key's class, never raises it),
     x-tandem-deadline-ms, x-session-id, x-tandem-history (client|server)."""
-    import uvicorn
-
     from router.app import create_app
+    from router.server import serve
     from router.settings import RouterSettings
 
     _logging(log_level)
     settings = RouterSettings(host=host, port=port, redis_url=redis_url, policy=policy)
     with _clean_errors():
         app_ = create_app(settings)
-    uvicorn.run(app_, host=host, port=port, log_level=log_level, access_log=False)
+    serve(app_, host=host, port=port, log_level=log_level)
 
 
 @app.command()

@@ -276,7 +276,9 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         kv_tasks: TaskSet = request.app.state.kv_tasks
         leg = None
         try:
-            leg = await cancel_on_disconnect(request, orch.plan(kind, req, trace, prefer, charge))  # type: ignore[arg-type]
+            # No token bucket, no charge: the prompt is then tokenized only if routing needs it.
+            charges = charge if gate.charges_tokens(admission) else None
+            leg = await cancel_on_disconnect(request, orch.plan(kind, req, trace, prefer, charges))  # type: ignore[arg-type]
             if not req.stream:
                 try:
                     resp = await cancel_on_disconnect(request, orch.complete(leg, trace, kv_tasks.spawn))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -48,6 +48,7 @@ from router.policies.base import Candidate, Decision, RoutingPolicy, RoutingRequ
 from router.policies.least_loaded import LeastLoaded
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import FallbackPolicy, RouterSettings
+from router.sse_upstream import SseStream
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger("tandem.router")
@@ -172,11 +173,7 @@ class Orchestrator:
                           node: NodeInfo, trace: RequestTrace) -> list[int] | None:
         """The prompt's token ids, after checking that prompt and completion fit the context window."""
         limit = node.max_model_len
-        max_tokens = req.requested_max_tokens() or self.settings.default_max_tokens
-        if max_tokens is not None and max_tokens >= limit:
-            raise InvalidRequest(
-                f"max_tokens={max_tokens} does not fit this model's context window of {limit} tokens",
-                param="max_tokens", code="context_length_exceeded")
+        max_tokens = self._check_max_tokens(req, node)
         ids = await self.tokenizer.token_ids(node, body)
         n = trace.prompt_tokens = len(ids) if ids is not None else None
         if n is not None and n + (max_tokens or 1) > limit:
@@ -186,6 +183,25 @@ class Orchestrator:
                 "Please reduce the length of the messages or completion.",
                 param="messages" if "messages" in body else "prompt", code="context_length_exceeded")
         return ids
+
+    def _check_max_tokens(self, req: ChatCompletionRequest | CompletionRequest, node: NodeInfo) -> int | None:
+        """The completion's max_tokens, refused when it alone fills the context window."""
+        limit = node.max_model_len
+        max_tokens = req.requested_max_tokens() or self.settings.default_max_tokens
+        if max_tokens is not None and max_tokens >= limit:
+            raise InvalidRequest(
+                f"max_tokens={max_tokens} does not fit this model's context window of {limit} tokens",
+                param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def _choice(self, pools: Pools) -> bool:
+        """Whether routing has a choice to make that the prompt's tokens inform (``tokenize`` setting):
+        more than one node could take part. With one node the router would render and encode every
+        prompt (about 1 ms of CPU per 512 tokens, the largest part of its per-request cost) for a
+        decision it does not have."""
+        if self.settings.tokenize == "always":
+            return True
+        return len(pools.prefill) + len(pools.decode) + len(pools.colocated) > 1
 
     def _hit_breakdown(self, rr: RoutingRequest, decision: Decision, trace: RequestTrace) -> None:
         """fleet_cached_tokens (best prefix anywhere) and routed_cached_tokens (on the node that will
@@ -219,7 +235,11 @@ class Orchestrator:
         if self.settings.default_max_tokens and req.requested_max_tokens() is None:
             body["max_tokens"] = self.settings.default_max_tokens
         reference = (pools.decode or pools.colocated or pools.prefill)[0].node.info  # same model everywhere
-        ids = await self._prompt_ids(req, body, reference, trace)
+        if charge is not None or self._choice(pools):
+            ids = await self._prompt_ids(req, body, reference, trace)
+        else:  # nothing to decide and nothing to charge: the engine counts (and checks) the prompt
+            self._check_max_tokens(req, reference)
+            ids = None
         if charge is not None:
             await charge(trace.prompt_tokens or 0, req.requested_max_tokens())
         rr = RoutingRequest(request_id=trace.request_id, model=trace.model, prompt_token_ids=tuple(ids or ()),
@@ -383,7 +403,7 @@ class Orchestrator:
         return resp
 
     async def open_stream(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack,
-                          background: Callable[[Awaitable[Any]], None] | None = None) -> AsyncIterator[list[bytes]]:
+                          background: Callable[[Awaitable[Any]], None] | None = None) -> SseStream:
         """Open the decode stream and wait for its first batch of chunks, so that refusals and a decode node that
         dies before the first token raise here (and can be retried, or answered with a proper HTTP
         status); the stream's lifetime is bound to ``stack``."""
@@ -395,8 +415,7 @@ class Orchestrator:
                 self.abandon(leg, f"decode leg failed: {exc.message}", background)
             return await self._open_once(self._retry_leg(leg, trace, exc), trace, stack)
 
-    async def _open_once(self, leg: Leg, trace: RequestTrace,
-                         stack: AsyncExitStack) -> AsyncIterator[list[bytes]]:
+    async def _open_once(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack) -> SseStream:
         body = dict(leg.body)
         body["stream"] = True
         # Always ask the engine for usage (telemetry needs it); it is only forwarded if the client asked.
@@ -404,44 +423,13 @@ class Orchestrator:
         attempt = AsyncExitStack()
         try:
             attempt.enter_context(self.fleet.track(leg.decision.decode))
-            chunks = await attempt.enter_async_context(self.client.open_stream(leg.url, body, self._headers(trace)))
-            first = await anext(chunks, None)
+            stream = await attempt.enter_async_context(self.client.open_stream(leg.url, body, self._headers(trace)))
+            await stream.first()
         except BaseException:
             await attempt.aclose()
             raise
         stack.push_async_exit(attempt)
-        return _Prepended(first, chunks)
-
-
-class _Prepended:
-    """The stream with its first batch put back in front. A plain iterator class rather than an async
-    generator: it sits on the per-chunk path, where each generator layer costs a few microseconds."""
-
-    __slots__ = ("_first", "_rest")
-
-    def __init__(self, first: list[bytes] | None, rest: AsyncIterator[list[bytes]]) -> None:
-        self._first = first
-        self._rest = rest if first is not None else None
-
-    def __aiter__(self) -> _Prepended:
-        return self
-
-    def __anext__(self) -> Awaitable[list[bytes]]:
-        first = self._first
-        if first is not None:
-            self._first = None
-            return _ready(first)
-        if self._rest is None:
-            return _ready_stop()
-        return self._rest.__anext__()
-
-
-async def _ready(batch: list[bytes]) -> list[bytes]:
-    return batch
-
-
-async def _ready_stop() -> list[bytes]:
-    raise StopAsyncIteration
+        return stream
 
 
 def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:

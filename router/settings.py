@@ -46,6 +46,13 @@ class RouterSettings(BaseSettings):
     router's redis_url."""
     default_max_tokens: int | None = None
     """max_tokens applied when a request gives none (None: up to the context window, as vLLM does)."""
+    tokenize: Literal["auto", "always"] = "auto"
+    """When the router renders and tokenizes a prompt itself (about 1 ms of CPU for 512 tokens):
+    ``auto`` only when a decision needs the token ids, i.e. more than one node could serve the request
+    (cache-aware placement, local-or-remote prefill) or a token-rate limit applies to its tenant; a
+    one-node fleet without token limits then costs what plain vLLM costs, and the engine refuses an
+    over-long prompt itself (the same 400). ``always``: every request, so the router refuses over-long
+    prompts before any node works and every record carries the fleet index's hit prediction."""
 
     # -- the edge (router.edge): what a client may send ----------------------------------------------
     max_body_bytes: int = 10 * 1024 * 1024

@@ -16,13 +16,21 @@ so a chunk that passes unchanged is never re-encoded:
 - Only the usage chunk is decoded whole and re-encoded: it gets the hit-rate breakdown
   (``record_usage``), and is dropped when the client did not ask for usage.
 - What one upstream read brought goes to the client in one write.
+
+Push, not pull: for a stream from an engine (``router.sse_upstream.SseStream``) the relay sends the
+first batch itself and then attaches: each later batch is rewritten and written to the client from
+the upstream connection's own callback, with no task wake-up per chunk. The ASGI ``send`` is driven by
+hand; it completes at once unless the server holds the write because the client reads slowly. Then
+reading from the engine pauses, a task finishes that send and any batches already parsed, and reading
+resumes: a slow client slows its own engine stream and never makes the router buffer without bound.
+Other sources (tests) are pulled with ``async for``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -34,6 +42,7 @@ from starlette.types import Send
 from infra.errors import TandemError
 from router.openai_errors import error_from_exception
 from router.orchestrator import RequestTrace, record_usage
+from router.sse_upstream import SseStream
 
 _encode = msgspec.json.Encoder().encode
 
@@ -142,7 +151,7 @@ class RelayResponse(StreamingResponse):
     what aborts the engine's request) and reports once through ``on_finish``.
     """
 
-    def __init__(self, batches: AsyncIterator[list[bytes]], stack: AsyncExitStack, trace: RequestTrace,
+    def __init__(self, batches: SseStream | AsyncIterator[list[bytes]], stack: AsyncExitStack, trace: RequestTrace,
                  include_usage: bool, on_finish: OnFinish, headers: dict[str, str] | None = None) -> None:
         self.batches = batches
         self.stack = stack
@@ -152,17 +161,24 @@ class RelayResponse(StreamingResponse):
         self.media_type = "text/event-stream"
         self.background = None
         self.init_headers(headers)
+        self._send: Send | None = None
+        self._draining: asyncio.Future[None] | None = None
+        self._backlog: list[list[bytes]] = []
 
     async def stream_response(self, send: Send) -> None:
         status, error = "ok", None
         state = self.state
+        source = self.batches
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             try:
-                async for payloads in self.batches:
-                    data = state.batch(payloads)
-                    if data:
-                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                if isinstance(source, SseStream):
+                    await self._push(source, send)
+                else:
+                    async for payloads in source:
+                        data = state.batch(payloads)
+                        if data:
+                            await send({"type": "http.response.body", "body": data, "more_body": True})
                 end = _DONE
             except TandemError as exc:
                 # As OpenAI ends a stream that fails after its status line: an error event, then [DONE],
@@ -177,9 +193,74 @@ class RelayResponse(StreamingResponse):
             status = "cancelled"
             raise
         finally:
+            if isinstance(source, SseStream):
+                source.detach()
+            if self._draining is not None:
+                self._draining.cancel()
             # Shielded: under cancellation every await would raise again, and the upstream stream must be
             # closed for the engine to abort the request and free its blocks.
             with anyio.CancelScope(shield=True):
                 await self.stack.aclose()
             state.trace.finish = time.time()
             self.on_finish(status, error)
+
+    # -- push (see the module docstring) ------------------------------------------------------------
+    async def _push(self, source: SseStream, send: Send) -> None:
+        self._send = send
+        while batch := source.attach(self._on_batch):  # what arrived before attaching goes out first
+            source.detach()
+            data = self.state.batch(batch)
+            if data:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        await source.finished()
+        if self._draining is not None:
+            await self._draining
+
+    def _on_batch(self, batch: list[bytes]) -> None:
+        """Called by the upstream connection with each parsed batch; writes it to the client now."""
+        if self._draining is not None:  # an earlier write waits on the client: keep the order
+            self._backlog.append(batch)
+            return
+        data = self.state.batch(batch)
+        if not data:
+            return
+        assert self._send is not None
+        pending = self._send({"type": "http.response.body", "body": data, "more_body": True})
+        try:
+            blocker = pending.send(None)
+        except StopIteration:
+            return  # written (the common case: the server had room)
+        assert isinstance(self.batches, SseStream)
+        self.batches.pause()
+        self._draining = asyncio.ensure_future(self._finish_send(pending, blocker))
+
+    async def _finish_send(self, pending: Coroutine[Any, Any, None], blocker: Any) -> None:
+        """Run a send that suspended (the server's flow control) to its end, then the backlog; then
+        read from the engine again."""
+        source = self.batches
+        assert isinstance(source, SseStream) and self._send is not None
+        try:
+            while True:
+                if isinstance(blocker, asyncio.Future):
+                    blocker._asyncio_future_blocking = False  # as a Task does with what a coroutine yields
+                    await asyncio.wait([blocker])  # without taking its result: the send reads it below
+                else:  # a bare yield
+                    await asyncio.sleep(0)
+                try:
+                    blocker = pending.send(None)
+                except StopIteration:
+                    break
+            while self._backlog:
+                data = self.state.batch(self._backlog.pop(0))
+                if data:
+                    await self._send({"type": "http.response.body", "body": data, "more_body": True})
+        except asyncio.CancelledError:
+            pending.close()
+            raise
+        except Exception as exc:  # the write failed: the relay's wait on the stream raises it
+            pending.close()
+            source.fail(exc)
+            return
+        finally:
+            self._draining = None
+        source.resume()

@@ -29,7 +29,12 @@ class TurnRecorder:
         self._tasks = TaskSet()
 
     def after(self, trace: RequestTrace, admission: Admission | None, messages: list[dict[str, Any]] | None) -> None:
-        self._tasks.spawn(self._after(trace, admission, messages))
+        if admission is None:
+            return
+        # Most requests have neither a token charge to settle nor a session turn to store: no task then.
+        if admission.tokens_charged and not admission.settled or (
+                messages is not None and trace.session_id and trace.status == "ok"):
+            self._tasks.spawn(self._after(trace, admission, messages))
 
     async def _after(self, trace: RequestTrace, admission: Admission | None,
                      messages: list[dict[str, Any]] | None) -> None:

@@ -263,6 +263,11 @@ class Gatekeeper:
                 )
         raise StoreError("admission did not settle after refilling the key cache")
 
+    def charges_tokens(self, admission: Admission) -> bool:
+        """Whether a token bucket (the tenant's or the global one) applies to this request: only then
+        must its prompt be counted before it is served (0 = unlimited)."""
+        return admission.tenant.tpm > 0 or self.global_limits.tpm > 0
+
     async def charge_tokens(self, admission: Admission, prompt_tokens: int, max_tokens: int | None) -> None:
         """Charge the tokens of an already admitted request (when ``admit`` ran before tokenizing)."""
         if admission.tokens_charged:

@@ -54,13 +54,13 @@ class Router:
 
 @asynccontextmanager
 async def router(tmp_path: Path, *, engine: bool = True, max_model_len: int = 4096,
-                 **settings: object) -> AsyncIterator[Router]:
+                 admission_overrides: dict[str, object] | None = None, **settings: object) -> AsyncIterator[Router]:
     """A router (in a uvicorn thread) over at most one stand-in engine; ``settings`` override
-    ``RouterSettings`` fields."""
+    ``RouterSettings`` fields, ``admission_overrides`` ``AdmissionSettings`` fields."""
     tag = uuid.uuid4().hex[:10]
     model, prefix = f"sec-{tag}", f"sec-{tag}:"
     adm = AdmissionSettings(redis_url=REDIS_URL, key_prefix=prefix, database_url=f"sqlite:///{tmp_path}/{tag}.db",
-                            region="local", region_cache_urls={})
+                            region="local", region_cache_urls={}, **(admission_overrides or {}))  # type: ignore[arg-type]
     async with AsyncExitStack() as stack:
         stack.push_async_callback(delete_prefix, REDIS_URL, prefix)
         eng = None

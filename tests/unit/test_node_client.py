@@ -21,6 +21,13 @@ class SseServer:
         self.events = events
         self.connections = 0
         self.server: asyncio.base_events.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+        self.all_closed = asyncio.Event()
+
+    def drop_idle(self) -> None:
+        """Close every connection, as a server does when its keep-alive timeout expires."""
+        for w in self.writers:
+            w.close()
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
@@ -29,6 +36,8 @@ class SseServer:
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.writers.append(writer)
+        self.all_closed.clear()
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -44,6 +53,10 @@ class SseServer:
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
+        finally:
+            self.writers.remove(writer)
+            if not self.writers:
+                self.all_closed.set()
 
     async def close(self) -> None:
         assert self.server is not None
@@ -127,3 +140,20 @@ async def test_events_split_across_reads_and_crlf_framing_are_reassembled() -> N
         await client.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_pooled_connection_the_node_closed_is_replaced_without_an_error() -> None:
+    """The node drops idle keep-alive connections (vLLM's server after 5 s): the next stream opens a
+    new connection instead of failing on the dead one."""
+    server = SseServer([json.dumps({"choices": [{"text": "a"}]}), "[DONE]"])
+    url = await server.start()
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    try:
+        assert [c["choices"][0]["text"] for c in await _read_all(client, url)] == ["a"]
+        server.drop_idle()
+        await asyncio.wait_for(server.all_closed.wait(), 5)
+        assert [c["choices"][0]["text"] for c in await _read_all(client, url)] == ["a"]
+        assert server.connections == 2
+    finally:
+        await client.aclose()
+        await server.close()

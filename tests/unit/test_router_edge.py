@@ -40,9 +40,10 @@ def _node(node_id: str, role: Role, max_model_len: int = 2048) -> NodeInfo:
 
 @pytest.fixture
 def client_with(redis_unit_url: str):  # noqa: ANN201
-    def make(nodes: list[NodeInfo]) -> TestClient:
+    def make(nodes: list[NodeInfo], **settings: object) -> TestClient:
         _run(_reset_and_register(redis_unit_url, nodes))
-        return TestClient(create_app(RouterSettings(redis_url=redis_unit_url, registry_refresh_s=60)))
+        return TestClient(create_app(RouterSettings(redis_url=redis_unit_url, registry_refresh_s=60,
+                                                    **settings)))  # type: ignore[arg-type]
 
     yield make
     _run(_reset_and_register(redis_unit_url, []))
@@ -86,7 +87,25 @@ def test_unknown_model_is_404(client: TestClient) -> None:
     assert err["param"] == "model"
 
 
-def test_context_window_checks_happen_before_any_node_is_called(client: TestClient) -> None:
+def test_context_window_checks_happen_before_any_node_is_called(client_with) -> None:  # noqa: ANN001
+    # tokenize=always: with one node and no token limit the router would otherwise leave the prompt's
+    # length to the engine (tests/security/test_templates.py pins that down).
+    with client_with([_node("both-0", Role.BOTH, max_model_len=256)], tokenize="always") as client:
+        _check_context_window(client)
+
+
+def test_max_tokens_over_the_window_needs_no_tokenizer(client: TestClient) -> None:
+    _assert_openai_error(client.post("/v1/chat/completions", json=_chat(max_tokens=256)), 400,
+                         "context_length_exceeded")
+
+
+def test_with_a_routing_choice_the_router_checks_the_window_itself(client_with) -> None:  # noqa: ANN001
+    nodes = [_node("both-0", Role.BOTH, max_model_len=256), _node("both-1", Role.BOTH, max_model_len=256)]
+    with client_with(nodes) as client:
+        _check_context_window(client)
+
+
+def _check_context_window(client: TestClient) -> None:
     _assert_openai_error(client.post("/v1/chat/completions", json=_chat(max_tokens=256)), 400,
                          "context_length_exceeded")
     long_prompt = "word " * 400  # > 256 tokens with the real tokenizer

@@ -4,9 +4,12 @@ only when asked for, and the trace collects text, tool calls, finish reason and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+
+import pytest
 
 from infra.errors import UpstreamError
 from router.orchestrator import RequestTrace
@@ -100,3 +103,129 @@ async def test_a_stream_that_breaks_after_tokens_ends_with_an_error_event() -> N
     error = json.loads(events[-2][len(b"data: "):])
     assert "broke" in error["error"]["message"]
     assert finished[0][0] == "error" and trace.content == ["partial"]
+
+
+# -- push: a real engine stream over a socket, written from the connection's callback ----------------
+class _PacedEngine:
+    """A loopback HTTP/1.1 server answering one POST with ``n`` chunked SSE events, one write each,
+    each after the test lets it go (``go``); records whether the router closed the connection."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.go = asyncio.Semaphore(0)
+        self.closed = asyncio.Event()
+        self.sent = 0
+        self.progress = asyncio.Condition()
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1/chat/completions"
+
+    async def wait_sent(self, n: int) -> None:
+        async with self.progress:
+            await self.progress.wait_for(lambda: self.sent >= n)
+
+    async def _watch(self, reader: asyncio.StreamReader) -> None:
+        await reader.read()  # b"" once the router closes the connection (pooling keeps it open)
+        self.closed.set()
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        watcher = asyncio.create_task(self._watch(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        try:
+            for i in range(self.n):
+                await self.go.acquire()
+                data = b"data: " + _chunk(RID, {"content": f"t{i}"}) + b"\n\n"
+                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                await writer.drain()
+                async with self.progress:
+                    self.sent += 1
+                    self.progress.notify_all()
+            await self.go.acquire()
+            writer.write(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+            await writer.drain()
+            await watcher
+        except ConnectionError:
+            pass
+        finally:
+            watcher.cancel()
+            writer.close()
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+class _Client:
+    """The ASGI send side: records bodies; ``hold_at`` makes that body's write wait for ``room``
+    (as uvicorn's send waits in FlowControl.drain() while the client reads slowly)."""
+
+    def __init__(self, hold_at: int | None = None) -> None:
+        self.bodies: list[bytes] = []
+        self.hold_at = hold_at
+        self.room = asyncio.Event()
+        self.progress = asyncio.Condition()
+
+    async def send(self, message: dict) -> None:
+        if message["type"] != "http.response.body":
+            return
+        if len(self.bodies) == self.hold_at and not self.room.is_set():
+            await self.room.wait()
+        async with self.progress:
+            self.bodies.append(message["body"])
+            self.progress.notify_all()
+
+    async def wait_bodies(self, n: int) -> None:
+        async with self.progress:
+            await self.progress.wait_for(lambda: len(self.bodies) >= n)
+
+
+async def _relay_over(engine: _PacedEngine) -> tuple[RelayResponse, RequestTrace, list]:
+    from router.node_client import NodeClient
+
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    url = await engine.start()
+    stack = AsyncExitStack()
+    stack.push_async_callback(client.aclose)
+    stream = await stack.enter_async_context(client.open_stream(url, {"stream": True}, {}))
+    trace = RequestTrace(request_id=RID, kind="chat", model="m")
+    finished: list = []
+    return RelayResponse(stream, stack, trace, False, lambda st, e: finished.append((st, e))), trace, finished
+
+
+async def test_pushed_chunks_keep_their_order_while_a_slow_client_holds_a_write() -> None:
+    """The server holds the third write (the client reads slowly) while the engine's later chunks
+    arrive: reading from the engine pauses, nothing is lost or reordered, and the stream ends with
+    [DONE] once the client drains."""
+    engine, client = _PacedEngine(8), _Client(hold_at=2)
+    relay, trace, finished = await _relay_over(engine)
+    task = asyncio.create_task(relay.stream_response(client.send))
+    for _ in range(engine.n + 1):
+        engine.go.release()
+    await asyncio.wait_for(engine.wait_sent(4), 10)  # chunks behind the held write reached the router
+    await asyncio.wait_for(client.wait_bodies(2), 10)
+    assert relay._draining is not None and not task.done() and len(client.bodies) == 2
+    client.room.set()
+    await asyncio.wait_for(task, 10)
+    assert _events(b"".join(client.bodies))[:-1] == [_chunk(RID, {"content": f"t{i}"}) for i in range(8)]
+    assert trace.content == [f"t{i}" for i in range(8)] and finished == [("ok", None)]
+    await engine.stop()
+
+
+async def test_a_client_gone_mid_push_closes_the_engine_connection() -> None:
+    engine, client = _PacedEngine(100), _Client()
+    relay, trace, finished = await _relay_over(engine)
+    task = asyncio.create_task(relay.stream_response(client.send))
+    for _ in range(3):
+        engine.go.release()
+    await asyncio.wait_for(client.wait_bodies(3), 10)
+    task.cancel()  # what Starlette does when the client disconnects
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(engine.closed.wait(), 5)  # the engine saw its request's connection go
+    assert finished == [("cancelled", None)] and trace.content == ["t0", "t1", "t2"]
+    await engine.stop()
