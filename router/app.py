@@ -27,6 +27,7 @@ from typing import Annotated, Any, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
@@ -43,7 +44,7 @@ from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
 from router.background import TaskSet
 from router.edge import BodyLimit
-from router.exchange import GenerationRoute, parse_body
+from router.exchange import GenerationRoute, document_generation_routes, parse_body
 from router.fleet import Fleet
 from router.kv_activity import KVActivity
 from router.kv_index import FleetIndex, KVEventSubscribers
@@ -162,6 +163,14 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     # life, the sending of the answer included (router.exchange).
     app.router.add_route("/v1/chat/completions", GenerationRoute("chat", "chat"), methods=["POST"])
     app.router.add_route("/v1/completions", GenerationRoute("completion", "completions"), methods=["POST"])
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_generation_routes(
+                get_openapi(title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> JSONResponse:

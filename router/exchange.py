@@ -238,3 +238,30 @@ class Exchange:
         status, http_status, error = self.outcome
         self.accounting.finish(trace, self.endpoint, status, http_status=http_status, exc=error,
                                admission=self.admission, messages=self.messages)
+
+
+def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
+    """Add the generation routes, which are plain ASGI apps FastAPI cannot see, to an OpenAPI
+    document: their request models (``router.schemas``) and the OpenAI-shaped error answers."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    error = {"description": "OpenAI-format error", "content": {"application/json": {"schema": {
+        "type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}}}
+    for path, model, summary in (
+            ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion (SSE when stream is true)"),
+            ("/v1/completions", CompletionRequest, "Create a completion (SSE when stream is true)")):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema.setdefault("paths", {})[path] = {"post": {
+            "summary": summary, "operationId": model.__name__.replace("Request", "").lower(),
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "responses": {
+                "200": {"description": "The answer: JSON, or an SSE stream of chunks ending with [DONE]",
+                        "content": {"application/json": {"schema": {"type": "object"}},
+                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                **{str(code): error for code in (400, 401, 403, 404, 413, 422, 429, 502, 503)}}}}
+    return schema
