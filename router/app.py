@@ -15,56 +15,47 @@ by class (the key's, lowered by ``x-tandem-priority``) until the deadline (``x-t
 ``TANDEM_REQUEST_DEADLINE_S``): shed → 503 + Retry-After, code ``overloaded``/``shed``; expired → 503 +
 Retry-After, code ``deadline_exceeded``, and no engine ever saw the request.
 
-A client that disconnects cancels its request everywhere: before the answer starts, the handler is
-raced against the disconnect and cancelled (closing the upstream call aborts the engine's request);
-during a stream, Starlette cancels the generator and the decode stream is closed with it.
+A client that disconnects cancels its request everywhere: one ``router.exchange.Exchange`` owns each
+generation request from admission to its record, and lets go of everything it held exactly once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from infra.errors import (
     ConfigError,
-    InvalidRequest,
-    ModelNotFound,
     NotFound,
     PermissionDenied,
-    TandemError,
-    ValidationFailed,
 )
 from infra.registry import NodeRegistry, Role
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
-from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
 from router.background import TaskSet
-from router.edge import BodyLimit, check_chat, parse_json
+from router.edge import BodyLimit
+from router.exchange import GenerationRoute, document_generation_routes, parse_body
 from router.fleet import Fleet
 from router.kv_activity import KVActivity
 from router.kv_index import FleetIndex, KVEventSubscribers
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.openai_errors import install_error_handlers
-from router.orchestrator import Kind, Orchestrator, RequestTrace, new_request_id
+from router.orchestrator import Orchestrator
 from router.policies import CacheAware, LeastLoaded, RoundRobin, RoutingPolicy
 from router.responses import ResponseIndex
-from router.schemas import ChatCompletionRequest, CompletionRequest, Message
-from router.sessions.http import HISTORY_HEADER, HistoryMode, prepend_history, session_params, sessions_router
-from router.sessions.models import SESSION_HEADER
+from router.sessions.http import sessions_router
 from router.settings import RouterSettings
-from router.sse import RelayResponse
 from router.tokenizer import PromptTokenizer
 from router.turns import TurnRecorder
 from telemetry import Emitter, EmitterConfig
@@ -84,39 +75,6 @@ def make_policy(name: str, index: FleetIndex) -> RoutingPolicy:
     raise ConfigError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
 
 
-class ClientDisconnected(Exception):
-    pass
-
-
-async def _until_disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` unless the client goes away first; then cancel it (and its upstream calls)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientDisconnected
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
-UNKNOWN_MODEL = "(unknown)"
-"""The metrics label of every request naming a model no node serves: client strings never become
-label values (each would be a new time series, kept forever)."""
-
-
 class Feedback(BaseModel):
     """Bounded: feedback is stored with the request's record; a comment is a remark, not a document."""
 
@@ -124,20 +82,6 @@ class Feedback(BaseModel):
     rating: int = Field(ge=-1_000_000, le=1_000_000)
     comment: str | None = Field(default=None, max_length=4096)
     labels: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=32)
-
-
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()  # bounded by BodyLimit: never more than max_body_bytes
-    data = parse_json(raw, request.app.state.settings.max_json_depth)
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first.get("loc", ()))
-        raise ValidationFailed(f"{loc or 'body'}: {first.get('msg')}", param=loc or None,
-                               code="invalid_value") from exc
 
 
 async def _any_key(ctx: AdmissionContext) -> bool:
@@ -206,7 +150,6 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    template_kwargs_allowed = frozenset(settings.chat_template_kwargs)
 
     async def tenant_of(request: Request, *, admin: bool = False) -> Tenant:
         """The request's tenant (401 while auth is on and the key is missing or bad); with ``admin``,
@@ -216,111 +159,23 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             raise PermissionDenied("this route needs an admin key (`tandem keys create --admin`)")
         return tenant
 
-    def route_preference(request: Request, tenant: Tenant) -> str | None:
-        prefer = request.headers.get("x-tandem-route")
-        if prefer is None:
-            return None
-        if prefer not in ("colocated", "disaggregated"):
-            raise InvalidRequest("x-tandem-route must be `colocated` or `disaggregated`", param="x-tandem-route")
-        allowed = settings.route_header == "always" or (settings.route_header == "auto" and tenant.may_administer)
-        if not allowed:
-            # Forcing the path overrides the policy's placement (and P/D load balance): operators only.
-            raise PermissionDenied("x-tandem-route needs an admin key (or TANDEM_ROUTER_ROUTE_HEADER=always)",
-                                   param="x-tandem-route")
-        return prefer
+    # The generation routes are plain ASGI apps: each request is one ``Exchange`` that owns its whole
+    # life, the sending of the answer included (router.exchange).
+    app.router.add_route("/v1/chat/completions", GenerationRoute("chat", "chat"), methods=["POST"])
+    app.router.add_route("/v1/completions", GenerationRoute("completion", "completions"), methods=["POST"])
 
-    async def serve(request: Request, kind: Kind, endpoint: str) -> Response:
-        orch: Orchestrator = request.app.state.orchestrator
-        accounting: Accounting = request.app.state.accounting
-        ctx: AdmissionContext = request.app.state.admission
-        gate = ctx.gate
-        arrival = time.monotonic()
-        # Authentication and the request-rate limit come first: an unauthenticated client learns
-        # nothing else about the request (401/429 before any 400).
-        admission = await gate.admit(request.headers.get("authorization"),
-                                     priority_header=request.headers.get("x-tandem-priority"))
-        req = await _parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-        prefer = route_preference(request, admission.tenant)
-        deadline = request_deadline(request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s,
-                                    arrival=arrival)
-        session = await session_params(request.headers.get(SESSION_HEADER), request.headers.get(HISTORY_HEADER))
-        # A request that names no session is sessionless, as with OpenAI or vLLM: storing a session and
-        # a turn for each such request cost a Redis read and four writes plus a database row every time,
-        # for ids that no client ever sent back. In server-history mode the router keeps the history,
-        # so there a session is created and its id returned.
-        session_id = session.session_id if not session.created or session.mode is HistoryMode.SERVER else None
-        trace = RequestTrace(request_id=new_request_id(kind), kind=kind, model=req.model, stream=req.stream,
-                             session_id=session_id, tenant_id=admission.tenant.tenant_id,
-                             priority=admission.priority, deadline=deadline)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages] if kind == "chat" else None
-        if messages is not None:
-            check_chat(messages, req.model_extra or {}, max_messages=settings.max_messages,
-                       max_message_chars=settings.max_message_chars,
-                       trust_request_chat_template=settings.trust_request_chat_template,
-                       allowed_template_kwargs=template_kwargs_allowed)
-        if session.mode is HistoryMode.SERVER:
-            if messages is None or session_id is None:
-                raise InvalidRequest(f"{HISTORY_HEADER}: server applies to chat completions only",
-                                     param=HISTORY_HEADER)
-            messages = await prepend_history(ctx.sessions, admission.tenant.tenant_id, session_id, messages)
-            req.messages = [Message.model_validate(m) for m in messages]
-        headers = {"x-session-id": session_id} if session_id else {}
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_generation_routes(
+                get_openapi(title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
 
-        def finish(status: str, http_status: int, exc: TandemError | None = None) -> None:
-            accounting.finish(trace, endpoint, status, http_status=http_status, exc=exc, admission=admission,
-                              messages=messages)
-
-        async def charge(prompt_tokens: int, max_tokens: int | None) -> None:
-            await gate.charge_tokens(admission, prompt_tokens, max_tokens)
-
-        kv_tasks: TaskSet = request.app.state.kv_tasks
-        leg = None
-        try:
-            # No token bucket, no charge: the prompt is then tokenized only if routing needs it.
-            charges = charge if gate.charges_tokens(admission) else None
-            leg = await cancel_on_disconnect(request, orch.plan(kind, req, trace, prefer, charges))  # type: ignore[arg-type]
-            if not req.stream:
-                try:
-                    resp = await cancel_on_disconnect(request, orch.complete(leg, trace, kv_tasks.spawn))
-                finally:
-                    await leg.release()
-                finish("ok", 200)
-                return JSONResponse(resp, headers=headers)
-            stack = AsyncExitStack()
-            stack.push_async_callback(leg.release)
-            try:
-                chunks = await cancel_on_disconnect(request, orch.open_stream(leg, trace, stack, kv_tasks.spawn))
-            except BaseException:
-                await stack.aclose()
-                raise
-        except ClientDisconnected:
-            if leg is not None:  # the decode node may never have seen the request: free P's blocks now
-                orch.abandon(leg, "client disconnected", kv_tasks.spawn)
-            finish("cancelled", 499)
-            return Response(status_code=499)
-        except TandemError as exc:
-            if isinstance(exc, ModelNotFound):
-                trace.model = UNKNOWN_MODEL
-            if leg is not None:
-                orch.abandon(leg, f"request failed: {exc.message}", kv_tasks.spawn)
-            finish("rejected" if exc.status_code < 500 or exc.status_code == 503 else "error", exc.status_code, exc)
-            raise
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return RelayResponse(chunks, stack, trace, include_usage, lambda st, e: finish(st, 200, e),
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serve(request, "chat", "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serve(request, "completion", "completions")
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> JSONResponse:
         tenant = await tenant_of(request)
-        fb: Feedback = await _parse(request, Feedback)
+        fb: Feedback = await parse_body(request, Feedback)
         ref = await request.app.state.responses.lookup(fb.response_id)
         if ref.tenant_id != tenant.tenant_id:
             # As if it did not exist: another tenant's response ids are not even confirmed.

@@ -31,10 +31,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import AsyncExitStack
 from typing import Any
 
-import anyio
 import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Send
@@ -147,14 +145,13 @@ class RelayResponse(StreamingResponse):
     A StreamingResponse whose body loop is the relay itself rather than an async generator it iterates:
     one generator layer less on every chunk, and ``[DONE]`` goes out with the end of the body in one
     write. Starlette's disconnect handling is kept (a task listening for ``http.disconnect`` cancels
-    the body loop), and whatever way the stream ends, ``finally`` closes the upstream stream (which is
-    what aborts the engine's request) and reports once through ``on_finish``.
+    the body loop), and whatever way the stream ends, ``finally`` reports once through ``on_finish``;
+    the request's owner (``router.exchange``) then closes the upstream stream.
     """
 
-    def __init__(self, batches: SseStream | AsyncIterator[list[bytes]], stack: AsyncExitStack, trace: RequestTrace,
+    def __init__(self, batches: SseStream | AsyncIterator[list[bytes]], trace: RequestTrace,
                  include_usage: bool, on_finish: OnFinish, headers: dict[str, str] | None = None) -> None:
         self.batches = batches
-        self.stack = stack
         self.state = _Relay(trace, include_usage)
         self.on_finish = on_finish
         self.status_code = 200
@@ -197,10 +194,8 @@ class RelayResponse(StreamingResponse):
                 source.detach()
             if self._draining is not None:
                 self._draining.cancel()
-            # Shielded: under cancellation every await would raise again, and the upstream stream must be
-            # closed for the engine to abort the request and free its blocks.
-            with anyio.CancelScope(shield=True):
-                await self.stack.aclose()
+            # The owner of the request (router.exchange) closes the upstream stream, which aborts the
+            # engine's request if it is still running.
             state.trace.finish = time.time()
             self.on_finish(status, error)
 

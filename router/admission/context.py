@@ -57,6 +57,12 @@ class AdmissionSettings(BaseSettings):
     default_tpm: int = 1_000_000
     negative_key_ttl_s: float = 10.0
     """How long an unknown key is remembered as unknown in Redis (spares the store)."""
+    store_outage_grace_s: float = 60.0
+    """While Redis (or the key store) cannot be reached, a key Redis confirmed within this many seconds
+    is still served, as is everyone while auth was off that recently, with no rate limit charged; other
+    keys get 503 + Retry-After. So a Redis restart is no outage, and a key revoked during one works for at
+    most this long (otherwise revocation is immediate). 0: refuse everything (503) while the store is
+    unreachable."""
 
     node_max_concurrency: int = 64
     """Requests one router sends to one node at once (a P/D request holds a slot on its decode node for
@@ -124,6 +130,7 @@ class AdmissionContext:
                 tenant_id=ANONYMOUS_TENANT, rpm=settings.anonymous_rpm, tpm=settings.anonymous_tpm
             ),
             negative_ttl_s=settings.negative_key_ttl_s,
+            outage_grace_s=settings.store_outage_grace_s,
         )
         gate = Gatekeeper(
             redis,

@@ -32,18 +32,22 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import re
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from infra.errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError
+from infra.errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError, Unavailable
 from router.admission.priority_class import Priority
 from router.sessions.sql import Database
+
+log = logging.getLogger("tandem.router.keys")
 
 KEY_PREFIX = "tdm-"
 ANONYMOUS_TENANT = "anonymous"
@@ -172,8 +176,16 @@ class KeyStore:
         anonymous: Tenant | None = None,
         negative_ttl_s: float = 10.0,
         flag_off_ttl_s: float = 10.0,
+        outage_grace_s: float = 60.0,
     ) -> None:
         self._redis = redis
+        self.outage_grace_s = outage_grace_s
+        self._confirmed: OrderedDict[str, tuple[Tenant, float]] = OrderedDict()
+        """Key hash → (its tenant, when Redis last confirmed it): what ``during_outage`` may vouch for."""
+        self._auth_off_at: float | None = None
+        self._outage_logged_at = 0.0
+        self.outage_admissions = 0
+        """Requests admitted on ``during_outage``'s word (no rate limit charged)."""
         self._db = db
         self.prefix = prefix
         self.require_auth = require_auth
@@ -214,19 +226,33 @@ class KeyStore:
         for _ in range(3):
             try:
                 reply = await self._auth_script(keys=keys, args=args)
-            except RedisError as exc:
-                raise StoreError(f"authentication lookup failed: {exc}") from exc
-            outcome = await self.interpret(reply, authorization)
+                outcome = await self.interpret(reply, authorization)
+            except (RedisError, StoreError) as exc:
+                return self.vouch(authorization, exc)
             if outcome is not None:
                 return outcome
         raise StoreError("authentication lookup did not settle after refilling the cache")
+
+    def vouch(self, authorization: str | None, exc: Exception) -> Tenant:
+        """The tenant to serve while the store fails with ``exc`` (``during_outage``), else 503."""
+        tenant = self.during_outage(authorization)
+        now = time.monotonic()
+        if now - self._outage_logged_at > 10:
+            self._outage_logged_at = now
+            log.warning("key store unreachable (%s): serving keys confirmed in the last %g s, without limits",
+                        exc, self.outage_grace_s)
+        if tenant is None:
+            raise Unavailable("the key store is unreachable and this request's key cannot be verified now",
+                              retry_after=5)
+        self.outage_admissions += 1
+        return tenant
 
     async def interpret(self, reply: list, authorization: str | None) -> Tenant | None:
         """Turn an ``AUTH_LUA`` reply into a tenant or an error; None means "cache refilled, run the
         script again"."""
         code = int(reply[0])
         if code == AuthCode.OK:
-            return Tenant(
+            tenant = Tenant(
                 tenant_id=_s(reply[1]),
                 key_id=_s(reply[2]),
                 rpm=int(reply[3]),
@@ -234,7 +260,10 @@ class KeyStore:
                 priority=Priority(_s(reply[5])),
                 admin=_s(reply[6]) == "1",
             )
+            self._confirm(authorization, tenant)
+            return tenant
         if code == AuthCode.AUTH_OFF:
+            self._auth_off_at = time.monotonic()
             return self.anonymous
         if code == AuthCode.MISSING:
             raise AuthenticationFailed(
@@ -254,6 +283,32 @@ class KeyStore:
             await self.refill(hash_key(token))
             return None
         raise StoreError(f"unexpected authentication reply {reply!r}")
+
+    # -- while the store is unreachable -------------------------------------------------------------
+    MAX_CONFIRMED = 100_000
+
+    def _confirm(self, authorization: str | None, tenant: Tenant) -> None:
+        token = bearer_token(authorization)
+        if token is None:
+            return
+        key_hash = hash_key(token)
+        self._confirmed[key_hash] = (tenant, time.monotonic())
+        self._confirmed.move_to_end(key_hash)
+        if len(self._confirmed) > self.MAX_CONFIRMED:
+            self._confirmed.popitem(last=False)
+
+    def during_outage(self, authorization: str | None) -> Tenant | None:
+        """Who this header is while Redis cannot say: the tenant Redis confirmed for its key within
+        ``outage_grace_s``, or anonymous if auth was off that recently; None when nobody can vouch."""
+        now = time.monotonic()
+        token = bearer_token(authorization)
+        if token is not None:
+            seen = self._confirmed.get(hash_key(token))
+            if seen is not None and now - seen[1] <= self.outage_grace_s:
+                return seen[0]
+        if not self.require_auth and self._auth_off_at is not None and now - self._auth_off_at <= self.outage_grace_s:
+            return self.anonymous
+        return None
 
     # -- refilling Redis from the store ------------------------------------------------------------
     async def refresh_flag(self) -> bool:

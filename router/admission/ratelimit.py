@@ -30,10 +30,17 @@ What is charged, and when
 
 Scripts build bucket key names from the tenant id at run time, so they assume one Redis (or one hash
 slot), not Redis Cluster.
+
+While Redis is unreachable (a restart)
+    Admission does not fail the request: ``KeyStore.during_outage`` serves a key Redis confirmed within
+    ``store_outage_grace_s`` (and everyone, if auth was off that recently), and nothing is charged or
+    settled for those requests (``Admission.uncharged``); any other key gets 503 + Retry-After. Limits
+    are lenient for the length of the outage; serving stops only for keys nobody can vouch for.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,9 +48,11 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from infra.errors import InvalidRequest, RateLimited, StoreError
+from infra.errors import InvalidRequest, RateLimited, StoreError, Unavailable
 from router.admission.keys import AUTH_LUA, AuthCode, KeyStore, Tenant
 from router.admission.priority_class import Priority, resolve_priority
+
+log = logging.getLogger("tandem.router.admission")
 
 BUCKETS_LUA = """
 local function bucket_level(key, cap, now)
@@ -172,6 +181,8 @@ class Admission:
     reserved_completion_tokens: int = 0
     tokens_charged: bool = False
     settled: bool = field(default=False)
+    uncharged: bool = False
+    """Admitted while the store was unreachable (``KeyStore.during_outage``): no limit is charged or settled."""
 
 
 ClockMs = Callable[[], int]
@@ -248,11 +259,14 @@ class Gatekeeper:
         for _ in range(3):
             try:
                 reply = await self._admit(keys=keys, args=args)
-            except RedisError as exc:
-                raise StoreError(f"admission script failed: {exc}") from exc
-            if int(reply[0]) == AuthCode.RATE_LIMITED:
-                raise _limited(reply)
-            tenant = await self.keys.interpret(reply, authorization)
+                if int(reply[0]) == AuthCode.RATE_LIMITED:
+                    raise _limited(reply)
+                tenant = await self.keys.interpret(reply, authorization)
+            except (RedisError, StoreError) as exc:
+                # The store is down (a Redis restart): serve whom it confirmed lately, uncharged; or 503.
+                tenant = self.keys.vouch(authorization, exc)
+                return Admission(tenant=tenant, priority=resolve_priority(tenant.priority, priority_header),
+                                 settled=True, uncharged=True)
             if tenant is not None:
                 return Admission(
                     tenant=tenant,
@@ -266,7 +280,7 @@ class Gatekeeper:
     def charges_tokens(self, admission: Admission) -> bool:
         """Whether a token bucket (the tenant's or the global one) applies to this request: only then
         must its prompt be counted before it is served (0 = unlimited)."""
-        return admission.tenant.tpm > 0 or self.global_limits.tpm > 0
+        return not admission.uncharged and (admission.tenant.tpm > 0 or self.global_limits.tpm > 0)
 
     async def charge_tokens(self, admission: Admission, prompt_tokens: int, max_tokens: int | None) -> None:
         """Charge the tokens of an already admitted request (when ``admit`` ran before tokenizing)."""
@@ -295,7 +309,13 @@ class Gatekeeper:
         try:
             reply = await self._charge(args=[str(a) for a in args])
         except RedisError as exc:
-            raise StoreError(f"token charge failed: {exc}") from exc
+            if self.keys.outage_grace_s <= 0:
+                raise Unavailable(f"the rate-limit store is unreachable: {exc}", retry_after=5) from exc
+            # Admitted a moment ago, so its key was good: serve it uncharged (store_outage_grace_s).
+            log.warning("token charge skipped, store unreachable: %s", exc)
+            admission.uncharged = admission.tokens_charged = admission.settled = True
+            self.keys.outage_admissions += 1
+            return
         if int(reply[0]) == AuthCode.RATE_LIMITED:
             raise _limited(reply)
         admission.prompt_tokens = prompt_tokens

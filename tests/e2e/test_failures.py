@@ -50,3 +50,45 @@ def test_engine_refusal_keeps_its_status_in_openai_shape(cluster: LiveCluster) -
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["type"] == "invalid_request_error" and "temperature" in err["message"]
+
+
+def _router_sum(cluster: LiveCluster, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+def test_a_client_gone_before_the_first_byte_leaves_no_slot_and_no_engine_request(cluster: LiveCluster) -> None:
+    """The client leaves while its prompt is being prefilled, before the router has sent a byte: the
+    request's owner (router.exchange) lets go of everything, once. No engine keeps the request and
+    the router holds no node slot and counts nothing in flight."""
+    import socket
+    from urllib.parse import urlsplit
+
+    engines = (cluster.prefill_url, cluster.decode_url, cluster.both_url)
+    assert wait_for(lambda: sum(_running(u) for u in engines) == 0, timeout_s=30)
+    cancelled_before = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{cluster.url}/metrics").text
+                           .splitlines() if line.startswith("tandem_requests_total") and 'status="cancelled"' in line)
+    long_prompt = " ".join(f"w{i}" for i in range(1300))  # ~5.6k tokens: seconds of prefill here
+    body = httpx.Request("POST", "http://x/v1/chat/completions", json={
+        "model": cluster.model, "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 200,
+        "stream": True}).read()
+    url = urlsplit(cluster.url)
+    sock = socket.create_connection((url.hostname, url.port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        # The engine has the prompt: the router routed it and holds its slots, and has sent nothing yet.
+        assert wait_for(lambda: sum(_running(u) for u in engines) >= 1, timeout_s=30, interval_s=0.05)
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(1)  # not a byte of the answer so far
+    finally:
+        sock.close()
+    assert wait_for(lambda: sum(_running(u) for u in engines) == 0, timeout_s=20), "an engine kept the request"
+    assert wait_for(lambda: _router_sum(cluster, "tandem_admission_slots_in_use") == 0, timeout_s=10)
+    assert _router_sum(cluster, "tandem_node_inflight_requests") == 0
+    assert wait_for(lambda: sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{cluster.url}/metrics").text
+                                .splitlines() if line.startswith("tandem_requests_total")
+                                and 'status="cancelled"' in line) == cancelled_before + 1, timeout_s=10)

@@ -157,3 +157,12 @@ def test_cluster_view_lists_live_nodes(client_with) -> None:  # noqa: ANN001
         assert data["policy"] == "cache_aware"
         assert [(n["node_id"], n["role"]) for n in data["nodes"]] == [("d-0", "decode"), ("p-0", "prefill")]
         assert all(n["cached_blocks"] == 0 and n["router_inflight"] == 0 for n in data["nodes"])
+
+
+def test_openapi_documents_the_generation_routes_with_their_request_models(client: TestClient) -> None:
+    doc = client.get("/openapi.json").json()
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    model = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert {"model", "messages"} <= set(model["required"]) and "400" in chat["responses"]
+    assert "prompt" in doc["components"]["schemas"]["CompletionRequest"]["required"]

@@ -48,14 +48,11 @@ async def _run(batches: list[list[bytes]], include_usage: bool, *, fail: bool = 
         if fail:
             raise UpstreamError("stream from node broke: ConnectionResetError")
 
-    closed: list[bool] = []
-    stack = AsyncExitStack()
-    stack.callback(lambda: closed.append(True))
-    response = RelayResponse(source(), stack, trace, include_usage, lambda st, e: finished.append((st, e)))
+    response = RelayResponse(source(), trace, include_usage, lambda st, e: finished.append((st, e)))
     await response.stream_response(send)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     assert sent[-1]["more_body"] is False and all(m["more_body"] for m in sent[1:-1])
-    assert closed == [True]  # the upstream stream is closed whatever happened
+    assert len(finished) == 1  # reported once, whatever happened
     return b"".join(m["body"] for m in sent[1:]), trace, finished
 
 
@@ -126,8 +123,12 @@ class _PacedEngine:
             await self.progress.wait_for(lambda: self.sent >= n)
 
     async def _watch(self, reader: asyncio.StreamReader) -> None:
-        await reader.read()  # b"" once the router closes the connection (pooling keeps it open)
-        self.closed.set()
+        try:
+            await reader.read()  # ends once the router closes the connection (pooling keeps it open)
+        except ConnectionError:
+            pass  # an abort reads as a reset
+        finally:
+            self.closed.set()
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -184,7 +185,9 @@ class _Client:
             await self.progress.wait_for(lambda: len(self.bodies) >= n)
 
 
-async def _relay_over(engine: _PacedEngine) -> tuple[RelayResponse, RequestTrace, list]:
+async def _relay_over(engine: _PacedEngine) -> tuple[RelayResponse, RequestTrace, list, AsyncExitStack]:
+    """A relay over a real upstream stream; the returned stack is what the request's owner
+    (router.exchange) closes when the request ends."""
     from router.node_client import NodeClient
 
     client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
@@ -194,7 +197,7 @@ async def _relay_over(engine: _PacedEngine) -> tuple[RelayResponse, RequestTrace
     stream = await stack.enter_async_context(client.open_stream(url, {"stream": True}, {}))
     trace = RequestTrace(request_id=RID, kind="chat", model="m")
     finished: list = []
-    return RelayResponse(stream, stack, trace, False, lambda st, e: finished.append((st, e))), trace, finished
+    return RelayResponse(stream, trace, False, lambda st, e: finished.append((st, e))), trace, finished, stack
 
 
 async def test_pushed_chunks_keep_their_order_while_a_slow_client_holds_a_write() -> None:
@@ -202,7 +205,7 @@ async def test_pushed_chunks_keep_their_order_while_a_slow_client_holds_a_write(
     arrive: reading from the engine pauses, nothing is lost or reordered, and the stream ends with
     [DONE] once the client drains."""
     engine, client = _PacedEngine(8), _Client(hold_at=2)
-    relay, trace, finished = await _relay_over(engine)
+    relay, trace, finished, stack = await _relay_over(engine)
     task = asyncio.create_task(relay.stream_response(client.send))
     for _ in range(engine.n + 1):
         engine.go.release()
@@ -213,12 +216,13 @@ async def test_pushed_chunks_keep_their_order_while_a_slow_client_holds_a_write(
     await asyncio.wait_for(task, 10)
     assert _events(b"".join(client.bodies))[:-1] == [_chunk(RID, {"content": f"t{i}"}) for i in range(8)]
     assert trace.content == [f"t{i}" for i in range(8)] and finished == [("ok", None)]
+    await stack.aclose()
     await engine.stop()
 
 
-async def test_a_client_gone_mid_push_closes_the_engine_connection() -> None:
+async def test_a_client_gone_mid_push_stops_writing_and_its_owner_closes_the_engine_connection() -> None:
     engine, client = _PacedEngine(100), _Client()
-    relay, trace, finished = await _relay_over(engine)
+    relay, trace, finished, stack = await _relay_over(engine)
     task = asyncio.create_task(relay.stream_response(client.send))
     for _ in range(3):
         engine.go.release()
@@ -226,6 +230,9 @@ async def test_a_client_gone_mid_push_closes_the_engine_connection() -> None:
     task.cancel()  # what Starlette does when the client disconnects
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.wait_for(engine.closed.wait(), 5)  # the engine saw its request's connection go
+    engine.go.release()  # a chunk arriving now is no longer written anywhere
     assert finished == [("cancelled", None)] and trace.content == ["t0", "t1", "t2"]
+    await stack.aclose()  # what the exchange's exit does
+    await asyncio.wait_for(engine.closed.wait(), 5)  # the engine saw its request's connection go
+    assert len(client.bodies) == 3
     await engine.stop()

@@ -1,0 +1,267 @@
+"""One generation request's life, from its arrival to its record: one object owns all of it.
+
+``POST /v1/chat/completions`` and ``/v1/completions`` are served by an ``Exchange`` each, as a plain
+ASGI app, so the response is sent inside the exchange's own ``try``/``finally`` (a FastAPI endpoint
+returns its response and loses hold of it before the response is sent)::
+
+    admit      key, requests/min                           401, 429 (before anything else is judged)
+    read       body, edge rules, session and history       400, 413, 422
+    plan       route, token charge, node slots, prefill    400, 429, 503, 502
+    open       the decode leg, up to its first events      502 (retried once on another node first)
+    respond    SSE relay (router.sse) or one JSON answer
+    exit       exactly once, whatever happened: close the upstream call (which aborts the engine's
+               request), release the node slots and the policy's count, free a prefill lease no decode
+               leg took, then one record (metrics, lake, response index, session turn, token settle)
+
+A client that disconnects before the answer starts is noticed while plan and open run (they are
+raced against the disconnect and cancelled, ``cancel_on_disconnect``); after that the relay notices
+it. Either way the exit above runs, once: no slot, lease or engine request outlives the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from contextlib import AsyncExitStack
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from infra.errors import InvalidRequest, ModelNotFound, PermissionDenied, TandemError, ValidationFailed
+from router.accounting import Accounting
+from router.admission.context import AdmissionContext
+from router.admission.deadline import DEADLINE_HEADER, request_deadline
+from router.admission.keys import Tenant
+from router.admission.ratelimit import Admission
+from router.edge import check_chat, parse_json
+from router.openai_errors import response_for
+from router.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
+from router.schemas import ChatCompletionRequest, CompletionRequest, Message
+from router.sessions.http import HISTORY_HEADER, HistoryMode, prepend_history, session_params
+from router.sessions.models import SESSION_HEADER
+from router.settings import RouterSettings
+from router.sse import RelayResponse
+
+T = TypeVar("T")
+
+UNKNOWN_MODEL = "(unknown)"
+"""The metrics label of every request naming a model no node serves: client strings never become
+label values (each would be a new time series, kept forever)."""
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client goes away first; then cancel it (and its upstream calls)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnected
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()  # bounded by BodyLimit: never more than max_body_bytes
+    data = parse_json(raw, request.app.state.settings.max_json_depth)
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        raise ValidationFailed(f"{loc or 'body'}: {first.get('msg')}", param=loc or None,
+                               code="invalid_value") from exc
+
+
+def route_preference(request: Request, tenant: Tenant, settings: RouterSettings) -> str | None:
+    prefer = request.headers.get("x-tandem-route")
+    if prefer is None:
+        return None
+    if prefer not in ("colocated", "disaggregated"):
+        raise InvalidRequest("x-tandem-route must be `colocated` or `disaggregated`", param="x-tandem-route")
+    allowed = settings.route_header == "always" or (settings.route_header == "auto" and tenant.may_administer)
+    if not allowed:
+        # Forcing the path overrides the policy's placement (and P/D load balance): operators only.
+        raise PermissionDenied("x-tandem-route needs an admin key (or TANDEM_ROUTER_ROUTE_HEADER=always)",
+                               param="x-tandem-route")
+    return prefer
+
+
+class GenerationRoute:
+    """The ASGI app of one generation endpoint: an ``Exchange`` per request."""
+
+    def __init__(self, kind: Kind, endpoint: str) -> None:
+        self.kind = kind
+        self.endpoint = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await Exchange(Request(scope, receive, send), self.kind, self.endpoint).run(scope, receive, send)
+
+
+class Exchange:
+    """One request's life (see the module docstring). ``run`` is the list of steps; ``_exit`` is the
+    one place that lets go of what the request holds."""
+
+    def __init__(self, request: Request, kind: Kind, endpoint: str) -> None:
+        state = request.app.state
+        self.request = request
+        self.kind = kind
+        self.endpoint = endpoint
+        self.settings: RouterSettings = state.settings
+        self.orch: Orchestrator = state.orchestrator
+        self.accounting: Accounting = state.accounting
+        self.ctx: AdmissionContext = state.admission
+        self.spawn = state.kv_tasks.spawn
+        self.holds = AsyncExitStack()
+        """Everything the request holds that must be let go (upstream call, slots, policy count)."""
+        self.admission: Admission | None = None
+        self.trace: RequestTrace | None = None
+        self.messages: list[dict[str, Any]] | None = None
+        self.leg: Leg | None = None
+        self.outcome: tuple[str, int, TandemError | None] = ("cancelled", 499, None)
+        """(status, HTTP status, error) for the record; until the answer is complete, a request that
+        ends is one the client (or the server's shutdown) abandoned."""
+
+    async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            try:
+                response = await self._answer()
+            except ClientDisconnected:
+                self._abandon("client disconnected")
+                response = Response(status_code=499)
+            except TandemError as exc:
+                if isinstance(exc, ModelNotFound) and self.trace is not None:
+                    self.trace.model = UNKNOWN_MODEL
+                self._abandon(f"request failed: {exc.message}")
+                rejected = exc.status_code < 500 or exc.status_code == 503
+                self.outcome = ("rejected" if rejected else "error", exc.status_code, exc)
+                response = response_for(exc)
+            await response(scope, receive, send)
+        finally:
+            await self._exit()
+
+    async def _answer(self) -> Response:
+        """admit, read, plan, open: everything before the first byte of the answer."""
+        request, ctx = self.request, self.ctx
+        arrival = time.monotonic()
+        # Authentication and the request-rate limit come first: an unauthenticated client learns
+        # nothing else about the request (401/429 before any 400).
+        admission = self.admission = await ctx.gate.admit(
+            request.headers.get("authorization"), priority_header=request.headers.get("x-tandem-priority"))
+        req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
+        prefer = route_preference(request, admission.tenant, self.settings)
+        deadline = request_deadline(request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s,
+                                    arrival=arrival)
+        session = await session_params(request.headers.get(SESSION_HEADER), request.headers.get(HISTORY_HEADER))
+        # A request that names no session is sessionless, as with OpenAI or vLLM: storing a session and
+        # a turn for each such request cost a Redis read and four writes plus a database row every time,
+        # for ids that no client ever sent back. In server-history mode the router keeps the history,
+        # so there a session is created and its id returned.
+        session_id = session.session_id if not session.created or session.mode is HistoryMode.SERVER else None
+        trace = RequestTrace(request_id=new_request_id(self.kind), kind=self.kind, model=req.model,
+                             stream=req.stream, session_id=session_id, tenant_id=admission.tenant.tenant_id,
+                             priority=admission.priority, deadline=deadline)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages] if self.kind == "chat" else None
+        if messages is not None:
+            s = self.settings
+            check_chat(messages, req.model_extra or {}, max_messages=s.max_messages,
+                       max_message_chars=s.max_message_chars,
+                       trust_request_chat_template=s.trust_request_chat_template,
+                       allowed_template_kwargs=frozenset(s.chat_template_kwargs))
+        if session.mode is HistoryMode.SERVER:
+            if messages is None or session_id is None:
+                raise InvalidRequest(f"{HISTORY_HEADER}: server applies to chat completions only",
+                                     param=HISTORY_HEADER)
+            messages = await prepend_history(ctx.sessions, admission.tenant.tenant_id, session_id, messages)
+            req.messages = [Message.model_validate(m) for m in messages]
+        # From here on the request has a record: whatever way it ends, ``_exit`` writes it.
+        self.trace, self.messages = trace, messages
+        headers = {"x-session-id": session_id} if session_id else {}
+
+        async def charge(prompt_tokens: int, max_tokens: int | None) -> None:
+            await ctx.gate.charge_tokens(admission, prompt_tokens, max_tokens)
+
+        # No token bucket, no charge: the prompt is then tokenized only if routing needs it.
+        charges = charge if ctx.gate.charges_tokens(admission) else None
+        leg = self.leg = await cancel_on_disconnect(request, self.orch.plan(self.kind, req, trace, prefer, charges))  # type: ignore[arg-type]
+        self.holds.push_async_callback(leg.release)
+        if not req.stream:
+            answer = await cancel_on_disconnect(request, self.orch.complete(leg, trace, self.spawn))
+            self.outcome = ("ok", 200, None)
+            return JSONResponse(answer, headers=headers)
+        stream = await cancel_on_disconnect(request, self.orch.open_stream(leg, trace, self.holds, self.spawn))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return RelayResponse(stream, trace, include_usage, self._relayed,
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+
+    def _relayed(self, status: str, error: TandemError | None) -> None:
+        """The relay's verdict: a stream that started is a 200 whatever happened after."""
+        self.outcome = (status, 200, error)
+
+    def _abandon(self, reason: str) -> None:
+        """The answer will not come from the planned legs: free the prefill node's lease now."""
+        if self.leg is not None:
+            self.orch.abandon(self.leg, reason, self.spawn)
+
+    async def _exit(self) -> None:
+        # Shielded: under cancellation (server shutdown) every await would raise again, and the upstream
+        # call must be closed for the engine to abort the request and free its blocks.
+        with anyio.CancelScope(shield=True):
+            await self.holds.aclose()
+        trace = self.trace
+        if trace is None:
+            return  # refused before it was read: nothing held, nothing to record
+        trace.finish = trace.finish or time.time()
+        status, http_status, error = self.outcome
+        self.accounting.finish(trace, self.endpoint, status, http_status=http_status, exc=error,
+                               admission=self.admission, messages=self.messages)
+
+
+def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
+    """Add the generation routes, which are plain ASGI apps FastAPI cannot see, to an OpenAPI
+    document: their request models (``router.schemas``) and the OpenAI-shaped error answers."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    error = {"description": "OpenAI-format error", "content": {"application/json": {"schema": {
+        "type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}}}
+    for path, model, summary in (
+            ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion (SSE when stream is true)"),
+            ("/v1/completions", CompletionRequest, "Create a completion (SSE when stream is true)")):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema.setdefault("paths", {})[path] = {"post": {
+            "summary": summary, "operationId": model.__name__.replace("Request", "").lower(),
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "responses": {
+                "200": {"description": "The answer: JSON, or an SSE stream of chunks ending with [DONE]",
+                        "content": {"application/json": {"schema": {"type": "object"}},
+                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                **{str(code): error for code in (400, 401, 403, 404, 413, 422, 429, 502, 503)}}}}
+    return schema
