@@ -46,9 +46,9 @@ import uvloop
 
 from bench.loadgen import one_request, percentile
 from bench.standin_engine import STANDIN_LABEL, free_port
-from infra.errors import ConfigError
-from infra.model import default_model_dir
-from infra.registry import NodeInfo, NodeRegistry, Role
+from contracts.errors import ConfigError
+from contracts.registry import NodeInfo, NodeRegistry, Role
+from node_agent.model import default_model_dir
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.priority_class import Priority
 from router.sessions import FunctionCall, Message, ToolCall, Turn, Usage
@@ -246,7 +246,7 @@ def _router_rps(cfg: AdmissionBenchConfig, prefix: str, tmp: Path) -> dict[str, 
         _wait_http(f"{node.url}/health", eng, engine_log)
         asyncio.run(_register(cfg.redis_url, node))
         try:
-            cmd = [sys.executable, "-m", "infra.cli", "router", "--port", str(router_port), "--redis-url",
+            cmd = [sys.executable, "-m", "tandem", "router", "--port", str(router_port), "--redis-url",
                    cfg.redis_url, "--log-level", "warning"]
             with _process(cmd, router_log, env) as router:
                 url = f"http://127.0.0.1:{router_port}"

@@ -46,12 +46,12 @@ import psutil
 
 from bench.loadgen import percentile
 from bench.standin_engine import STANDIN_LABEL, free_port
-from infra.errors import ConfigError
+from contracts.errors import ConfigError
+from contracts.registry import Role
 from infra.launcher import Cluster, ClusterSpec
-from infra.model import resolve_model
-from infra.node import EngineProcess
-from infra.node_settings import NodeSettings
-from infra.registry import Role
+from node_agent.model import resolve_model
+from node_agent.node import EngineProcess
+from node_agent.settings import NodeSettings
 
 ARMS = ("plain", "peer", "node", "tandem")
 
@@ -283,8 +283,8 @@ async def _count_chunks(url: str, model: str, streams: int, tokens: int) -> int:
 def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
     """SSE chunks relayed per second by the router process alone on one core (the first), over the
     stand-in engine and the load client on the others."""
-    from infra.model import default_model_dir
-    from infra.registry import NodeInfo, NodeRegistry
+    from contracts.registry import NodeInfo, NodeRegistry
+    from node_agent.model import default_model_dir
 
     cores = sorted(os.sched_getaffinity(0))
     router_core, other = {cores[0]}, set(cores[1:]) or {cores[0]}

@@ -36,8 +36,8 @@ from bench.agent_workload import AgentWorkloadConfig, build_sessions
 from bench.loadgen import SentRequest, percentile, run_sessions
 from bench.vllm_router import EventRelay, PeerWorker, VllmRouter, require_vllm_router
 from infra.launcher import Cluster, ClusterSpec
-from infra.model import resolve_model
-from infra.node_settings import NodeSettings
+from node_agent.model import resolve_model
+from node_agent.settings import NodeSettings
 from router.kv_index.ideal import ideal_cached_tokens
 from router.tokenizer import _load, _token_ids
 

@@ -7,7 +7,7 @@ the metadata types (``metadata.py``), the wire format (``wire.py``) and the sett
 
 The KV moves after the prefill finishes (pull model): the prefill node leases the request's blocks,
 the decode node pulls them over the chosen transport and acknowledges, and the lease state machine
-(``lease.py``) frees them on every path, including the failures.
+(``prefill_nodes/lease.py``) frees them on every path, including the failures.
 """
 
 from __future__ import annotations

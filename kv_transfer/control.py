@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from infra.errors import ConfigError, PeerUnauthenticated, UpstreamError
+from contracts.errors import ConfigError, PeerUnauthenticated, UpstreamError
 from kv_transfer import wire
 from kv_transfer.auth import is_loopback, load_cluster_secret
 

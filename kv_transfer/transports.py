@@ -20,7 +20,7 @@ from typing import Protocol
 import xxhash
 import zmq
 
-from infra.errors import PeerUnauthenticated, UpstreamError
+from contracts.errors import PeerUnauthenticated, UpstreamError
 from kv_transfer import wire
 from kv_transfer.auth import peer_credentials
 from kv_transfer.layout import KVLayout

@@ -61,7 +61,7 @@ import time
 
 import msgspec
 
-from infra.errors import PeerUnauthenticated, UpstreamError
+from contracts.errors import PeerUnauthenticated, UpstreamError
 
 PROTOCOL = 2
 

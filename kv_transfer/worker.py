@@ -11,15 +11,15 @@ import queue
 import threading
 import time
 
+from decode_nodes.puller import Puller, PullJob, PullOutcome
 from kv_transfer import wire
 from kv_transfer.hugepages import advise_huge_pages
 from kv_transfer.layout import KVLayout
-from kv_transfer.lease import LeaseTable
 from kv_transfer.metadata import TandemMetadata, TransferReports
-from kv_transfer.puller import Puller, PullJob, PullOutcome
-from kv_transfer.server import BlockServer
 from kv_transfer.settings import ConnectorSettings
 from kv_transfer.stats import COUNTS, LISTS, TransferStats
+from prefill_nodes.block_server import BlockServer
+from prefill_nodes.lease import LeaseTable
 
 log = logging.getLogger("tandem.kv.worker")
 

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 
-from infra.errors import (
+from contracts.errors import (
     ConfigError,
     InvalidRequest,
     ModelNotFound,
@@ -43,7 +43,7 @@ from infra.errors import (
     TandemError,
     ValidationFailed,
 )
-from infra.registry import NodeRegistry, Role
+from contracts.registry import NodeRegistry, Role
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.deadline import DEADLINE_HEADER, request_deadline

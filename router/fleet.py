@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from infra.errors import ModelNotFound, StoreError, TandemError
-from infra.registry import LiveNode, NodeRegistry, Role
+from contracts.errors import ModelNotFound, StoreError, TandemError
+from contracts.registry import LiveNode, NodeRegistry, Role
 from router.policies.base import Candidate
 
 log = logging.getLogger("tandem.router.fleet")

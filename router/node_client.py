@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from infra.errors import EngineRejected, UpstreamError
+from contracts.errors import EngineRejected, UpstreamError
 
 _DONE = b"[DONE]"
 _encode = msgspec.json.Encoder().encode

@@ -41,7 +41,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from infra.errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError
+from contracts.errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError
 from router.admission.priority_class import Priority
 from router.sessions.sql import Database
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from infra.errors import InvalidRequest, RateLimited, StoreError
+from contracts.errors import InvalidRequest, RateLimited, StoreError
 from router.admission.keys import AUTH_LUA, AuthCode, KeyStore, Tenant
 from router.admission.priority_class import Priority, resolve_priority
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.errors import InvalidRequest
+from contracts.errors import InvalidRequest
 from router.admission.deadline import DEADLINE_HEADER, request_deadline
 
 

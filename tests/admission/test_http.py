@@ -6,7 +6,7 @@ import httpx
 import pytest
 from fastapi import Depends, FastAPI, Request
 
-from infra.errors import TandemError
+from contracts.errors import TandemError
 from router.admission import Admission, Tenant
 from router.admission.http import AdmissionDependencies, error_response
 from router.sessions import Message, Turn

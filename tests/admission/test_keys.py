@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.errors import AuthenticationFailed, InvalidRequest, NotFound
+from contracts.errors import AuthenticationFailed, InvalidRequest, NotFound
 from router.admission import Priority, hash_key
 from router.admission.keys import ANONYMOUS_TENANT, bearer_token
 from tests.admission.support import REDIS_A, delete_prefix

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from infra.errors import Unavailable
+from contracts.errors import Unavailable
 from router.admission import AdmissionController, Priority
 from tests.admission.support import wait_until
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from infra.errors import RateLimited
+from contracts.errors import RateLimited
 from router.admission import Priority
 
 

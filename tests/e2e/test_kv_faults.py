@@ -62,7 +62,7 @@ class FaultCluster:
 
     def start(self, name: str, args: list[str]) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "infra.cli", *args], stdout=log,
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "tandem", *args], stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True,
                                             env={**os.environ, **NODE_ENV})
 

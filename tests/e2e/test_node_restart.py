@@ -27,7 +27,7 @@ NODE_ID = "restart-both-18160"
 
 
 def _start_node(cluster: LiveCluster, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "infra.cli", "node", "--role", "both", "--port", str(PORT), "--node-id", NODE_ID,
+    cmd = [sys.executable, "-m", "tandem", "node", "--role", "both", "--port", str(PORT), "--node-id", NODE_ID,
            "--redis-url", cluster.redis_url, "--dtype", "float32", "--cores", "1", "--log-dir", str(log.parent)]
     return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
 

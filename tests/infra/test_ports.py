@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from infra.errors import PortInUse
-from infra.node_settings import NodeSettings
-from infra.ports import check_ports_free, port_free
-from infra.registry import Role
+from contracts.errors import PortInUse
+from contracts.registry import Role
 from kv_transfer import ConnectorKind
+from node_agent.ports import check_ports_free, port_free
+from node_agent.settings import NodeSettings
 from tests.infra.test_supervisor import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def test_tandem_node_with_its_port_taken_exits_at_once_naming_port_and_holder(re
         sock.bind(("127.0.0.1", port))
         sock.listen()
         t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "infra.cli", "node", "--role", "decode", "--port", str(port),
+        done = subprocess.run([sys.executable, "-m", "tandem", "node", "--role", "decode", "--port", str(port),
                                "--node-id", f"port-test-{port}", "--redis-url", redis_unit_url],
                               capture_output=True, text=True, timeout=60, cwd=ROOT,
                               env={**os.environ, "COLUMNS": "300"})

@@ -1,4 +1,4 @@
-"""The node agent's engine supervision (infra/supervisor.py) on real processes and the real Redis: a
+"""The node agent's engine supervision (node_agent/supervisor.py) on real processes and the real Redis: a
 STAND-IN engine process (tests/infra/fake_engine.py) is killed, stopped, left half-dead, or fails to
 start; the agent deregisters it at once, restarts it under a new epoch, and gives up when it keeps
 failing. The vLLM engine under the same supervision is covered by tests/e2e/test_supervision.py."""
@@ -22,12 +22,12 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from infra.errors import PortInUse, StoreError
-from infra.node import EngineProcess, describe
-from infra.node_settings import NodeSettings
-from infra.ports import port_free
-from infra.registry import NodeInfo, NodeRegistry, NodeState, Role, epoch_key, status_key
-from infra.supervisor import EXIT_UNHEALTHY, EngineSupervisor
+from contracts.errors import PortInUse, StoreError
+from contracts.registry import NodeInfo, NodeRegistry, NodeState, Role, epoch_key, status_key
+from node_agent.node import EngineProcess, describe
+from node_agent.ports import port_free
+from node_agent.settings import NodeSettings
+from node_agent.supervisor import EXIT_UNHEALTHY, EngineSupervisor
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from infra.errors import ConfigError
+from contracts.errors import ConfigError
 from router.kv_index.block_keys import BlockHasher, block_keys, external_key
 from tests.kv_index.vllm_helpers import EnginePrefixCache
 

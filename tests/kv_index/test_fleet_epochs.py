@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 import zmq.asyncio
 
-from infra.registry import NodeInfo, NodeRegistry, Role
+from contracts.registry import NodeInfo, NodeRegistry, Role
 from router.fleet import Fleet
 from router.kv_index.block_keys import BlockKey
 from router.kv_index.index import FleetIndex

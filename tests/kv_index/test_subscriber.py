@@ -12,7 +12,7 @@ import pytest
 import zmq.asyncio
 from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch, ZmqEventPublisher
 
-from infra.registry import LiveNode, NodeInfo, NodeLoad, Role
+from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
 from router.kv_index.block_keys import BlockHasher, BlockKey
 from router.kv_index.index import FleetIndex
 from router.kv_index.subscriber import KVEventSubscriber, KVEventSubscribers

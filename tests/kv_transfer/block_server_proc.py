@@ -25,9 +25,9 @@ def source() -> list[np.ndarray]:
 
 def _serve(conn, endpoints: list[str], secret: bytes, faults: bool) -> None:  # noqa: ANN001 - in the child
     from kv_transfer.layout import KVLayout
-    from kv_transfer.lease import LeaseTable
-    from kv_transfer.server import BlockServer
     from kv_transfer.stats import TransferStats
+    from prefill_nodes.block_server import BlockServer
+    from prefill_nodes.lease import LeaseTable
 
     arrays = source()
     leases = LeaseTable("child")

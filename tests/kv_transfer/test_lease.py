@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kv_transfer.lease import LeaseError, LeaseState, LeaseTable
+from prefill_nodes.lease import LeaseError, LeaseState, LeaseTable
 
 
 def _table() -> LeaseTable:

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import zmq
 
+from decode_nodes.puller import Puller, PullJob
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
-from kv_transfer.puller import Puller, PullJob
 from kv_transfer.stats import TransferStats
 from tests.kv_transfer.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote
 from tests.kv_transfer.block_server_proc import source as _source

@@ -36,7 +36,8 @@ def _source() -> list[np.ndarray]:
 
 
 def _serve(endpoint: str, conn) -> None:  # noqa: ANN001 - runs in the child process
-    """The UCX half of server.py alone (no leases), so the sender's own failure paths can be driven."""
+    """The UCX half of prefill_nodes/block_server.py alone (no leases), so the sender's own failure paths
+    can be driven."""
     from kv_transfer.ucx import UcxSender, UcxSendFailed
 
     sender = UcxSender(KVLayout.from_arrays(_source()))
@@ -122,7 +123,7 @@ def cache() -> tuple[list[np.ndarray], KVLayout]:
 
 def _pull(endpoint: str, receiver: UcxReceiver, layout: KVLayout, tid: str, remote_ids: list[int],
           local_ids: list[int], timeout: float = 5.0) -> int:
-    """What puller.py does for a ``ucx`` pull (Done included), on a fresh socket."""
+    """What decode_nodes/puller.py does for a ``ucx`` pull (Done included), on a fresh socket."""
     with zmq.Context.instance().socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)

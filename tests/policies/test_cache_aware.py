@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from infra.registry import Role
+from contracts.registry import Role
 from router.kv_index import BlockHasher, FleetIndex
 from router.policies import CacheAware, CacheAwareConfig, RoutingRequest
 from tests.policies.helpers import cand

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq.asyncio
 
-from infra.registry import Role
+from contracts.registry import Role
 from router.kv_index.block_keys import BlockHasher
 from router.kv_index.index import FleetIndex
 from router.kv_index.subscriber import KVEventSubscriber

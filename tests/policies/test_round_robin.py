@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from infra.registry import Role
+from contracts.registry import Role
 from router.policies import LeastLoaded, RoundRobin, RoutingRequest
 from tests.policies.helpers import cand
 

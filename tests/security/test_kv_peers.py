@@ -26,14 +26,14 @@ import numpy as np
 import pytest
 import zmq
 
+from decode_nodes.puller import Puller, PullJob
 from kv_transfer import control, wire
 from kv_transfer.auth import SECRET_ENV
 from kv_transfer.layout import KVLayout
-from kv_transfer.lease import LeaseTable
-from kv_transfer.puller import Puller, PullJob
-from kv_transfer.server import BlockServer
 from kv_transfer.stats import TransferStats
 from kv_transfer.transports import CmaTransport, TransferFailed
+from prefill_nodes.block_server import BlockServer
+from prefill_nodes.lease import LeaseTable
 from tests.kv_transfer.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote, source
 
 OTHER = wire.Codec(b"not-the-cluster-secret-0123456789abcdef")

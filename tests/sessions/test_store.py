@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from infra.errors import StoreError
+from contracts.errors import StoreError
 from router.sessions import FunctionCall, Message, RegionCache, SessionStore, ToolCall, Turn, Usage
 from router.sessions.models import new_messages
 from router.sessions.store import MARKER

@@ -15,7 +15,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from bench.standin_engine import ServerThread, StandInEngine, free_port
-from infra.registry import NodeInfo, NodeRegistry, Role
+from contracts.registry import NodeInfo, NodeRegistry, Role
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.priority_class import Priority
 from router.app import create_app

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 
-from infra.registry import NODES_SET
+from contracts.registry import NODES_SET
 
 REDIS_URL = "redis://127.0.0.1:6379/7"
 
@@ -19,7 +19,7 @@ REDIS_URL = "redis://127.0.0.1:6379/7"
 def test_bench_admission_writes_json_png_and_the_result_line(tmp_path: Path) -> None:
     out = tmp_path / "bench-admission.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "bench", "admission", "--out", str(out), "-n", "200",
+        [sys.executable, "-m", "tandem", "bench", "admission", "--out", str(out), "-n", "200",
          "--concurrency", "1", "--concurrency", "4", "--requests", "40", "--redis-url", REDIS_URL],
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

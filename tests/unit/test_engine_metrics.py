@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from infra.engine_metrics import parse_metrics
+from node_agent.engine_metrics import parse_metrics
 
 SAMPLE = """\
 # TYPE vllm:num_requests_running gauge

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.registry import Role
 from infra import launcher
-from infra.registry import Role
 
 
 @pytest.mark.parametrize(("cores", "role", "has_pd", "expected"), [

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from infra.registry import LiveNode, NodeInfo, NodeLoad, Role
+from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
 from router.policies import Candidate, LeastLoaded, RoutingRequest
 
 

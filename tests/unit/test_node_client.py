@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from infra.errors import EngineRejected, UpstreamError
+from contracts.errors import EngineRejected, UpstreamError
 from router.node_client import NodeClient
 
 

@@ -6,10 +6,10 @@ import json
 import os
 from pathlib import Path
 
-from infra.node import engine_command, engine_env
-from infra.node_settings import NodeSettings
-from infra.registry import Role
+from contracts.registry import Role
 from kv_transfer import ConnectorKind
+from node_agent.node import engine_command, engine_env
+from node_agent.settings import NodeSettings
 
 
 def _args(role: Role, **kw) -> list[str]:
@@ -93,7 +93,7 @@ def test_engine_hook_moves_nixl_threads_to_sched_idle_in_a_real_interpreter() ->
 
 
 def test_parse_cores() -> None:
-    from infra.node import parse_cores
+    from node_agent.node import parse_cores
 
     assert parse_cores("0") == {0}
     assert parse_cores("0-2") == {0, 1, 2}
@@ -104,7 +104,7 @@ def test_pin_process_tree_pins_children_threads() -> None:
     import subprocess
     import sys
 
-    from infra.node import pin_process_tree
+    from node_agent.node import pin_process_tree
 
     code = ("import subprocess, sys, time\n"
             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\ntime.sleep(30)")
@@ -134,7 +134,7 @@ def test_pin_process_tree_keeps_threads_already_inside_the_node() -> None:
 
     import psutil
 
-    from infra.node import pin_process_tree
+    from node_agent.node import pin_process_tree
 
     all_cores = os.sched_getaffinity(0)
     if len(all_cores) < 2:

@@ -8,8 +8,8 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from infra.errors import StoreError
-from infra.registry import NODES_SET, NodeInfo, NodeLoad, NodeRegistry, Role
+from contracts.errors import StoreError
+from contracts.registry import NODES_SET, NodeInfo, NodeLoad, NodeRegistry, Role
 
 
 def _info(node_id: str, role: Role = Role.PREFILL) -> NodeInfo:
@@ -63,7 +63,7 @@ async def test_unreachable_redis_raises_store_error() -> None:
 async def test_a_v1_entry_without_epoch_still_decodes_with_epoch_0(registry: NodeRegistry) -> None:
     import msgspec
 
-    from infra.registry import node_key
+    from contracts.registry import node_key
 
     class NodeInfoV1(msgspec.Struct, kw_only=True):  # the v1 layout: no epoch field
         node_id: str

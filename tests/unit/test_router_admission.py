@@ -10,7 +10,7 @@ import asyncio
 
 import httpx
 
-from infra.registry import Role
+from contracts.registry import Role
 from router.admission.priority_class import Priority
 from tests.admission.support import wait_until
 from tests.unit.standin_cluster import StandInCluster, metric, standin_cluster

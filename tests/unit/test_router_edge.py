@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 from fastapi.testclient import TestClient
 
-from infra.model import default_model_dir
-from infra.registry import NodeInfo, NodeRegistry, Role
+from contracts.registry import NodeInfo, NodeRegistry, Role
+from node_agent.model import default_model_dir
 from router.app import create_app
 from router.settings import RouterSettings
 

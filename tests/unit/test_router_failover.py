@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from infra.registry import Role
+from contracts.registry import Role
 from tests.unit.standin_cluster import metric, standin_cluster
 
 CHAT = "/v1/chat/completions"

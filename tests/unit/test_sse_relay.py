@@ -8,7 +8,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
-from infra.errors import UpstreamError
+from contracts.errors import UpstreamError
 from router.orchestrator import RequestTrace
 from router.sse import RelayResponse
 

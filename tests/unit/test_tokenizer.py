@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from infra.errors import InvalidRequest
-from infra.model import default_model_dir
-from infra.registry import NodeInfo, Role
+from contracts.errors import InvalidRequest
+from contracts.registry import NodeInfo, Role
+from node_agent.model import default_model_dir
 from router.tokenizer import PromptTokenizer
 
 NODE = NodeInfo(node_id="n", role=Role.BOTH, model="m", url="u", block_size=16, max_model_len=8192,

@@ -3,7 +3,7 @@
     tandem node ──spawn──▶ vllm serve (its own process group; OpenAI API on --port)
         │  check the engine's ports are free, wait for /health, read capacity from /metrics, /v1/models
         ├─ register NodeInfo (with a new epoch) in Redis, then every heartbeat_s: NodeLoad from /metrics
-        ├─ engine exit or hang: deregister at once, restart with backoff (infra/supervisor.py)
+        ├─ engine exit or hang: deregister at once, restart with backoff (node_agent/supervisor.py)
         └─ SIGTERM/SIGINT: deregister, stop the engine, exit 0; too many failures: exit 3 (unhealthy)
 
 The router talks to the engine's HTTP server directly; this process is only its agent, so a slow
@@ -28,13 +28,13 @@ import redis.asyncio as aioredis
 
 import decode_nodes
 import prefill_nodes
-from infra.engine_metrics import read_snapshot
-from infra.lifetime import die_with_parent, stop_group
-from infra.model import resolve_model
-from infra.node_settings import NodeSettings
-from infra.registry import NodeInfo, NodeRegistry, Role
-from infra.supervisor import Engine, EngineSupervisor
+from contracts.registry import NodeInfo, NodeRegistry, Role
 from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
+from node_agent.engine_metrics import read_snapshot
+from node_agent.lifetime import die_with_parent, stop_group
+from node_agent.model import resolve_model
+from node_agent.settings import NodeSettings
+from node_agent.supervisor import Engine, EngineSupervisor
 
 log = logging.getLogger("tandem.node")
 
@@ -75,9 +75,9 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
         if kv_config:
             cmd += ["--kv-transfer-config", kv_config]
     if settings.role is Role.PREFILL:
-        cmd += prefill_nodes.engine_args(settings)
+        cmd += prefill_nodes.engine_args(settings.max_model_len)
     elif settings.role is Role.DECODE:
-        cmd += decode_nodes.engine_args(settings)
+        cmd += decode_nodes.engine_args(settings.max_model_len)
     return cmd + list(settings.extra_engine_args)
 
 

@@ -23,8 +23,10 @@ through the ``status_code`` attribute each class declares.
     ├── StoreError                  Redis / database failures on a path that must not swallow them
     │   ├── StoreTimeout            the store did not answer within its configured timeout
     │   └── LakeUnwritable          the Parquet lake cannot be written (disk full, I/O error)
-    └── PeerUnauthenticated         node-to-node: a message without a valid MAC under the cluster secret,
-                                    or a one-host transport asked for by a peer not proven to be local
+    ├── PeerUnauthenticated         node-to-node: a message without a valid MAC under the cluster secret,
+    │                               or a one-host transport asked for by a peer not proven to be local
+    └── VersionMismatch             a peer, a registry entry or transfer params of another version of a
+                                    contract (wire.PROTOCOL, PARAMS_VERSION, registry schema) than ours
 """
 
 from __future__ import annotations
@@ -152,3 +154,19 @@ class LakeUnwritable(StoreError):
     def __init__(self, message: str, *, disk_full: bool) -> None:
         super().__init__(message)
         self.disk_full = disk_full
+
+
+class VersionMismatch(TandemError):
+    """Two processes speak different versions of one contract: the wire protocol (``kv_transfer.wire``),
+    the transfer params (``contracts.transfer``) or the registry schema (``contracts.registry``). The
+    message names the contract and both versions; the boundary that finds it refuses the message."""
+
+    status_code = 502
+    error_type = "upstream_error"
+
+    def __init__(self, contract: str, *, theirs: object, ours: object) -> None:
+        super().__init__(f"{contract} version {theirs!r} is not ours ({ours!r}): the two sides run different "
+                         "Tandem releases; upgrade them together")
+        self.contract = contract
+        self.theirs = theirs
+        self.ours = ours

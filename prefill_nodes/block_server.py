@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import xxhash
 import zmq
 
-from infra.errors import PeerUnauthenticated, UpstreamError
+from contracts.errors import PeerUnauthenticated, UpstreamError
 from kv_transfer import wire
 from kv_transfer.auth import peer_credentials
 from kv_transfer.layout import KVLayout
-from kv_transfer.lease import LeaseError, LeaseState, LeaseTable
 from kv_transfer.stats import TransferStats
 from kv_transfer.transports import TransferFailed, cma_pairs, process_vm_writev
+from prefill_nodes.lease import LeaseError, LeaseState, LeaseTable
 
 log = logging.getLogger("tandem.kv.server")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from infra.errors import PortInUse
+from contracts.errors import PortInUse
 
 
 @dataclass(frozen=True, slots=True)

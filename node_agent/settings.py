@@ -11,14 +11,17 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from infra.registry import Role
+from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from contracts.registry import Role
 from kv_transfer import ConnectorKind
 
 
 class NodeSettings(BaseSettings):
-    """Every field can also come from the environment as ``TANDEM_NODE_<FIELD>``."""
+    """Every field can also come from the environment as ``TANDEM_NODE_<FIELD>``, but the Redis URL,
+    which is every process's ``TANDEM_REDIS_URL`` (``contracts.config``)."""
 
-    model_config = SettingsConfigDict(env_prefix="TANDEM_NODE_", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="TANDEM_NODE_", frozen=True, validate_by_name=True,
+                                      validate_by_alias=True)
 
     role: Role = Role.BOTH
     """prefill: computes prompts and hands their KV to a decode node. decode: loads KV and generates.
@@ -32,7 +35,7 @@ class NodeSettings(BaseSettings):
     """HTTP port of the engine. Side ports: port+1 KV events (PUB), port+2 event replay, port+3 KV block
     server (tandem connector) or NIXL side channel."""
     node_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=REDIS_URL_ENV)
     connector: ConnectorKind = ConnectorKind.TANDEM
     kv_transport: Literal["auto", "tcp", "ipc", "shm", "ucx"] = "auto"
     """Tandem connector: how this node pulls KV. auto = shm (cross-memory copy) when the prefill node is
@@ -66,7 +69,7 @@ class NodeSettings(BaseSettings):
     """Longest an engine may take to answer /health after its start; longer counts as a failed start."""
     restart_backoff_s: float = 1.0
     """Delay before restarting an engine after the first failure in the window; doubles with each
-    further failure in the window (infra/supervisor.py)."""
+    further failure in the window (node_agent/supervisor.py)."""
     restart_backoff_max_s: float = 30.0
     """Cap of that delay."""
     max_failures: int = 5

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from infra.errors import UpstreamError
+from contracts.errors import UpstreamError
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from infra.errors import StoreError
+from contracts.errors import StoreError
 
 REGISTRY_SCHEMA_VERSION = 2
 NODES_SET = "tandem:nodes"

@@ -50,12 +50,12 @@ from typing import Protocol
 
 import httpx
 
-from infra.engine_metrics import read_snapshot
-from infra.errors import PortInUse, StoreError, UpstreamError
-from infra.lifetime import stopped_pids
-from infra.node_settings import NodeSettings
-from infra.ports import check_ports_free
-from infra.registry import NodeInfo, NodeLoad, NodeRegistry, NodeState, NodeStatus
+from contracts.errors import PortInUse, StoreError, UpstreamError
+from contracts.registry import NodeInfo, NodeLoad, NodeRegistry, NodeState, NodeStatus
+from node_agent.engine_metrics import read_snapshot
+from node_agent.lifetime import stopped_pids
+from node_agent.ports import check_ports_free
+from node_agent.settings import NodeSettings
 
 log = logging.getLogger("tandem.node.supervisor")
 
@@ -64,7 +64,7 @@ EXIT_UNHEALTHY = 3
 
 
 class Engine(Protocol):
-    """One engine process (group); ``infra.node.EngineProcess`` for vLLM, a small stand-in in tests."""
+    """One engine process (group); ``node_agent.node.EngineProcess`` for vLLM, a small stand-in in tests."""
 
     @property
     def pid(self) -> int | None: ...
