@@ -23,18 +23,28 @@ with a long TTL, so a node that gave up stays visible after its agent exited; ro
 
 Schema history: v1 the first; v2 adds ``NodeInfo.epoch`` (default 0, so v1 entries still decode and
 v1 readers ignore the field).
+
+Readers check each entry (``NodeRegistry.live_nodes``): an entry of a newer schema than the reader's
+(``VersionMismatch``, naming both) or one that does not decode is skipped, counted in
+``NodeRegistry.skipped`` and logged once per node and reason; every other node is still listed, so one
+bad entry never blinds a router to the fleet. Upgrade readers (routers) before writers (node agents).
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
+from collections import Counter
+from typing import TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from contracts.errors import StoreError
+from contracts.errors import StoreError, VersionMismatch
+
+log = logging.getLogger("tandem.registry")
 
 REGISTRY_SCHEMA_VERSION = 2
 NODES_SET = "tandem:nodes"
@@ -111,6 +121,9 @@ class NodeState(enum.StrEnum):
     STOPPED = "stopped"
 
 
+_T = TypeVar("_T")
+
+
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     """What an operator wants to know about a node agent; not read on any serving path."""
 
@@ -129,6 +142,13 @@ class LiveNode(msgspec.Struct, frozen=True, kw_only=True):
     load: NodeLoad
 
 
+class _Versioned(msgspec.Struct):
+    """Only an entry's version, read before the rest (a newer schema may not decode as ours)."""
+
+    schema_version: int = 1
+
+
+_version_decoder = msgspec.msgpack.Decoder(_Versioned)
 _info_decoder = msgspec.msgpack.Decoder(NodeInfo)
 _load_decoder = msgspec.msgpack.Decoder(NodeLoad)
 _status_decoder = msgspec.msgpack.Decoder(NodeStatus)
@@ -141,6 +161,29 @@ class NodeRegistry:
     def __init__(self, redis: aioredis.Redis, *, ttl_s: float = 6.0) -> None:
         self._redis = redis
         self.ttl_ms = int(ttl_s * 1000)
+        self.skipped: Counter[str] = Counter()
+        """Entries left out of ``live_nodes`` / ``statuses`` since start, by reason (``version``,
+        ``malformed``): each read counts each bad entry again."""
+        self._warned: set[tuple[str, str]] = set()
+
+    def _skip(self, node_id: str, reason: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        if (node_id, reason) not in self._warned:  # once per node and reason: reads repeat every second
+            self._warned.add((node_id, reason))
+            log.warning("registry entry of node %s skipped: %s", node_id, detail)
+
+    def _decode(self, node_id: str, raw: bytes, decoder: msgspec.msgpack.Decoder[_T]) -> _T | None:
+        """One entry, or None when it is skipped (another schema version, or malformed)."""
+        try:
+            version = _version_decoder.decode(raw).schema_version
+            if version > REGISTRY_SCHEMA_VERSION:
+                raise VersionMismatch("registry schema", theirs=version, ours=REGISTRY_SCHEMA_VERSION)
+            return decoder.decode(raw)
+        except VersionMismatch as exc:
+            self._skip(node_id, "version", exc.message)
+        except msgspec.DecodeError as exc:
+            self._skip(node_id, "malformed", f"undecodable: {exc}")
+        return None
 
     async def register(self, info: NodeInfo, load: NodeLoad | None = None) -> None:
         await self.heartbeat(info, load or NodeLoad(updated_at=time.time()))
@@ -186,7 +229,8 @@ class NodeRegistry:
             raw = await self._redis.mget(keys) if keys else []
         except RedisError as exc:
             raise StoreError(f"node status read failed: {exc}") from exc
-        found = [_status_decoder.decode(r) for r in raw if r is not None]
+        found = [st for k, r in zip(keys, raw, strict=True) if r is not None
+                 and (st := self._decode(_id_of(k, "status"), r, _status_decoder)) is not None]
         return sorted(found, key=lambda st: st.node_id)
 
     async def live_nodes(self) -> list[LiveNode]:
@@ -205,11 +249,18 @@ class NodeRegistry:
             if info_raw is None:
                 lapsed.append(node_id)
                 continue
-            load = _load_decoder.decode(load_raw) if load_raw is not None else NodeLoad()
-            live.append(LiveNode(info=_info_decoder.decode(info_raw), load=load))
+            info = self._decode(node_id, info_raw, _info_decoder)
+            load = self._decode(node_id, load_raw, _load_decoder) if load_raw is not None else NodeLoad()
+            if info is not None and load is not None:
+                live.append(LiveNode(info=info, load=load))
         if lapsed:
             try:
                 await self._redis.srem(NODES_SET, *lapsed)
             except RedisError:
                 pass  # pruning is housekeeping; the next reader retries it
         return live
+
+
+def _id_of(key: bytes | str, kind: str) -> str:
+    text = key.decode() if isinstance(key, bytes) else key
+    return text.removeprefix(f"tandem:node{kind}:")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from contracts.transfer import TransferReport
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.stats import TransferStats
@@ -54,9 +55,9 @@ class PullOutcome:
     started: float = 0.0
     """Wall clock."""
 
-    def report(self) -> dict:
-        return {"ok": self.ok, "bytes": self.nbytes, "seconds": round(self.seconds, 6), "transport": self.transport,
-                "reason": self.reason, "start": self.started, "end": self.started + self.seconds}
+    def report(self) -> TransferReport:
+        return TransferReport(ok=self.ok, bytes=self.nbytes, seconds=round(self.seconds, 6), transport=self.transport,
+                              reason=self.reason, start=self.started, end=self.started + self.seconds)
 
 
 class Puller:
@@ -97,8 +98,8 @@ class Puller:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- pool threads ----------------------------------------------------------------------------------
-    def _socket(self, endpoint: str) -> zmq.Socket:
-        socks: dict[str, zmq.Socket] = self._local.__dict__.setdefault("socks", {})
+    def _socket(self, endpoint: str) -> zmq.Socket[bytes]:
+        socks: dict[str, zmq.Socket[bytes]] = self._local.__dict__.setdefault("socks", {})
         sock = socks.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
@@ -166,7 +167,7 @@ class Puller:
                     raise TransferFailed(f"ucx unavailable: {exc}") from exc
             return self._ucx
 
-    def _fail(self, job: PullJob, sock: zmq.Socket | None, reason: str, *, refused: bool,
+    def _fail(self, job: PullJob, sock: zmq.Socket[bytes] | None, reason: str, *, refused: bool,
               started: float) -> None:
         log.warning("pull %s for %s failed: %s", job.transfer_id, job.request_id, reason)
         with self.stats.lock:

@@ -280,7 +280,7 @@ class UcxReceiver:
         tw.pending = UcxTarget(tw.address, next(tw.tags) % (1 << _TAG_BITS), layout.block_nbytes)
         return tw.pending
 
-    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float, *,
+    def receive(self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *,
                 codec: wire.Codec) -> int:
         tw = self._thread_worker()
         target, tw.pending = tw.pending, None
@@ -319,7 +319,7 @@ class UcxReceiver:
         if tw is not None:
             self._drop(tw)
 
-    def _wait(self, tw: _ThreadWorker, sock: zmq.Socket, pull: wire.Pull, requests: list[Any],
+    def _wait(self, tw: _ThreadWorker, sock: zmq.Socket[bytes], pull: wire.Pull, requests: list[Any],
               deadline: float, codec: wire.Codec) -> UcxPosted:
         """Until every receive completed and the prefill node's UcxPosted came, or the deadline."""
         poller = zmq.Poller()
@@ -348,7 +348,7 @@ class UcxReceiver:
                 poller.poll(left_ms)
 
     @staticmethod
-    def _control(sock: zmq.Socket, pull: wire.Pull, codec: wire.Codec) -> UcxPosted | None:
+    def _control(sock: zmq.Socket[bytes], pull: wire.Pull, codec: wire.Codec) -> UcxPosted | None:
         data = sock.recv()
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv()

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 
+from contracts.transfer import TransferReport
 from decode_nodes.puller import Puller, PullJob, PullOutcome
 from kv_transfer import wire
 from kv_transfer.hugepages import advise_huge_pages
@@ -39,7 +40,7 @@ class TandemWorker:
         self._seen_finished: set[str] = set()
         self._ended_unreported: set[str] = set()
         self._load_errors: set[int] = set()
-        self._reports: dict[str, dict] = {}
+        self._reports: dict[str, TransferReport] = {}
         self._last_gauges = (0, 0, 0)
 
     def register(self, layout: KVLayout) -> None:

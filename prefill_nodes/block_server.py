@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import xxhash
 import zmq
 
-from contracts.errors import PeerUnauthenticated, UpstreamError
+from contracts.errors import PeerUnauthenticated, UpstreamError, VersionMismatch
 from kv_transfer import wire
 from kv_transfer.auth import peer_credentials
 from kv_transfer.layout import KVLayout
@@ -46,7 +46,7 @@ SERVED_KEPT = 10_000
 
 @dataclass
 class _Parked:
-    sock: zmq.Socket
+    sock: zmq.Socket[bytes]
     ident: bytes
     pull: wire.Pull
     since: float
@@ -69,11 +69,13 @@ class BlockServer:
         self._ctx = zmq.Context.instance()
         self._wake_addr = f"inproc://tandem-kv-wake-{id(self)}"
         self._wake_lock = threading.Lock()
-        self._wake_push: zmq.Socket | None = None
+        self._wake_push: zmq.Socket[bytes] | None = None
         self._parked: dict[str, _Parked] = {}
         self._refused_logged_at = -REFUSAL_LOG_S
         self._refused_since_log = 0
-        self._local: set[zmq.Socket] = set()
+        self.version_refusals = 0
+        """Messages refused for another protocol version (each answered with a Reject)."""
+        self._local: set[zmq.Socket[bytes]] = set()
         """The ipc sockets: their peers carry kernel-checked credentials."""
         self._held: dict[str, tuple[_Parked, float]] = {}
         """Pulls delayed by the ``hold`` fault, with when to serve them."""
@@ -126,7 +128,7 @@ class BlockServer:
     def _run(self) -> None:
         # One socket per endpoint: which socket a frame came in on says whether it came over a Unix
         # socket (with kernel-checked peer credentials) or over tcp (with none).
-        socks: list[zmq.Socket] = []
+        socks: list[zmq.Socket[bytes]] = []
         try:
             for ep in self.endpoints:
                 sock = self._ctx.socket(zmq.ROUTER)
@@ -208,7 +210,7 @@ class BlockServer:
                 del self._parked[tid]
                 self._reply(parked.sock, parked.ident, wire.Reject(tid, "unknown or ended lease"))
 
-    def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+    def _handle(self, sock: zmq.Socket[bytes], frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
         if len(frames) < 2:
             return  # an empty message: nothing to answer
@@ -226,7 +228,12 @@ class BlockServer:
                 self._refused_logged_at, self._refused_since_log = now, 0
             self._reply(sock, ident, wire.Reject("", f"unauthenticated: {exc.message}"))
             return
-        except UpstreamError as exc:  # a cluster peer of another protocol version: say so, keep serving
+        except VersionMismatch as exc:  # a peer of another release: say so at once, act on nothing
+            self.version_refusals += 1
+            log.error("refused a KV message: %s", exc.message)
+            self._reply(sock, ident, wire.Reject("", f"{wire.VERSION_REJECT}: {exc.message}"))
+            return
+        except UpstreamError as exc:  # authenticated, yet no message of this version: say so, keep serving
             log.warning("%s", exc.message)
             self._reply(sock, ident, wire.Reject("", exc.message))
             return
@@ -269,7 +276,7 @@ class BlockServer:
                 log.warning("refused a %s fault: fault injection is off on this node", msg.kind)
             self._reply(sock, ident, wire.Ack(ok=self.faults_enabled))
 
-    def _refuse_peer(self, sock: zmq.Socket, frame: zmq.Frame, pull: wire.Pull) -> str:
+    def _refuse_peer(self, sock: zmq.Socket[bytes], frame: zmq.Frame, pull: wire.Pull) -> str:
         """Why this peer may not have this pull ("" when it may). A ``shm`` pull hands the peer this
         process's pid and cache addresses and may make this process write into the pid it names:
         only for a process of this host and user that is the very one it names, proven by the
@@ -298,7 +305,7 @@ class BlockServer:
         state, end, reason = ended
         return wire.LeaseReport(tid, state.value, transport, nbytes, blocks, start, end or 0.0, reason)
 
-    def _reply(self, sock: zmq.Socket, ident: bytes, msg: wire.Message) -> None:
+    def _reply(self, sock: zmq.Socket[bytes], ident: bytes, msg: wire.Message) -> None:
         sock.send_multipart([ident, self.codec.encode(msg)])
 
     def _release(self, tid: str, reason: str) -> None:
@@ -322,7 +329,7 @@ class BlockServer:
         else:
             self.stats.record_send(lease.block_ids, time.time() - lease.created)
 
-    def _serve(self, sock: zmq.Socket, ident: bytes, pull: wire.Pull) -> None:
+    def _serve(self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull) -> None:
         tid = pull.transfer_id
         lease = self.leases.get(tid)
         if lease is None or lease.state is not LeaseState.HELD:
@@ -355,7 +362,7 @@ class BlockServer:
         if self.leases.get(tid) is not None:
             self.leases.move(tid, LeaseState.AWAIT_ACK)
 
-    def _send_frames(self, sock: zmq.Socket, ident: bytes, pull: wire.Pull) -> None:
+    def _send_frames(self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull) -> None:
         lay = self.layout
         for layer in range(lay.num_layers):
             spans = [lay.span(layer, s.remote, s.count) for s in pull.segments]
@@ -376,7 +383,7 @@ class BlockServer:
         log.warning("fault injection: stalling a transfer for %.1f s", seconds)
         self._stop.wait(seconds)
 
-    def _send_ucx(self, sock: zmq.Socket, ident: bytes, pull: wire.Pull) -> bool:
+    def _send_ucx(self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull) -> bool:
         """Post the pull's blocks over UCX; False (lease FAILED, pull refused) if that cannot be done."""
         from kv_transfer.ucx import UcxError, UcxSender
 
@@ -398,7 +405,7 @@ class BlockServer:
         if self._ucx is not None:
             self._ucx.forget(tid)
 
-    def _grant(self, sock: zmq.Socket, ident: bytes, pull: wire.Pull) -> None:
+    def _grant(self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull) -> None:
         lay = self.layout
         sums = [[checksum(lay.span(layer, s.remote, s.count)) for s in pull.segments]
                 for layer in range(lay.num_layers)] if pull.checksum else []
