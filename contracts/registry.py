@@ -36,7 +36,7 @@ import enum
 import logging
 import time
 from collections import Counter
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -226,7 +226,7 @@ class NodeRegistry:
         """Every node status record (live, restarting, or gave up within STATUS_TTL_S), by node id."""
         try:
             keys = [k async for k in self._redis.scan_iter(match=status_key("*"), count=500)]
-            raw = await self._redis.mget(keys) if keys else []
+            raw = cast("list[bytes | None]", await self._redis.mget(keys) if keys else [])
         except RedisError as exc:
             raise StoreError(f"node status read failed: {exc}") from exc
         found = [st for k, r in zip(keys, raw, strict=True) if r is not None
@@ -239,7 +239,8 @@ class NodeRegistry:
             ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await self._redis.smembers(NODES_SET))
             if not ids:
                 return []
-            raw = await self._redis.mget([k for i in ids for k in (node_key(i), load_key(i))])
+            keys = [k for i in ids for k in (node_key(i), load_key(i))]
+            raw = cast("list[bytes | None]", await self._redis.mget(keys))
         except RedisError as exc:
             raise StoreError(f"registry read failed: {exc}") from exc
         live: list[LiveNode] = []

@@ -91,7 +91,7 @@ class RemoteKvAdmission:
         params = self._pending(request)
         if params is None:
             return
-        request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request
+        _flags(request)["do_remote_prefill"] = False  # one transfer per request
         if num_external_tokens <= 0:
             self._release(request, params, "decode node had every block cached", forget=False)
             return
@@ -148,4 +148,12 @@ class RemoteKvAdmission:
         self.releases.append(ReleaseSpec(params.remote_endpoints, params.remote_host_id, params.transfer_id,
                                          reason))
         if forget:
-            request.kv_transfer_params["do_remote_prefill"] = False
+            _flags(request)["do_remote_prefill"] = False
+
+
+def _flags(request: Request) -> dict[str, Any]:
+    """The request's own params dict, whose flags we flip in place (vLLM keeps and re-reads it)."""
+    params = request.kv_transfer_params
+    if params is None:
+        raise ValueError(f"request {request.request_id} has no kv_transfer_params")
+    return params

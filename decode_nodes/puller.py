@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -24,7 +25,10 @@ from contracts.transfer import TransferReport
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.stats import TransferStats
-from kv_transfer.transports import TransferFailed, transport_for, verify_answer
+from kv_transfer.transports import TransferFailed, Transport, transport_for, verify_answer
+
+if TYPE_CHECKING:
+    from kv_transfer.ucx import UcxReceiver
 
 log = logging.getLogger("tandem.kv.puller")
 
@@ -68,13 +72,13 @@ class Puller:
         self.shm_split = shm_split
         self._on_outcome = on_outcome
         self.stats = stats
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tandem-kv-pull")
         self._local = threading.local()
         self._jobs: dict[str, PullJob] = {}
         self._lock = threading.Lock()
         self.outcomes: queue.SimpleQueue[PullOutcome] = queue.SimpleQueue()
-        self._ucx = None
+        self._ucx: UcxReceiver | None = None
         self._ucx_lock = threading.Lock()
 
     def submit(self, job: PullJob) -> None:
@@ -135,9 +139,10 @@ class Puller:
             if job.cancelled.is_set():
                 raise TransferFailed("cancelled before it started")
             sock = self._socket(job.endpoint)
+            transport: Transport | UcxReceiver
             if job.transport == "ucx":
-                transport = self._ucx_receiver()
-                pull = wire.Pull(job.transfer_id, job.segments, "ucx", job.checksum, transport.target(self.layout))
+                receiver = transport = self._ucx_receiver()
+                pull = wire.Pull(job.transfer_id, job.segments, "ucx", job.checksum, receiver.target(self.layout))
             else:
                 transport = transport_for(job.transport, shm_split=self.shm_split)
                 pull = transport.pull(job.transfer_id, job.segments, job.checksum, self.layout)
@@ -156,7 +161,7 @@ class Puller:
             log.exception("pull %s crashed", job.transfer_id)
             self._fail(job, sock, f"{type(exc).__name__}: {exc}", refused=False, started=wall0)
 
-    def _ucx_receiver(self):  # noqa: ANN202 - kv_transfer.ucx.UcxReceiver, imported only when used
+    def _ucx_receiver(self) -> UcxReceiver:
         from kv_transfer.ucx import UcxError, UcxReceiver
 
         with self._ucx_lock:

@@ -165,7 +165,8 @@ async def _supervision_state(redis_url: str) -> tuple[list, dict[str, dict[str, 
         launchers: dict[str, dict[str, dict]] = {}
         async for key in client.scan_iter(match="tandem:launcher:*"):
             raw = await client.hgetall(key)
-            launchers[key.decode()] = {k.decode(): json.loads(v) for k, v in raw.items()}
+            name = key.decode() if isinstance(key, bytes) else key
+            launchers[name] = {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in raw.items()}
         return statuses, launchers
     except RedisError as exc:
         raise StoreError(f"Redis at {redis_url} unreadable: {exc}") from exc

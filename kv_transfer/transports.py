@@ -15,15 +15,15 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
-import xxhash
 import zmq
 
 from contracts.errors import PeerUnauthenticated, UpstreamError, VersionMismatch
 from kv_transfer import wire
 from kv_transfer.auth import peer_credentials
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, checksum
 
 
 class TransferFailed(Exception):
@@ -116,11 +116,11 @@ class FrameTransport:
                 if not sock.getsockopt(zmq.RCVMORE):
                     raise TransferFailed(f"layer {msg.layer}: {i} of {len(pull.segments)} segments")
                 dest = layout.span(msg.layer, seg.local, seg.count)
-                n = sock.recv_into(dest)
+                n = sock.recv_into(cast(Any, dest))  # an ndarray is a writable buffer
                 if n != dest.nbytes:
                     _drain(sock)
                     raise TransferFailed(f"layer {msg.layer} segment {i}: {n} bytes, expected {dest.nbytes}")
-                if msg.checksums and xxhash.xxh3_64_intdigest(dest) != msg.checksums[i]:
+                if msg.checksums and checksum(dest) != msg.checksums[i]:
                     _drain(sock)
                     raise TransferFailed(f"bad checksum in layer {msg.layer} segment {i}")
                 total += n
@@ -146,7 +146,7 @@ def process_vm_writev(pid: int, pairs: list[tuple[int, int, int]]) -> None:
     _cma(_libc.process_vm_writev, "process_vm_writev", pid, pairs)
 
 
-def _cma(call, name: str, pid: int, pairs: list[tuple[int, int, int]]) -> None:  # noqa: ANN001 - a libc function
+def _cma(call: Callable[..., int], name: str, pid: int, pairs: list[tuple[int, int, int]]) -> None:
     # ctypes releases the GIL around the call: the copy runs beside the engine's Python threads.
     for i in range(0, len(pairs), _IOV_MAX):
         chunk = pairs[i:i + _IOV_MAX]
@@ -221,7 +221,7 @@ class CmaTransport:
         if msg.checksums:
             for layer in range(layout.num_layers):
                 for i, s in enumerate(pull.segments):
-                    if xxhash.xxh3_64_intdigest(layout.span(layer, s.local, s.count)) != msg.checksums[layer][i]:
+                    if checksum(layout.span(layer, s.local, s.count)) != msg.checksums[layer][i]:
                         raise TransferFailed(f"bad checksum in layer {layer} segment {i}")
         return layout.nbytes(pull.segments)
 

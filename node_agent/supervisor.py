@@ -285,7 +285,8 @@ class EngineSupervisor:
                     # A missed beat is not fatal: the TTL covers a few; a dead engine is caught above.
                     log.warning("heartbeat skipped: %s", exc)
             pid = engine.pid
-            if pid is not None and await asyncio.to_thread(stopped_pids, pid):
+            stopped = await asyncio.to_thread(stopped_pids, pid) if pid is not None else []
+            if stopped:
                 stopped_since = stopped_since or now
                 if now - stopped_since > s.stall_timeout_s:
                     return Outcome(Ending.FAILED, f"hung: engine process stopped for {now - stopped_since:.0f} s",

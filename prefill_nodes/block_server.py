@@ -17,16 +17,19 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
-import xxhash
 import zmq
 
 from contracts.errors import PeerUnauthenticated, UpstreamError, VersionMismatch
 from kv_transfer import wire
 from kv_transfer.auth import peer_credentials
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, checksum
 from kv_transfer.stats import TransferStats
 from kv_transfer.transports import TransferFailed, cma_pairs, process_vm_writev
+
+if TYPE_CHECKING:
+    from kv_transfer.ucx import UcxSender
 from prefill_nodes.lease import LeaseError, LeaseState, LeaseTable
 
 log = logging.getLogger("tandem.kv.server")
@@ -52,10 +55,6 @@ class _Parked:
     since: float
 
 
-def checksum(view) -> int:  # noqa: ANN001 - any buffer
-    return xxhash.xxh3_64_intdigest(view)
-
-
 class BlockServer:
     def __init__(self, layout: KVLayout, leases: LeaseTable, endpoints: list[str], stats: TransferStats,
                  codec: wire.Codec, *, faults: bool = False) -> None:
@@ -66,7 +65,7 @@ class BlockServer:
         self.codec = codec
         self.faults_enabled = faults
         self._armed: dict[str, float] = {}
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._wake_addr = f"inproc://tandem-kv-wake-{id(self)}"
         self._wake_lock = threading.Lock()
         self._wake_push: zmq.Socket[bytes] | None = None
@@ -82,7 +81,7 @@ class BlockServer:
         self._early_release: dict[str, float] = {}
         self._served: dict[str, tuple[str, int, int, float]] = {}
         """transfer id → (transport, bytes, blocks, wall-clock start) of recent pulls, for Query."""
-        self._ucx = None
+        self._ucx: UcxSender | None = None
         """UcxSender, started at the first ``ucx`` pull (importing ucxx costs seconds; most nodes never
         need it)."""
         self._stop = threading.Event()
@@ -374,7 +373,7 @@ class BlockServer:
                 spans[0] = bad
             header = wire.LayerHeader(pull.transfer_id, layer, [s.remote for s in pull.segments], lay.dtype,
                                       lay.block_shape, [v.nbytes for v in spans], sums)
-            sock.send_multipart([ident, self.codec.encode(header), *spans], copy=False)
+            sock.send_multipart([ident, self.codec.encode(header), *cast(list[Any], spans)], copy=False)
             if layer == 0 and "stall" in self._armed:
                 self._stall(self._armed.pop("stall"))
         sock.send_multipart([ident, self.codec.encode(wire.End(pull.transfer_id, lay.num_layers))])
