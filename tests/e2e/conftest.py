@@ -20,7 +20,7 @@ import redis
 
 from contracts.registry import NODES_SET
 from tests.conftest import REDIS_E2E_URL
-from tests.helpers import OutputLines, wait_for  # noqa: F401 - wait_for re-exported for the e2e tests
+from tests.support.helpers import OutputLines, wait_for  # noqa: F401 - wait_for re-exported for the e2e tests
 
 ROUTER_PORT = 18000
 NODE_BASE = 18100

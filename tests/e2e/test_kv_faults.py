@@ -34,7 +34,7 @@ import zmq
 from kv_transfer import wire
 from kv_transfer.auth import load_cluster_secret
 from tests.e2e.conftest import engine_metric
-from tests.helpers import wait_for
+from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 

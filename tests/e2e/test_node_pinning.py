@@ -20,7 +20,7 @@ import pytest
 
 from node_agent.lifetime import stop_group
 from tests.conftest import REDIS_E2E_URL
-from tests.helpers import OutputLines
+from tests.support.helpers import OutputLines
 
 pytestmark = pytest.mark.e2e
 

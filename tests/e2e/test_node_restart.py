@@ -18,7 +18,7 @@ from router.app import create_app
 from router.settings import RouterSettings
 from tests.e2e.conftest import LiveCluster
 from tests.e2e.test_cache_routing import SYSTEM
-from tests.helpers import wait_for
+from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -29,7 +29,7 @@ import redis
 
 from contracts.registry import NodeInfo, node_key
 from tests.e2e.test_cache_routing import SYSTEM
-from tests.helpers import alive_pids, wait_for
+from tests.support.helpers import alive_pids, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """`tandem up` keeps the cluster up and takes it all down with it (issue 12), on real processes: the real
 launcher, node agent, router and lake writer, with the node's engine replaced by a STAND-IN engine
-process (``TANDEM_NODE_ENGINE_COMMAND``, tests/infra/fake_engine.py) so no vLLM engine is needed.
+process (``TANDEM_NODE_ENGINE_COMMAND``, tests/support/fake_engine.py) so no vLLM engine is needed.
 The same with vLLM engines: tests/e2e/test_supervision.py. Redis DB 12."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import redis
 
 from contracts.registry import NODES_SET, NodeInfo, node_key
 from infra.launcher import launcher_key
-from tests.helpers import alive_pids, wait_for
-from tests.infra.test_supervisor import free_port_block
+from tests.node_agent.test_supervisor import free_port_block
+from tests.support.helpers import alive_pids, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/12"
@@ -95,7 +95,7 @@ def up(tmp_path: Path) -> Iterator[Up]:
     redis.Redis.from_url(REDIS_URL).flushdb()
     router_port, node_port = free_port_block(), free_port_block()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "200",
-           "TANDEM_NODE_ENGINE_COMMAND": json.dumps([PY, "-m", "tests.infra.fake_engine", "--port", "{port}"]),
+           "TANDEM_NODE_ENGINE_COMMAND": json.dumps([PY, "-m", "tests.support.fake_engine", "--port", "{port}"]),
            "TANDEM_NODE_HEARTBEAT_S": "0.2", "TANDEM_NODE_RESTART_BACKOFF_S": "0.1"}
     proc = subprocess.Popen([PY, "-m", "tandem", "up", "--colocated", "--port", str(router_port),
                              "--node-base-port", str(node_port), "--redis-url", REDIS_URL, "--workdir", str(tmp_path)],
@@ -126,7 +126,7 @@ def test_dead_children_are_restarted_and_shown_and_sigterm_stops_everything(up: 
     assert httpx.get(f"{up.url}/health").status_code == 200  # one dead child stops nothing else
 
     epoch = up.epoch()
-    up.child("tests.infra.fake_engine").kill()  # the node agent restarts its engine, not the launcher
+    up.child("tests.support.fake_engine").kill()  # the node agent restarts its engine, not the launcher
     assert wait_for(lambda: up.epoch() > epoch, timeout_s=30), "the node did not come back with a new epoch"
 
     router.kill()
@@ -137,7 +137,7 @@ def test_dead_children_are_restarted_and_shown_and_sigterm_stops_everything(up: 
     up.child(f"--node-id {up.node_id}").kill()  # the agent itself: the launcher restarts it
     up.wait_line(f"RESTARTED {up.node_id}")
     assert wait_for(lambda: up.epoch() > epoch, timeout_s=30), "the restarted agent did not register anew"
-    assert len([p for p in up.descendants() if "tests.infra.fake_engine" in " ".join(p.cmdline())]) == 1
+    assert len([p for p in up.descendants() if "tests.support.fake_engine" in " ".join(p.cmdline())]) == 1
 
     children = {k.decode(): json.loads(v) for k, v in redis.Redis.from_url(REDIS_URL).hgetall(
         launcher_key(up.router_port)).items()}

@@ -15,8 +15,8 @@ from decode_nodes.puller import Puller, PullJob
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.stats import TransferStats
-from tests.kv_transfer.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote, transfer_params
-from tests.kv_transfer.block_server_proc import source as _source
+from tests.support.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote, transfer_params
+from tests.support.block_server_proc import source as _source
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from kv_transfer import wire  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
 from kv_transfer.transports import TransferFailed  # noqa: E402
 from kv_transfer.ucx import UcxReceiver  # noqa: E402
-from tests.kv_transfer.block_server_proc import SECRET  # noqa: E402
+from tests.support.block_server_proc import SECRET  # noqa: E402
 
 LAYERS, BLOCKS, SHAPE = 3, 32, (3, 16, 128)  # 24 KiB blocks: above UCX's rendezvous threshold
 CODEC = wire.Codec(SECRET)

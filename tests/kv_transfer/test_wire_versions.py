@@ -17,7 +17,7 @@ import pytest
 from contracts.errors import VersionMismatch
 from kv_transfer import wire
 from kv_transfer.transports import TransferFailed, verify_answer
-from tests.kv_transfer.block_server_proc import SECRET, Remote
+from tests.support.block_server_proc import SECRET, Remote
 
 
 def _frame(marker: bytes, body: bytes, secret: bytes = SECRET) -> bytes:

@@ -25,7 +25,7 @@ from node_agent.model import default_model_dir
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.app import create_app
 from router.settings import RouterSettings
-from tests.admission.support import delete_prefix
+from tests.router.admission.support import delete_prefix
 
 REDIS_URL = "redis://127.0.0.1:6379/14"
 ROOT = Path(__file__).resolve().parents[2]

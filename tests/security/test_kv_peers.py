@@ -34,7 +34,7 @@ from kv_transfer.stats import TransferStats
 from kv_transfer.transports import CmaTransport, TransferFailed
 from prefill_nodes.block_server import BlockServer
 from prefill_nodes.lease import LeaseTable
-from tests.kv_transfer.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote, source, transfer_params
+from tests.support.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote, source, transfer_params
 
 OTHER = wire.Codec(b"not-the-cluster-secret-0123456789abcdef")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from router.sessions.http import prepend_history
 from router.sessions.models import conversation
-from tests.sessions.test_store import TENANT, turn
+from tests.router.sessions.test_store import TENANT, turn
 
 
 async def test_stored_conversation_then_the_new_messages(ctx):

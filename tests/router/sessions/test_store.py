@@ -8,7 +8,7 @@ from contracts.errors import StoreError
 from router.sessions import FunctionCall, Message, RegionCache, SessionStore, ToolCall, Turn, Usage
 from router.sessions.models import new_messages
 from router.sessions.store import MARKER
-from tests.admission.support import REDIS_A, delete_prefix
+from tests.router.admission.support import REDIS_A, delete_prefix
 
 TENANT = "acme"
 

@@ -16,8 +16,8 @@ from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
 from router.kv_index.block_keys import BlockHasher, BlockKey
 from router.kv_index.index import FleetIndex
 from router.kv_index.subscriber import KVEventSubscriber, KVEventSubscribers
-from tests.kv_index.vllm_helpers import EnginePrefixCache
-from tests.kv_index.zmq_helpers import FakePublisher, stored, until
+from tests.support.vllm_helpers import EnginePrefixCache
+from tests.support.zmq_helpers import FakePublisher, stored, until
 
 BS = 16
 

@@ -3,7 +3,7 @@
 What the tests exercise is the node agent around it: real processes that exit, are killed or
 stopped, hold ports, and leave helpers behind.
 
-    python -m tests.infra.fake_engine --port P [--helper] [--busy] [--exit-status N]
+    python -m tests.support.fake_engine --port P [--helper] [--busy] [--exit-status N]
 
 --helper       also start a helper process in the same process group that listens on P+2 (like
                vLLM's engine core holding a side port), so killing only the leader leaves it behind
@@ -47,7 +47,8 @@ def main() -> None:
         while True:
             time.sleep(3600)
     if a.helper:  # same process group: no new session
-        subprocess.Popen([sys.executable, "-m", "tests.infra.fake_engine", "--port", str(a.port + 2), "--listen-only"])
+        subprocess.Popen([sys.executable, "-m", "tests.support.fake_engine", "--port", str(a.port + 2),
+                          "--listen-only"])
 
     # The router-facing part (chat and completions, streamed or not) is the benchmark's stand-in;
     # this adds what a node agent reads from an engine.

@@ -17,7 +17,7 @@ from contracts.registry import Role
 from kv_transfer import ConnectorKind
 from node_agent.ports import check_ports_free, port_free
 from node_agent.settings import NodeSettings
-from tests.infra.test_supervisor import free_port_block
+from tests.node_agent.test_supervisor import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 

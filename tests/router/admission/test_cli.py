@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from router.admission.cli import keys_app
-from tests.admission.support import REDIS_A
+from tests.router.admission.support import REDIS_A
 
 
 @pytest.fixture

@@ -112,7 +112,7 @@ def test_pin_process_tree_pins_children_threads() -> None:
     try:
         import psutil
 
-        from tests.helpers import wait_for
+        from tests.support.helpers import wait_for
 
         assert wait_for(lambda: len(psutil.Process(parent.pid).children()) == 1, timeout_s=10)
         target = {sorted(os.sched_getaffinity(0))[-1]}

@@ -12,8 +12,8 @@ import httpx
 
 from contracts.registry import Role
 from router.admission.priority_class import Priority
-from tests.admission.support import wait_until
-from tests.unit.standin_cluster import StandInCluster, metric, standin_cluster
+from tests.router.admission.support import wait_until
+from tests.support.standin_cluster import StandInCluster, metric, standin_cluster
 
 CHAT = "/v1/chat/completions"
 

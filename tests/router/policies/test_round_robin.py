@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from contracts.registry import Role
 from router.policies import LeastLoaded, RoundRobin, RoutingRequest
-from tests.policies.helpers import cand
+from tests.router.policies.helpers import cand
 
 
 def test_each_pool_rotates_in_node_order() -> None:

@@ -9,7 +9,7 @@ import pytest
 from router.kv_index.block_keys import BlockHasher, BlockKey
 from router.kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from router.kv_index.index import FleetIndex, ModelIndex, bench_longest_prefix
-from tests.kv_index.vllm_helpers import EnginePrefixCache
+from tests.support.vllm_helpers import EnginePrefixCache
 
 BS = 16
 

@@ -7,7 +7,7 @@ import random
 from contracts.registry import Role
 from router.kv_index import BlockHasher, FleetIndex
 from router.policies import CacheAware, CacheAwareConfig, RoutingRequest
-from tests.policies.helpers import cand
+from tests.router.policies.helpers import cand
 
 BS = 16
 HASHER = BlockHasher(BS)

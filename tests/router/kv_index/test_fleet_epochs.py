@@ -16,7 +16,7 @@ from router.fleet import Fleet
 from router.kv_index.block_keys import BlockKey
 from router.kv_index.index import FleetIndex
 from router.kv_index.subscriber import KVEventSubscribers
-from tests.kv_index.zmq_helpers import FakePublisher, stored, until
+from tests.support.zmq_helpers import FakePublisher, stored, until
 
 
 @pytest.fixture

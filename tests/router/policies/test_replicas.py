@@ -16,9 +16,9 @@ from router.kv_index.block_keys import BlockHasher
 from router.kv_index.index import FleetIndex
 from router.kv_index.subscriber import KVEventSubscriber
 from router.policies import CacheAware, CacheAwareConfig, Decision, RoutingRequest
-from tests.kv_index.vllm_helpers import EnginePrefixCache
-from tests.kv_index.zmq_helpers import FakePublisher, until
-from tests.policies.helpers import cand
+from tests.router.policies.helpers import cand
+from tests.support.vllm_helpers import EnginePrefixCache
+from tests.support.zmq_helpers import FakePublisher, until
 
 BS = 16
 NODES = ("p0", "p1")

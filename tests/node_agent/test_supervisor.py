@@ -1,5 +1,5 @@
 """The node agent's engine supervision (node_agent/supervisor.py) on real processes and the real Redis: a
-STAND-IN engine process (tests/infra/fake_engine.py) is killed, stopped, left half-dead, or fails to
+STAND-IN engine process (tests/support/fake_engine.py) is killed, stopped, left half-dead, or fails to
 start; the agent deregisters it at once, restarts it under a new epoch, and gives up when it keeps
 failing. The vLLM engine under the same supervision is covered by tests/e2e/test_supervision.py."""
 
@@ -63,7 +63,7 @@ def fast_settings(redis_url: str, **kw: object) -> NodeSettings:
 
 
 def fake_engine(settings: NodeSettings, *args: str) -> EngineProcess:
-    cmd = [sys.executable, "-m", "tests.infra.fake_engine", "--port", str(settings.port), *args]
+    cmd = [sys.executable, "-m", "tests.support.fake_engine", "--port", str(settings.port), *args]
     return EngineProcess(settings, command=cmd, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 

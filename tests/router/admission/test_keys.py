@@ -7,7 +7,7 @@ import pytest
 from contracts.errors import AuthenticationFailed, InvalidRequest, NotFound
 from router.admission import Priority, hash_key
 from router.admission.keys import ANONYMOUS_TENANT, bearer_token
-from tests.admission.support import REDIS_A, delete_prefix
+from tests.router.admission.support import REDIS_A, delete_prefix
 
 
 async def test_created_key_authenticates_and_is_stored_only_hashed(ctx, redis_a):

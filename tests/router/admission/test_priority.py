@@ -9,7 +9,7 @@ import pytest
 
 from contracts.errors import Unavailable
 from router.admission import AdmissionController, Priority
-from tests.admission.support import wait_until
+from tests.router.admission.support import wait_until
 
 INTER, B = Priority.INTERACTIVE, Priority.BATCH
 

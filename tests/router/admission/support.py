@@ -1,4 +1,4 @@
-"""Fixtures shared by tests/admission and tests/sessions: real Redis (logical DBs 4 and 5, a unique key
+"""Fixtures shared by tests/router/admission and tests/router/sessions: real Redis (logical DBs 4 and 5, a unique key
 prefix per test, deleted afterwards), real PostgreSQL (a schema per test in database ``tandem_test``,
 dropped afterwards; a PostgreSQL that is down fails the test) and SQLite in a temporary folder."""
 

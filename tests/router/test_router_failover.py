@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 
 from contracts.registry import Role
-from tests.unit.standin_cluster import metric, standin_cluster
+from tests.support.standin_cluster import metric, standin_cluster
 
 CHAT = "/v1/chat/completions"
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 
 from contracts.registry import Role
-from tests.admission.support import wait_until
-from tests.unit.standin_cluster import standin_cluster
+from tests.router.admission.support import wait_until
+from tests.support.standin_cluster import standin_cluster
 
 CHAT = "/v1/chat/completions"
 SERVER = {"x-tandem-history": "server"}

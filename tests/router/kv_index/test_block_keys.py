@@ -8,7 +8,7 @@ import pytest
 
 from contracts.errors import ConfigError
 from router.kv_index.block_keys import BlockHasher, block_keys, external_key
-from tests.kv_index.vllm_helpers import EnginePrefixCache
+from tests.support.vllm_helpers import EnginePrefixCache
 
 BS = 16
 

@@ -20,7 +20,7 @@ from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.priority_class import Priority
 from router.app import create_app
 from router.settings import RouterSettings
-from tests.admission.support import delete_prefix
+from tests.router.admission.support import delete_prefix
 
 REDIS_URL = "redis://127.0.0.1:6379/7"
 
