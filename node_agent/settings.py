@@ -92,7 +92,7 @@ class NodeSettings(BaseSettings):
     engine_command: list[str] | None = None
     """Replaces the whole ``vllm serve`` command line (a wrapper script, another build); ``{port}`` in
     an argument becomes ``port``. The supervision tests run a stand-in engine through it
-    (``TANDEM_NODE_ENGINE_COMMAND='["python", "-m", "tests.infra.fake_engine", "--port", "{port}"]'``)."""
+    (``TANDEM_NODE_ENGINE_COMMAND='["python", "-m", "tests.support.fake_engine", "--port", "{port}"]'``)."""
     log_dir: Path | None = None
     """Where the engine's stdout/stderr go; None inherits the node's."""
 
