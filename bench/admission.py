@@ -36,7 +36,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,10 @@ import uvloop
 
 from bench.loadgen import one_request, percentile
 from bench.standin_engine import STANDIN_LABEL, free_port
-from infra.errors import ConfigError
-from infra.model import default_model_dir
-from infra.registry import NodeInfo, NodeRegistry, Role
+from contracts.config import redis_url as configured_redis_url
+from contracts.errors import ConfigError
+from contracts.registry import NodeInfo, NodeRegistry, Role
+from node_agent.model import default_model_dir
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.priority_class import Priority
 from router.sessions import FunctionCall, Message, ToolCall, Turn, Usage
@@ -62,7 +63,8 @@ STANDIN_TEXT = "stand-in reply"
 
 @dataclass(frozen=True)
 class AdmissionBenchConfig:
-    redis_url: str = "redis://127.0.0.1:6379/7"
+    redis_url: str = field(default_factory=lambda: configured_redis_url(db=7))
+    """$TANDEM_REDIS_URL's server, database 7: the benchmark's own."""
     """Redis for keys, limits, sessions, the registry and telemetry streams of the run (all removed
     afterwards: a unique key prefix, a unique model name, the telemetry streams of this DB)."""
     n: int = 5000
@@ -246,7 +248,7 @@ def _router_rps(cfg: AdmissionBenchConfig, prefix: str, tmp: Path) -> dict[str, 
         _wait_http(f"{node.url}/health", eng, engine_log)
         asyncio.run(_register(cfg.redis_url, node))
         try:
-            cmd = [sys.executable, "-m", "infra.cli", "router", "--port", str(router_port), "--redis-url",
+            cmd = [sys.executable, "-m", "tandem", "router", "--port", str(router_port), "--redis-url",
                    cfg.redis_url, "--log-level", "warning"]
             with _process(cmd, router_log, env) as router:
                 url = f"http://127.0.0.1:{router_port}"

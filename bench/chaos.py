@@ -55,9 +55,9 @@ import psutil
 import redis
 from rich.console import Console
 
-from infra.engine_metrics import parse_metrics
+from contracts.registry import NodeInfo, node_key
 from infra.launcher import Child, Cluster, ClusterSpec
-from infra.registry import NodeInfo, node_key
+from node_agent.engine_metrics import parse_metrics
 
 console = Console(stderr=True)
 

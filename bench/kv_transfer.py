@@ -29,7 +29,7 @@ import statistics
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ import numpy as np
 from rich.console import Console
 
 from bench.loadgen import run_level
+from contracts.config import redis_url as configured_redis_url
 from infra.launcher import Cluster, ClusterSpec
 from kv_transfer import prefill_request_params
 from kv_transfer.hugepages import advise_huge_pages
@@ -53,7 +54,8 @@ class KvBenchConfig:
     sizes: tuple[int, ...] = (1000, 4000, 7500)
     """Approximate prompt tokens."""
     repeats: int = 3
-    redis_url: str = "redis://127.0.0.1:6379/9"
+    redis_url: str = field(default_factory=lambda: configured_redis_url(db=9))
+    """$TANDEM_REDIS_URL's server, database 9: the benchmark's own."""
     router_port: int = 18500
     node_base_port: int = 18600
     dtype: str = "bfloat16"

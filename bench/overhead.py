@@ -1,7 +1,7 @@
 """``tandem bench overhead``: what Tandem costs over the vLLM it wraps, on the same cores, in one run.
 
 Four arms serve the same workload, each on a fresh engine with the node's exact ``vllm serve`` flags
-(``infra.node.engine_command``) on every core of this machine:
+(``node_agent.node.engine_command``) on every core of this machine:
 
     plain    the engine alone, started as ``vllm serve`` (no node agent, no pinning): the ceiling
     peer     vllm-router (``cache_aware``, its best policy on plain workers) in front of a plain engine
@@ -46,12 +46,13 @@ import psutil
 
 from bench.loadgen import percentile
 from bench.standin_engine import STANDIN_LABEL, free_port
-from infra.errors import ConfigError
+from contracts.config import configured_redis_url
+from contracts.errors import ConfigError
+from contracts.registry import Role
 from infra.launcher import Cluster, ClusterSpec
-from infra.model import resolve_model
-from infra.node import EngineProcess
-from infra.node_settings import NodeSettings
-from infra.registry import Role
+from node_agent.model import resolve_model
+from node_agent.node import EngineProcess
+from node_agent.settings import NodeSettings
 
 ARMS = ("plain", "peer", "node", "tandem")
 
@@ -67,7 +68,7 @@ class OverheadBenchConfig:
     """Agent workload: sessions (2 repositories), 3-4 turns each, 32 tokens out; 0 skips it."""
     arms: tuple[str, ...] = ARMS
     kv_cache_gib: int = 1
-    redis_url: str = "redis://127.0.0.1:6379/11"
+    redis_url: str = field(default_factory=lambda: configured_redis_url(db=11))
     """Registry of the Tandem arms (a database of its own, so no other node is in the fleet)."""
     port_base: int = 19400
     ceiling_streams: int = 64
@@ -283,8 +284,8 @@ async def _count_chunks(url: str, model: str, streams: int, tokens: int) -> int:
 def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
     """SSE chunks relayed per second by the router process alone on one core (the first), over the
     stand-in engine and the load client on the others."""
-    from infra.model import default_model_dir
-    from infra.registry import NodeInfo, NodeRegistry
+    from contracts.registry import NodeInfo, NodeRegistry
+    from node_agent.model import default_model_dir
 
     cores = sorted(os.sched_getaffinity(0))
     router_core, other = {cores[0]}, set(cores[1:]) or {cores[0]}
@@ -306,7 +307,7 @@ def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
         _wait_http(f"{node.url}/health", lambda: eng.poll() is None, 60)
         asyncio.run(NodeRegistry(_async_redis(cfg.redis_url), ttl_s=3600).register(node))
         env = {**os.environ, "TANDEM_DATABASE_URL": f"sqlite:///{cfg.workdir}/ceiling-router.db"}
-        router = subprocess.Popen([sys.executable, "-m", "infra.cli", "router", "--port", str(router_port),
+        router = subprocess.Popen([sys.executable, "-m", "tandem", "router", "--port", str(router_port),
                                    "--redis-url", cfg.redis_url, "--log-level", "warning"], env=env,
                                   stdout=open(logs / "ceiling-router.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
         procs.append(router)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from bench.loadgen import LevelStats, run_level
+from contracts.config import redis_url as configured_redis_url
 from infra.launcher import Cluster, ClusterSpec
 
 console = Console(stderr=True)
@@ -45,7 +46,8 @@ class PdBenchConfig:
     """0: max(8, 2 x concurrency)."""
     router_port: int = 18500
     node_base_port: int = 18600
-    redis_url: str = "redis://127.0.0.1:6379/9"
+    redis_url: str = field(default_factory=lambda: configured_redis_url(db=9))
+    """$TANDEM_REDIS_URL's server, database 9: the benchmark's own."""
     model: str | None = None
 
 

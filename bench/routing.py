@@ -35,9 +35,10 @@ from rich.progress import Progress
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
 from bench.loadgen import SentRequest, percentile, run_sessions
 from bench.vllm_router import EventRelay, PeerWorker, VllmRouter, require_vllm_router
+from contracts.config import redis_url as configured_redis_url
 from infra.launcher import Cluster, ClusterSpec
-from infra.model import resolve_model
-from infra.node_settings import NodeSettings
+from node_agent.model import resolve_model
+from node_agent.settings import NodeSettings
 from router.kv_index.ideal import ideal_cached_tokens
 from router.tokenizer import _load, _token_ids
 
@@ -58,7 +59,8 @@ class RoutingBenchConfig:
     router_port: int = 19000
     """Tandem routers use router_port.. router_port+4, vllm-router +50 (metrics +51), event relays +60.."""
     node_base_port: int = 19100
-    redis_url: str = "redis://127.0.0.1:6379/10"
+    redis_url: str = field(default_factory=lambda: configured_redis_url(db=10))
+    """$TANDEM_REDIS_URL's server, database 10: the benchmark's own."""
     kv_cache_gib: int = 1
     """Per node (float32: ~23k tokens). Part 2 (3 engines, 4 routers) needs ~14 GB of RAM."""
     dtype: str = "float32"

@@ -8,7 +8,7 @@ check, partition, Parquet (zstd) with fsync and rename, XACK/XDEL. It checks tha
 ``{"events_per_s": ..., ...}``. Half (b), router TTFT with telemetry on vs off, needs the router and is
 added by ``tandem bench telemetry``.
 
-    python -m bench.telemetry --redis-url redis://127.0.0.1:6379/3 --events 200000
+    python -m bench.telemetry --events 200000    # Redis: $TANDEM_REDIS_URL's server, database 3
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import pyarrow as pa
 import redis
 from prometheus_client import CollectorRegistry
 
+from contracts.config import redis_url as configured_redis_url
 from telemetry.emitter import batch_to_ipc, build_batch, stream_key
 from telemetry.lake_writer import LakeWriter, WriterConfig
 from telemetry.metrics import TandemMetrics
@@ -171,7 +172,7 @@ def run_events_throughput(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/3")
+    ap.add_argument("--redis-url", default=configured_redis_url(db=3))
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--batch-rows", type=int, default=2000)
     ap.add_argument("--batch-entries", type=int, default=64)

@@ -41,7 +41,7 @@ import httpx
 
 from bench.loadgen import RequestResult, one_request, percentile, run_level
 from bench.pd import bench_prompts
-from infra.errors import ConfigError
+from contracts.errors import ConfigError
 from infra.launcher import Cluster, ClusterSpec
 from telemetry.query import query
 
@@ -53,8 +53,9 @@ def _start_off_router(cluster: Cluster, port: int) -> subprocess.Popen[bytes]:
     spec = cluster.spec
     env = {**os.environ, "TANDEM_SQLITE_PATH": str(spec.workdir / "tandem-telemetry-off.db"),
            **dict(spec.router_env), "TANDEM_ROUTER_TELEMETRY": "false"}
-    cmd = [sys.executable, "-m", "infra.cli", "router", "--port", str(port), "--redis-url", cluster.redis_url,
-           "--policy", spec.policy]
+    cmd = [sys.executable, "-m", "tandem", "router", "--port", str(port), "--redis-url", cluster.redis_url]
+    if spec.policy is not None:
+        cmd += ["--policy", spec.policy]
     log = (cluster.logs / "router-telemetry-off.log").open("ab")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

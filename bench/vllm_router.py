@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import zmq
 
-from infra.errors import ConfigError
+from contracts.errors import ConfigError
 
 VLLM_ROUTER_VERSION = "0.1.17"
 

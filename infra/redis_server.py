@@ -13,8 +13,8 @@ from pathlib import Path
 
 import redis
 
-from infra.errors import ConfigError
-from infra.lifetime import die_with_parent
+from contracts.errors import ConfigError
+from node_agent.lifetime import die_with_parent
 
 
 def reachable(url: str, timeout_s: float = 1.0) -> bool:

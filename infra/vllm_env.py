@@ -17,7 +17,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from infra.errors import ConfigError
+from contracts.errors import ConfigError
 
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 

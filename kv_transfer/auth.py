@@ -42,7 +42,7 @@ from pathlib import Path
 
 import zmq
 
-from infra.errors import ConfigError
+from contracts.errors import ConfigError
 
 SECRET_ENV = "TANDEM_CLUSTER_SECRET"
 SECRET_FILE_ENV = "TANDEM_CLUSTER_SECRET_FILE"

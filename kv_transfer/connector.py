@@ -7,7 +7,7 @@ the metadata types (``metadata.py``), the wire format (``wire.py``) and the sett
 
 The KV moves after the prefill finishes (pull model): the prefill node leases the request's blocks,
 the decode node pulls them over the chosen transport and acknowledges, and the lease state machine
-(``lease.py``) frees them on every path, including the failures.
+(``prefill_nodes/lease.py``) frees them on every path, including the failures.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class TandemConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
+        if tc is None:  # vLLM builds a connector only from a kv_transfer_config
+            raise ValueError("TandemConnector needs a kv_transfer_config")
         settings = ConnectorSettings(**(tc.kv_connector_extra_config or {}))
         engine_id = tc.engine_id or "tandem"
         self._scheduler: TandemScheduler | None = None

@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from infra.errors import ConfigError, PeerUnauthenticated, UpstreamError
+from contracts.errors import ConfigError, PeerUnauthenticated, TandemError, UpstreamError, VersionMismatch
+from contracts.transfer import TransferParams, TransferReport, is_transfer_params
 from kv_transfer import wire
 from kv_transfer.auth import is_loopback, load_cluster_secret
 
@@ -31,7 +32,16 @@ _ctx: zmq.asyncio.Context | None = None
 
 
 def is_tandem_params(params: dict[str, Any] | None) -> bool:
-    return bool(params) and "transfer_id" in params and "remote_endpoints" in params  # type: ignore[operator]
+    return is_transfer_params(params)
+
+
+def _params(params: dict[str, Any], what: str) -> TransferParams | None:
+    """The typed params, or None (logged as an error naming both versions) when they are not ours."""
+    try:
+        return TransferParams.from_dict(params)
+    except TandemError as exc:
+        log.error("%s of transfer %s not sent: %s", what, params.get("transfer_id"), exc.message)
+        return None
 
 
 @cache
@@ -39,11 +49,11 @@ def _codec(loopback: bool) -> wire.Codec:
     return wire.Codec(load_cluster_secret(loopback_only=loopback))
 
 
-async def _ask(params: dict[str, Any], msg: wire.Message, timeout_s: float) -> wire.Message | None:
+async def _ask(params: TransferParams, msg: wire.Message, timeout_s: float) -> wire.Message | None:
     """One request/answer with the prefill node's block server; None when it does not answer, or
-    when the exchange cannot be authenticated (logged)."""
+    when the exchange cannot be authenticated or speaks another protocol version (logged)."""
     global _ctx
-    endpoint = params["remote_endpoints"]["tcp"]
+    endpoint = params.remote_endpoints["tcp"]
     try:
         codec = _codec(is_loopback(urlsplit(endpoint).hostname or ""))
     except ConfigError as exc:
@@ -58,13 +68,15 @@ async def _ask(params: dict[str, Any], msg: wire.Message, timeout_s: float) -> w
         if not await sock.poll(int(timeout_s * 1000)):
             return None
         answer = codec.decode(await sock.recv())
-    except (PeerUnauthenticated, UpstreamError) as exc:
+    except (PeerUnauthenticated, UpstreamError, VersionMismatch) as exc:
         log.warning("answer from the block server at %s refused: %s", endpoint, exc.message)
         return None
     finally:
         sock.close(0)
     if isinstance(answer, wire.Reject) and answer.reason.startswith("unauthenticated"):
         log.warning("the block server at %s refused our MAC (cluster secrets differ?): %s", endpoint, answer.reason)
+    elif isinstance(answer, wire.Reject) and answer.reason.startswith(wire.VERSION_REJECT):
+        log.error("the block server at %s speaks another protocol: %s", endpoint, answer.reason)
     return answer
 
 
@@ -74,27 +86,33 @@ async def release_lease(params: dict[str, Any], reason: str, *, timeout_s: float
     the backstop either way."""
     if not is_tandem_params(params):
         return False
-    answer = await _ask(params, wire.Release(params["transfer_id"], reason), timeout_s)
+    typed = _params(params, "release")
+    if typed is None:
+        return False
+    answer = await _ask(typed, wire.Release(typed.transfer_id, reason), timeout_s)
     if answer is None:
-        log.warning("prefill node did not acknowledge the release of %s", params["transfer_id"])
+        log.warning("prefill node did not acknowledge the release of %s", typed.transfer_id)
     return isinstance(answer, wire.Ack)
 
 
 async def lease_report(params: dict[str, Any], *, timeout_s: float = 2.0) -> dict[str, Any] | None:
-    """The transfer as the prefill node saw it, in the shape of the decode node's own report
-    (``ok``, ``bytes``, ``seconds``, ``transport``, ``reason``, ``start``, ``end``); None when the
+    """The transfer as the prefill node saw it, a ``TransferReport`` (``source="prefill"``) as a dict, in
+    the shape of the decode node's own report; None when the
     node does not know the lease (restarted, or too long ago) or does not answer."""
     if not is_tandem_params(params):
         return None
+    typed = _params(params, "lease report query")
+    if typed is None:
+        return None
     try:
-        answer = await _ask(params, wire.Query(params["transfer_id"]), timeout_s)
+        answer = await _ask(typed, wire.Query(typed.transfer_id), timeout_s)
     except zmq.ZMQError as exc:
-        log.warning("lease report for %s: %s", params["transfer_id"], exc)
+        log.warning("lease report for %s: %s", typed.transfer_id, exc)
         return None
     if not isinstance(answer, wire.LeaseReport):
         return None
     ended = answer.end > 0 and answer.start > 0
-    return {"ok": answer.state == "done", "bytes": answer.nbytes or None, "transport": answer.transport or None,
-            "seconds": round(answer.end - answer.start, 6) if ended else None, "reason": answer.reason,
-            "start": answer.start or None, "end": answer.end if ended else None, "state": answer.state,
-            "source": "prefill"}
+    return TransferReport(ok=answer.state == "done", bytes=answer.nbytes or None, transport=answer.transport or None,
+                          seconds=round(answer.end - answer.start, 6) if ended else None, reason=answer.reason,
+                          start=answer.start or None, end=answer.end if ended else None, state=answer.state,
+                          source="prefill").to_dict()

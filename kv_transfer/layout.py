@@ -5,8 +5,10 @@ into or copied across processes without staging."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import xxhash
 
 from kv_transfer.wire import Segment
 
@@ -30,7 +32,7 @@ class KVLayout:
         return cls(layers, dtype or str(arrays[0].dtype), list(arrays[0].shape[1:]))
 
     @classmethod
-    def from_torch(cls, caches: dict, num_blocks: int) -> KVLayout:
+    def from_torch(cls, caches: dict[str, Any], num_blocks: int) -> KVLayout:
         """From vLLM's ``register_kv_caches`` dict (layer name → tensor), in the engine's layer order.
         Needs host-memory caches with blocks on the first axis (vLLM's CPU attention backend:
         [num_blocks, num_kv_heads, block_size, 2 * head_size])."""
@@ -54,7 +56,7 @@ class KVLayout:
 
     @property
     def block_nbytes(self) -> int:
-        return self.layers[0].shape[1]
+        return int(self.layers[0].shape[1])
 
     def span(self, layer: int, start: int, count: int) -> np.ndarray:
         """The bytes of blocks [start, start + count) of one layer, as a writable view (no copy)."""
@@ -65,3 +67,8 @@ class KVLayout:
 
     def nbytes(self, segments: list[Segment]) -> int:
         return sum(s.count for s in segments) * self.block_nbytes * self.num_layers
+
+
+def checksum(span: Any) -> int:
+    """xxh3-64 of a span of the cache, or of a frame: any buffer (numpy's stubs do not call an ndarray one)."""
+    return int(xxhash.xxh3_64_intdigest(span))

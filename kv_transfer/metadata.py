@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from contracts.transfer import TransferReport
+
 
 @dataclass
 class RecvSpec:
@@ -59,11 +61,11 @@ class TandemMetadata(KVConnectorMetadata):
 
 @dataclass
 class TransferReports(KVConnectorWorkerMetadata):
-    """Worker → scheduler: how each finished pull went (bytes, seconds, transport, ok, reason, wall-clock
-    start and end), so the decode engine can return it with the request (``tandem_transfer`` in its
-    kv_transfer_params) for the router's per-request record."""
+    """Worker → scheduler: how each finished pull went (``contracts.transfer.TransferReport``), so the
+    decode engine can return it with the request (``tandem_transfer`` in its kv_transfer_params) for the
+    router's per-request record."""
 
-    reports: dict[str, dict] = field(default_factory=dict)
+    reports: dict[str, TransferReport] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, TransferReports):

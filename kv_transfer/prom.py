@@ -54,14 +54,18 @@ class TandemKVStats(KVConnectorStats):
 class TandemPromMetrics(KVConnectorPromMetrics):
     """``tandem_kv_*`` metrics in the engine's API-server process."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:  # noqa: ANN001
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         from vllm.v1.metrics.utils import create_metric_per_engine
 
-        def per_engine(metric):  # noqa: ANN001, ANN202
+        def per_engine(metric: Any) -> dict[int, Any]:
             return create_metric_per_engine(metric, per_engine_labelvalues)
 
-        h, c, g = self._histogram_cls, self._counter_cls, self._gauge_cls
+        # vLLM types these as a union of prometheus classes; each is called with its own keywords.
+        h: Any = self._histogram_cls
+        c: Any = self._counter_cls
+        g: Any = self._gauge_cls
         buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
         self.recv_seconds = per_engine(h(name="tandem_kv_transfer_seconds", buckets=buckets,
                                          documentation="Time to pull one request's KV (decode side).",

@@ -15,15 +15,15 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
-import xxhash
 import zmq
 
-from infra.errors import PeerUnauthenticated, UpstreamError
+from contracts.errors import PeerUnauthenticated, UpstreamError, VersionMismatch
 from kv_transfer import wire
 from kv_transfer.auth import peer_credentials
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, checksum
 
 
 class TransferFailed(Exception):
@@ -43,7 +43,7 @@ class Transport(Protocol):
         """The Pull message that asks the prefill node for ``segments`` over this transport."""
         ...
 
-    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float, *,
+    def receive(self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *,
                 codec: wire.Codec) -> int:
         """Receive every segment of ``pull`` into ``layout``; returns the bytes moved. ``codec``
         verifies every control frame from the prefill node."""
@@ -58,11 +58,13 @@ def verify_answer(codec: wire.Codec, data: bytes | memoryview) -> wire.Message:
     except PeerUnauthenticated as exc:
         raise TransferFailed(f"answer failed authentication (is the cluster secret the same on both nodes?): "
                              f"{exc.message}", refused=True) from exc
+    except VersionMismatch as exc:  # the prefill node runs another release: it would not take our Done
+        raise TransferFailed(exc.message, refused=True) from exc
     except UpstreamError as exc:
         raise TransferFailed(exc.message) from exc
 
 
-def _recv_frame(sock: zmq.Socket, deadline: float, codec: wire.Codec) -> tuple[wire.Message, zmq.Frame]:
+def _recv_frame(sock: zmq.Socket[bytes], deadline: float, codec: wire.Codec) -> tuple[wire.Message, zmq.Frame]:
     left_ms = int((deadline - time.monotonic()) * 1000)
     if left_ms <= 0 or not sock.poll(left_ms):
         raise TransferFailed("timed out waiting for the prefill node")
@@ -73,11 +75,11 @@ def _recv_frame(sock: zmq.Socket, deadline: float, codec: wire.Codec) -> tuple[w
     return msg, frame
 
 
-def _recv_msg(sock: zmq.Socket, deadline: float, codec: wire.Codec) -> wire.Message:
+def _recv_msg(sock: zmq.Socket[bytes], deadline: float, codec: wire.Codec) -> wire.Message:
     return _recv_frame(sock, deadline, codec)[0]
 
 
-def _drain(sock: zmq.Socket) -> None:
+def _drain(sock: zmq.Socket[bytes]) -> None:
     while sock.getsockopt(zmq.RCVMORE):
         sock.recv()
 
@@ -91,7 +93,7 @@ class FrameTransport:
     def pull(self, transfer_id: str, segments: list[wire.Segment], checksum: bool, layout: KVLayout) -> wire.Pull:
         return wire.Pull(transfer_id, segments, self.name, checksum)
 
-    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float, *,
+    def receive(self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *,
                 codec: wire.Codec) -> int:
         total = 0
         seen = 0
@@ -114,11 +116,11 @@ class FrameTransport:
                 if not sock.getsockopt(zmq.RCVMORE):
                     raise TransferFailed(f"layer {msg.layer}: {i} of {len(pull.segments)} segments")
                 dest = layout.span(msg.layer, seg.local, seg.count)
-                n = sock.recv_into(dest)
+                n = sock.recv_into(cast(Any, dest))  # an ndarray is a writable buffer
                 if n != dest.nbytes:
                     _drain(sock)
                     raise TransferFailed(f"layer {msg.layer} segment {i}: {n} bytes, expected {dest.nbytes}")
-                if msg.checksums and xxhash.xxh3_64_intdigest(dest) != msg.checksums[i]:
+                if msg.checksums and checksum(dest) != msg.checksums[i]:
                     _drain(sock)
                     raise TransferFailed(f"bad checksum in layer {msg.layer} segment {i}")
                 total += n
@@ -144,7 +146,7 @@ def process_vm_writev(pid: int, pairs: list[tuple[int, int, int]]) -> None:
     _cma(_libc.process_vm_writev, "process_vm_writev", pid, pairs)
 
 
-def _cma(call, name: str, pid: int, pairs: list[tuple[int, int, int]]) -> None:  # noqa: ANN001 - a libc function
+def _cma(call: Callable[..., int], name: str, pid: int, pairs: list[tuple[int, int, int]]) -> None:
     # ctypes releases the GIL around the call: the copy runs beside the engine's Python threads.
     for i in range(0, len(pairs), _IOV_MAX):
         chunk = pairs[i:i + _IOV_MAX]
@@ -191,7 +193,7 @@ class CmaTransport:
         return wire.CmaTarget(os.getpid(), [layout.address(i) for i in range(n)], layout.block_nbytes,
                               layout.layers[0].shape[0], list(range(n // 2)) if self.split else [])
 
-    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float, *,
+    def receive(self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *,
                 codec: wire.Codec) -> int:
         msg, frame = _recv_frame(sock, deadline, codec)
         if not isinstance(msg, wire.Grant) or msg.transfer_id != pull.transfer_id:
@@ -219,7 +221,7 @@ class CmaTransport:
         if msg.checksums:
             for layer in range(layout.num_layers):
                 for i, s in enumerate(pull.segments):
-                    if xxhash.xxh3_64_intdigest(layout.span(layer, s.local, s.count)) != msg.checksums[layer][i]:
+                    if checksum(layout.span(layer, s.local, s.count)) != msg.checksums[layer][i]:
                         raise TransferFailed(f"bad checksum in layer {layer} segment {i}")
         return layout.nbytes(pull.segments)
 

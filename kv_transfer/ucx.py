@@ -39,11 +39,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
 import zmq
 
 from kv_transfer import wire
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, checksum
 from kv_transfer.transports import TransferFailed, verify_answer
 from kv_transfer.wire import UcxPosted, UcxTarget
 
@@ -148,7 +147,7 @@ class UcxSender:
     @property
     def address(self) -> bytes:
         """This worker's UCX address (not needed by decode nodes: they never send over UCX)."""
-        return self._worker.address.tobytes()
+        return bytes(self._worker.address.tobytes())
 
     def send(self, pull: wire.Pull, target: UcxTarget, *, corrupt: bool = False) -> UcxPosted:
         """Post every segment of ``pull`` (already checked against its lease) to ``target`` and return
@@ -164,7 +163,7 @@ class UcxSender:
             raise UcxSendFailed(f"transfer {pull.transfer_id} is already being sent")
         self._prune()
         spans = [[lay.span(layer, s.remote, s.count) for s in pull.segments] for layer in range(lay.num_layers)]
-        sums = [[xxhash.xxh3_64_intdigest(v) for v in layer] for layer in spans] if pull.checksum else []
+        sums = [[checksum(v) for v in layer] for layer in spans] if pull.checksum else []
         if corrupt and spans and spans[0]:
             bad = spans[0][0].copy()
             bad[len(bad) // 2] ^= 0xFF
@@ -258,7 +257,7 @@ class _ThreadWorker:
     worker: Any
     epoll_fd: int
     address: bytes
-    tags: itertools.count
+    tags: itertools.count[int]
     pending: UcxTarget | None = None
 
 
@@ -280,7 +279,7 @@ class UcxReceiver:
         tw.pending = UcxTarget(tw.address, next(tw.tags) % (1 << _TAG_BITS), layout.block_nbytes)
         return tw.pending
 
-    def receive(self, sock: zmq.Socket, pull: wire.Pull, layout: KVLayout, deadline: float, *,
+    def receive(self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *,
                 codec: wire.Codec) -> int:
         tw = self._thread_worker()
         target, tw.pending = tw.pending, None
@@ -304,7 +303,7 @@ class UcxReceiver:
             if posted.checksums:
                 for layer in range(layout.num_layers):
                     for i, s in enumerate(pull.segments):
-                        got = xxhash.xxh3_64_intdigest(layout.span(layer, s.local, s.count))
+                        got = checksum(layout.span(layer, s.local, s.count))
                         if got != posted.checksums[layer][i]:
                             raise TransferFailed(f"bad checksum in layer {layer} segment {i}")
         except BaseException:
@@ -319,7 +318,7 @@ class UcxReceiver:
         if tw is not None:
             self._drop(tw)
 
-    def _wait(self, tw: _ThreadWorker, sock: zmq.Socket, pull: wire.Pull, requests: list[Any],
+    def _wait(self, tw: _ThreadWorker, sock: zmq.Socket[bytes], pull: wire.Pull, requests: list[Any],
               deadline: float, codec: wire.Codec) -> UcxPosted:
         """Until every receive completed and the prefill node's UcxPosted came, or the deadline."""
         poller = zmq.Poller()
@@ -348,7 +347,7 @@ class UcxReceiver:
                 poller.poll(left_ms)
 
     @staticmethod
-    def _control(sock: zmq.Socket, pull: wire.Pull, codec: wire.Codec) -> UcxPosted | None:
+    def _control(sock: zmq.Socket[bytes], pull: wire.Pull, codec: wire.Codec) -> UcxPosted | None:
         data = sock.recv()
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv()

@@ -50,6 +50,12 @@ Versions (``PROTOCOL``)
     2  every control frame in the signed envelope above; ``shm`` only over ipc with proven peer
        credentials. A v1 frame fails the MAC check and is answered with a Reject; a v1 peer cannot read
        v2 answers and fails at its deadline.
+
+The check: the envelope's marker is the version (``TKV`` + the protocol number). ``Codec.decode`` reads
+it before anything else, and a frame under another version's marker is a ``VersionMismatch`` naming
+both; a block server answers it at once with ``Reject("", "version mismatch: ...")`` (``VERSION_REJECT``),
+as it answers an authenticated frame it cannot decode with ``Reject("", "undecodable: ...")``, so the
+peer fails fast instead of waiting out its deadline.
 """
 
 from __future__ import annotations
@@ -61,12 +67,17 @@ import time
 
 import msgspec
 
-from infra.errors import PeerUnauthenticated, UpstreamError
+from contracts.errors import PeerUnauthenticated, UpstreamError, VersionMismatch
 
 PROTOCOL = 2
 
-MAGIC = b"TKV2"
+MAGIC = b"TKV%d" % PROTOCOL
 """Envelope marker: the protocol version a frame was signed under."""
+_MARKER = b"TKV"
+VERSION_REJECT = "version mismatch"
+"""How a Reject's reason starts when the peer speaks another protocol version."""
+UNDECODABLE_REJECT = "undecodable"
+"""How a Reject's reason starts when an authenticated frame is no message of this version."""
 MAX_SKEW_S = 120.0
 """How far a frame's timestamp may lie from the receiver's clock (replay window and clock skew between
 hosts, which NTP keeps far below this)."""
@@ -250,10 +261,15 @@ class Codec:
         return b"".join((MAGIC, stamp, self._mac(stamp, body), body))
 
     def decode(self, data: bytes | memoryview) -> Message:
-        """The message in ``data``; ``PeerUnauthenticated`` unless its MAC verifies and its timestamp
-        is recent (nothing of an unverified frame is parsed, msgpack included); ``UpstreamError`` for
-        a verified frame that is no message of this version."""
+        """The message in ``data``; ``VersionMismatch`` for a frame under another protocol version's
+        envelope; ``PeerUnauthenticated`` unless its MAC verifies and its timestamp is recent (nothing of
+        an unverified frame is parsed, msgpack included); ``UpstreamError`` for a verified frame that is
+        no message of this version."""
         view = memoryview(data)
+        if len(view) >= len(MAGIC) and view[:len(_MARKER)] == _MARKER and view[:len(MAGIC)] != MAGIC:
+            marker = bytes(view[len(_MARKER):len(MAGIC)]).decode("ascii", "replace")
+            raise VersionMismatch("KV wire protocol", theirs=int(marker) if marker.isdigit() else marker,
+                                  ours=PROTOCOL)
         if len(view) < _HEAD or view[:len(MAGIC)] != MAGIC:
             raise PeerUnauthenticated("no signed envelope (an unauthenticated or protocol-1 peer)")
         stamp = view[len(MAGIC):len(MAGIC) + _TS.size]
@@ -268,7 +284,7 @@ class Codec:
         try:
             return _decoder.decode(body)
         except msgspec.DecodeError as exc:  # authenticated, yet not a message this version knows
-            raise UpstreamError(f"undecodable message from an authenticated peer: {exc}") from exc
+            raise UpstreamError(f"{UNDECODABLE_REJECT} message from an authenticated peer: {exc}") from exc
 
     def _mac(self, stamp: bytes | memoryview, body: bytes | memoryview) -> bytes:
         h = hmac.new(self._key, MAGIC, hashlib.sha256)

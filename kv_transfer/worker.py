@@ -10,16 +10,18 @@ import logging
 import queue
 import threading
 import time
+from typing import Any
 
+from contracts.transfer import TransferReport
+from decode_nodes.puller import Puller, PullJob, PullOutcome
 from kv_transfer import wire
 from kv_transfer.hugepages import advise_huge_pages
 from kv_transfer.layout import KVLayout
-from kv_transfer.lease import LeaseTable
 from kv_transfer.metadata import TandemMetadata, TransferReports
-from kv_transfer.puller import Puller, PullJob, PullOutcome
-from kv_transfer.server import BlockServer
 from kv_transfer.settings import ConnectorSettings
 from kv_transfer.stats import COUNTS, LISTS, TransferStats
+from prefill_nodes.block_server import BlockServer
+from prefill_nodes.lease import LeaseTable
 
 log = logging.getLogger("tandem.kv.worker")
 
@@ -39,7 +41,7 @@ class TandemWorker:
         self._seen_finished: set[str] = set()
         self._ended_unreported: set[str] = set()
         self._load_errors: set[int] = set()
-        self._reports: dict[str, dict] = {}
+        self._reports: dict[str, TransferReport] = {}
         self._last_gauges = (0, 0, 0)
 
     def register(self, layout: KVLayout) -> None:
@@ -61,22 +63,22 @@ class TandemWorker:
         self._idle = meta.idle
         for lease in meta.leases:
             self.server.offer(lease.transfer_id, lease.block_ids, lease.deadline)
-        for spec in meta.releases:
-            self.puller.release(self._endpoint(spec.endpoints, self.settings.choose_transport(spec.host_id)),
-                                spec.transfer_id, spec.reason)
-        for spec in meta.recvs:
-            transport = self.settings.choose_transport(spec.host_id, spec.transport)
+        for release in meta.releases:
+            self.puller.release(self._endpoint(release.endpoints, self.settings.choose_transport(release.host_id)),
+                                release.transfer_id, release.reason)
+        for recv in meta.recvs:
+            transport = self.settings.choose_transport(recv.host_id, recv.transport)
             deadline = time.monotonic() + min(self.settings.transfer_timeout_s,
-                                              max(0.0, spec.lease_deadline - time.time()))
+                                              max(0.0, recv.lease_deadline - time.time()))
             try:
-                segments = wire.segments_of(spec.remote_block_ids, spec.local_block_ids)
+                segments = wire.segments_of(recv.remote_block_ids, recv.local_block_ids)
             except ValueError as exc:  # the prefill node holds fewer blocks than we need: recompute
-                log.warning("pull %s for %s not started: %s", spec.transfer_id, spec.request_id, exc)
-                self.puller.outcomes.put(PullOutcome(spec.request_id, False, spec.local_block_ids, reason=str(exc)))
-                self.puller.release(self._endpoint(spec.endpoints, transport), spec.transfer_id, str(exc))
+                log.warning("pull %s for %s not started: %s", recv.transfer_id, recv.request_id, exc)
+                self.puller.outcomes.put(PullOutcome(recv.request_id, False, recv.local_block_ids, reason=str(exc)))
+                self.puller.release(self._endpoint(recv.endpoints, transport), recv.transfer_id, str(exc))
                 continue
-            self.puller.submit(PullJob(spec.request_id, spec.transfer_id, self._endpoint(spec.endpoints, transport),
-                                       transport, segments, spec.local_block_ids, deadline,
+            self.puller.submit(PullJob(recv.request_id, recv.transfer_id, self._endpoint(recv.endpoints, transport),
+                                       transport, segments, recv.local_block_ids, deadline,
                                        checksum=self.settings.checksum_for(transport)))
         for request_id in meta.cancels:
             self.puller.cancel(request_id)
@@ -138,7 +140,7 @@ class TandemWorker:
         out, self._load_errors = self._load_errors, set()
         return out
 
-    def stats_snapshot(self) -> dict | None:
+    def stats_snapshot(self) -> dict[str, Any] | None:
         """What accumulated since the last step, or None when nothing did (vLLM then sends nothing)."""
         gauges = (len(self.leases), self.leases.leased_blocks(), self.leases.sending())
         snap = self.stats.snapshot(*gauges)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from infra.errors import TandemError
+from contracts.errors import TandemError
 from kv_transfer.control import is_tandem_params, lease_report
 from router.admission.ratelimit import Admission
 from router.metrics import RouterMetrics

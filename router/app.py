@@ -32,12 +32,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
-from infra.errors import (
+from contracts.errors import (
     ConfigError,
     NotFound,
     PermissionDenied,
 )
-from infra.registry import NodeRegistry, Role
+from contracts.registry import NodeRegistry, Role
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies

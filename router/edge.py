@@ -29,7 +29,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from infra.errors import InvalidRequest, PayloadTooLarge
+from contracts.errors import InvalidRequest, PayloadTooLarge
 from router.openai_errors import error_from_exception
 
 

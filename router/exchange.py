@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from infra.errors import InvalidRequest, ModelNotFound, PermissionDenied, TandemError, ValidationFailed
+from contracts.errors import InvalidRequest, ModelNotFound, PermissionDenied, TandemError, ValidationFailed
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext
 from router.admission.deadline import DEADLINE_HEADER, request_deadline

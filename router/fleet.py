@@ -28,10 +28,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
-from infra.errors import ModelNotFound, StoreError, TandemError
-from infra.registry import LiveNode, NodeRegistry, Role
+from contracts.errors import ModelNotFound, StoreError, TandemError
+from contracts.registry import LiveNode, NodeRegistry, Role
 from router.policies.base import Candidate
 
 log = logging.getLogger("tandem.router.fleet")
@@ -103,7 +104,17 @@ class Fleet:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._refresh_s)  # periodic refresh, not synchronisation
-            await self.refresh()
+            try:
+                await self.refresh()
+            except (TandemError, msgspec.MsgspecError, ValueError, OSError) as exc:
+                # Whatever one refresh meets, the next one runs: a stale view routes, a dead task never
+                # would again. (Bad registry entries are skipped by the registry itself.)
+                log.error("fleet refresh failed, keeping last view: %s", exc)
+
+    @property
+    def skipped_entries(self) -> dict[str, int]:
+        """Registry entries left out of the view since start, by reason (``contracts.registry``)."""
+        return dict(self._registry.skipped)
 
     @property
     def nodes(self) -> list[LiveNode]:

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from infra.errors import UpstreamError
+from contracts.errors import UpstreamError
 from router.sse_upstream import SseStream, StreamPool, engine_error
 
 _encode = msgspec.json.Encoder().encode

@@ -1,4 +1,4 @@
-"""The edge: Tandem errors (``infra.errors``) to OpenAI-format HTTP error responses.
+"""The edge: Tandem errors (``contracts.errors``) to OpenAI-format HTTP error responses.
 
 OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``. 429 and 503 carry Retry-After.
 """
@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from infra.errors import RateLimited, TandemError, Unavailable
+from contracts.errors import RateLimited, TandemError, Unavailable
 
 log = logging.getLogger("tandem.router")
 

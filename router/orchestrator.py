@@ -34,8 +34,8 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from infra.errors import EngineRejected, InvalidRequest, TandemError, Unavailable, UpstreamError
-from infra.registry import NodeInfo
+from contracts.errors import EngineRejected, InvalidRequest, TandemError, Unavailable, UpstreamError
+from contracts.registry import NodeInfo
 from kv_transfer import prefill_request_params
 from kv_transfer.control import is_tandem_params, release_lease
 from router.admission.priority import AdmissionController

@@ -12,7 +12,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from infra.errors import NotFound, StoreError
+from contracts.errors import NotFound, StoreError
 from router.background import TaskSet
 
 log = logging.getLogger("tandem.router.responses")

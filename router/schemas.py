@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from infra.errors import InvalidRequest
+from contracts.errors import InvalidRequest
 
 INTERNAL_FIELDS = frozenset({"kv_transfer_params", "request_id", "priority"})
 """Body fields only the router may give an engine. ``kv_transfer_params`` names where a decode pulls KV

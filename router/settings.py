@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from router.admission.context import AdmissionSettings
+from router.policies import PolicyName
 
 
 class FallbackPolicy(enum.StrEnum):
@@ -19,14 +22,16 @@ class FallbackPolicy(enum.StrEnum):
 
 
 class RouterSettings(BaseSettings):
-    """Every field can also come from the environment as ``TANDEM_ROUTER_<FIELD>``."""
+    """Every field can also come from the environment as ``TANDEM_ROUTER_<FIELD>``, but the Redis URL,
+    which is every process's ``TANDEM_REDIS_URL`` (``contracts.config``)."""
 
-    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", frozen=True, validate_by_name=True,
+                                      validate_by_alias=True)
 
     host: str = "127.0.0.1"
     port: int = 8000
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    policy: str = "cache_aware"
+    redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=REDIS_URL_ENV)
+    policy: PolicyName = PolicyName.CACHE_AWARE
     """cache_aware (default), least_loaded or round_robin (router.policies)."""
     registry_refresh_s: float = 1.0
     """How often the live-node view is re-read from Redis. Nodes heartbeat their load every 2 s, so a

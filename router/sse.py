@@ -37,7 +37,7 @@ import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from infra.errors import TandemError
+from contracts.errors import TandemError
 from router.openai_errors import error_from_exception
 from router.orchestrator import RequestTrace, record_usage
 from router.sse_upstream import SseStream

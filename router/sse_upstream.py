@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from infra.errors import EngineRejected, TandemError, UpstreamError
+from contracts.errors import EngineRejected, TandemError, UpstreamError
 
 _DONE = b"[DONE]"
 Sink = Callable[[list[bytes]], None]

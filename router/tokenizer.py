@@ -23,8 +23,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from infra.errors import InvalidRequest
-from infra.registry import NodeInfo
+from contracts.errors import InvalidRequest
+from contracts.registry import NodeInfo
 
 log = logging.getLogger("tandem.router.tokenizer")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from infra.errors import TandemError
+from contracts.errors import TandemError
 from router.admission.context import AdmissionContext
 from router.admission.ratelimit import Admission
 from router.background import TaskSet

@@ -1,4 +1,4 @@
-"""Command-line entry points, mounted by ``infra/cli.py`` as ``tandem telemetry ...`` and
+"""Command-line entry points, mounted by ``tandem/cli.py`` as ``tandem telemetry ...`` and
 ``tandem lake ...``:
 
     tandem telemetry consume   --redis-url --lake --group --consumer --batch-entries --block-ms
@@ -26,7 +26,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from infra.errors import StoreError
+from contracts.config import redis_url as configured_redis_url
+from contracts.errors import StoreError
 from telemetry.emitter import DEFAULT_STREAM_PREFIX
 from telemetry.lake_writer import LakeWriter, WriterConfig
 from telemetry.priority import CpuPriority, apply_cpu_priority
@@ -40,7 +41,7 @@ lake_app = typer.Typer(help="Query the Parquet data lake and render reports.", n
 _console = Console(stderr=True)
 
 RedisUrl = Annotated[
-    str, typer.Option("--redis-url", envvar="TANDEM_REDIS_URL", help="Redis holding the telemetry streams.")
+    str | None, typer.Option("--redis-url", help="Redis holding the telemetry streams (default: $TANDEM_REDIS_URL).")
 ]
 LakeDir = Annotated[
     Path, typer.Option("--lake", envvar="TANDEM_LAKE", help="Root folder of the Parquet lake.")
@@ -63,7 +64,7 @@ def _parse_tables(tables: str) -> tuple[str, ...]:
 
 @telemetry_app.command()
 def consume(
-    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    redis_url: RedisUrl = None,
     lake: LakeDir = Path("lake"),
     group: Group = "lake",
     consumer: Annotated[
@@ -110,6 +111,7 @@ def consume(
     ] = CpuPriority.IDLE,
 ) -> None:
     """Consume the telemetry streams into Parquet files under LAKE (at least once, de-duplicated)."""
+    redis_url = redis_url or configured_redis_url()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     priority = apply_cpu_priority(cpu_priority)
     cfg = WriterConfig(
@@ -152,7 +154,7 @@ def consume(
 
 @telemetry_app.command()
 def compact(
-    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    redis_url: RedisUrl = None,
     lake: LakeDir = Path("lake"),
     group: Group = "lake",
     stream_prefix: Prefix = DEFAULT_STREAM_PREFIX,
@@ -161,6 +163,7 @@ def compact(
     ] = 600.0,
 ) -> None:
     """Merge each partition's small part files into one (atomic, de-duplicated on event_id)."""
+    redis_url = redis_url or configured_redis_url()
     writer = LakeWriter(
         WriterConfig(lake=lake, redis_url=redis_url, stream_prefix=stream_prefix, group=group)
     )

@@ -56,6 +56,7 @@ import pyarrow.compute as pc
 import redis
 from redis.exceptions import RedisError
 
+from contracts.config import DEFAULT_REDIS_URL
 from telemetry.metrics import METRICS, TandemMetrics
 from telemetry.schemas import SCHEMA_VERSION, SCHEMAS, TIMESTAMP_FIELDS, TS
 
@@ -81,7 +82,7 @@ def default_source() -> str:
 
 @dataclass(frozen=True, slots=True)
 class EmitterConfig:
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = DEFAULT_REDIS_URL
     """Redis holding the telemetry streams."""
     stream_prefix: str = DEFAULT_STREAM_PREFIX
     """Streams are ``<stream_prefix>:<table>``; the lake writer must use the same prefix."""

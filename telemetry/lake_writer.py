@@ -80,7 +80,8 @@ import pyarrow.parquet as pq
 import redis
 from redis.exceptions import RedisError
 
-from infra.errors import LakeUnwritable, StoreError
+from contracts.config import DEFAULT_REDIS_URL
+from contracts.errors import LakeUnwritable, StoreError
 from telemetry.emitter import DEFAULT_STREAM_PREFIX, stream_key
 from telemetry.metrics import METRICS, TandemMetrics
 from telemetry.schemas import SCHEMA_VERSION, SCHEMAS, TABLE_NAMES, conform
@@ -108,7 +109,7 @@ return taken
 class WriterConfig:
     lake: Path
     """Root folder of the lake."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = DEFAULT_REDIS_URL
     """Redis holding the telemetry streams."""
     stream_prefix: str = DEFAULT_STREAM_PREFIX
     """Same prefix as the emitters'."""

@@ -135,7 +135,7 @@ _ERRORS = [
     _f("request_id", pa.string(), "Request concerned, if any."),
     _f("session_id", pa.string(), "Agent session id, if any."),
     _f("tenant_id", pa.string(), "Tenant, if any."),
-    _f("error_type", pa.string(), "Tandem error class name (infra.errors), or the foreign type."),
+    _f("error_type", pa.string(), "Tandem error class name (contracts.errors), or the foreign type."),
     _f("error_code", pa.string(), "Machine-readable code, e.g. rate_limit_exceeded."),
     _f("http_status", pa.int64(), "HTTP status if the error reached a client."),
     _f("message", pa.string(), "Message (truncated by the emitter)."),

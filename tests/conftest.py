@@ -7,7 +7,7 @@ import os
 import pytest
 
 # Fixtures of the admission and session tests (real Redis, PostgreSQL, SQLite), shared by both folders.
-pytest_plugins = ["tests.admission.support"]
+pytest_plugins = ["tests.router.admission.support"]
 
 # Logical Redis databases by suite, so suites never see each other's registry entries.
 REDIS_UNIT_URL = os.environ.get("TANDEM_TEST_REDIS_UNIT", "redis://127.0.0.1:6379/2")

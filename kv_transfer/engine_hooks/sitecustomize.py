@@ -11,6 +11,7 @@ compute. ``TANDEM_NIXL_PROGRESS_THREAD`` = ``idle`` (default) | ``normal`` (NIXL
 """
 
 import os
+from typing import Any
 
 
 def _threads() -> set[int]:
@@ -28,7 +29,7 @@ def _demote_nixl_threads() -> None:
     if getattr(original, "_tandem_patched", False):
         return
 
-    def __init__(self, *args, **kwargs):  # noqa: N807, ANN001, ANN002, ANN003, ANN202
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         before = _threads()
         original(self, *args, **kwargs)
         for tid in _threads() - before:
@@ -38,7 +39,7 @@ def _demote_nixl_threads() -> None:
                 pass  # the thread already ended, or the platform refuses: NIXL runs as shipped
 
     __init__._tandem_patched = True  # type: ignore[attr-defined]
-    api.nixl_agent.__init__ = __init__
+    api.nixl_agent.__init__ = __init__  # type: ignore[method-assign]
 
 
 _demote_nixl_threads()

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from infra.errors import TandemError
+from contracts.errors import TandemError
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.keys import ApiKeyInfo
 from router.admission.priority_class import Priority

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contracts.config import DEFAULT_REDIS_URL
 from router.admission.keys import ANONYMOUS_TENANT, KeyStore, Tenant
 from router.admission.priority import AdmissionController
 from router.admission.ratelimit import ClockMs, Gatekeeper, GlobalLimits
@@ -27,7 +28,7 @@ class AdmissionSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = DEFAULT_REDIS_URL
     """Redis for keys and rate limits (shared by all regions' routers), and the home region's session
     cache unless ``region_cache_urls`` names one."""
     key_prefix: str = "tandem:"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from infra.errors import InvalidRequest
+from contracts.errors import InvalidRequest
 
 DEADLINE_HEADER = "x-tandem-deadline-ms"
 MAX_DEADLINE_MS = 3_600_000

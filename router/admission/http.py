@@ -6,7 +6,7 @@
     @app.get("/v1/models")
     async def models(tenant: Tenant = Depends(deps.tenant)): ...
 
-Errors are raised as ``infra.errors`` types; ``error_response`` renders one in OpenAI's shape with
+Errors are raised as ``contracts.errors`` types; ``error_response`` renders one in OpenAI's shape with
 ``Retry-After`` for 429/503, for a router whose own handler does not do that yet.
 """
 
@@ -18,7 +18,7 @@ from typing import Annotated
 from fastapi import Header
 from fastapi.responses import JSONResponse
 
-from infra.errors import RateLimited, TandemError, Unavailable
+from contracts.errors import RateLimited, TandemError, Unavailable
 from router.admission.context import AdmissionContext
 from router.admission.keys import Tenant
 from router.admission.ratelimit import Admission

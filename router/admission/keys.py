@@ -43,7 +43,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from infra.errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError, Unavailable
+from contracts.errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError, Unavailable
 from router.admission.priority_class import Priority
 from router.sessions.sql import Database
 

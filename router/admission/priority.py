@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from infra.errors import Unavailable
+from contracts.errors import Unavailable
 from router.admission.priority_class import Priority
 
 EWMA_ALPHA = 0.2

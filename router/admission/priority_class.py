@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 
-from infra.errors import InvalidRequest
+from contracts.errors import InvalidRequest
 
 PRIORITY_HEADER = "x-tandem-priority"
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from infra.errors import InvalidRequest, RateLimited, StoreError, Unavailable
+from contracts.errors import InvalidRequest, RateLimited, StoreError, Unavailable
 from router.admission.keys import AUTH_LUA, AuthCode, KeyStore, Tenant
 from router.admission.priority_class import Priority, resolve_priority
 

@@ -36,7 +36,7 @@ from typing import Any, NewType
 
 import cbor2
 
-from infra.errors import ConfigError
+from contracts.errors import ConfigError
 
 BlockKey = NewType("BlockKey", int)
 """A block's routing key: the low 64 bits of vLLM's block hash, as KV events publish it."""

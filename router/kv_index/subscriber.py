@@ -36,7 +36,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from infra.registry import LiveNode, NodeInfo
+from contracts.registry import LiveNode, NodeInfo
 from router.kv_index.block_keys import BlockHasher, external_key
 from router.kv_index.events import REPLAY_END_SEQ, BlockStored, KVEvent, decode_batch
 from router.kv_index.index import FleetIndex, ModelIndex

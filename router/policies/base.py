@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from infra.registry import LiveNode
+from contracts.registry import LiveNode
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import msgspec
 from fastapi import APIRouter, Depends, Header, Response
 
-from infra.errors import InvalidRequest, NotFound
+from contracts.errors import InvalidRequest, NotFound
 from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
 from router.sessions.models import conversation, new_session_id, validate_id

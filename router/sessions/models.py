@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from infra.errors import InvalidRequest
+from contracts.errors import InvalidRequest
 
 SESSION_HEADER = "x-session-id"
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

@@ -31,7 +31,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import aiosqlite
 import asyncpg
 
-from infra.errors import ConfigError, StoreError, StoreTimeout
+from contracts.errors import ConfigError, StoreError, StoreTimeout
 
 Row = tuple[Any, ...]
 

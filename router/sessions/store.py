@@ -37,7 +37,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from infra.errors import StoreError
+from contracts.errors import StoreError
 from router.sessions.models import Message, Turn, conversation, validate_id
 from router.sessions.sql import Database
 

@@ -18,9 +18,9 @@ import httpx
 import pytest
 import redis
 
-from infra.registry import NODES_SET
+from contracts.registry import NODES_SET
 from tests.conftest import REDIS_E2E_URL
-from tests.helpers import OutputLines, wait_for  # noqa: F401 - wait_for re-exported for the e2e tests
+from tests.support.helpers import OutputLines, wait_for  # noqa: F401 - wait_for re-exported for the e2e tests
 
 ROUTER_PORT = 18000
 NODE_BASE = 18100
@@ -43,7 +43,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
     workdir = tmp_path_factory.mktemp("cluster")
     redis.Redis.from_url(REDIS_E2E_URL).flushdb()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "infra.cli", "up", "--prefill", "1", "--decode", "1", "--both", "1",
+        [sys.executable, "-m", "tandem", "up", "--prefill", "1", "--decode", "1", "--both", "1",
          "--dtype", "float32", "--port", str(ROUTER_PORT), "--node-base-port", str(NODE_BASE),
          "--redis-url", REDIS_E2E_URL, "--workdir", str(workdir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,

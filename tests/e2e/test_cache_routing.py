@@ -12,7 +12,7 @@ from router.kv_index import BlockHasher
 from router.settings import RouterSettings
 from router.tokenizer import _load, _token_ids
 from tests.e2e.conftest import LiveCluster
-from tests.helpers import wait_for
+from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -34,7 +34,7 @@ import zmq
 from kv_transfer import wire
 from kv_transfer.auth import load_cluster_secret
 from tests.e2e.conftest import engine_metric
-from tests.helpers import wait_for
+from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +62,7 @@ class FaultCluster:
 
     def start(self, name: str, args: list[str]) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "infra.cli", *args], stdout=log,
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "tandem", *args], stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True,
                                             env={**os.environ, **NODE_ENV})
 

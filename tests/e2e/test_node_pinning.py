@@ -18,9 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from infra.lifetime import stop_group
+from node_agent.lifetime import stop_group
 from tests.conftest import REDIS_E2E_URL
-from tests.helpers import OutputLines
+from tests.support.helpers import OutputLines
 
 pytestmark = pytest.mark.e2e
 
@@ -49,7 +49,7 @@ def test_a_two_core_node_keeps_vllms_one_core_binding(tmp_path: Path) -> None:
         pytest.fail("this test needs 2 cores")
     node_cores = set(cores)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "infra.cli", "node", "--role", "both", "--port", str(PORT), "--node-id",
+        [sys.executable, "-m", "tandem", "node", "--role", "both", "--port", str(PORT), "--node-id",
          f"pin-test-{PORT}", "--redis-url", REDIS_E2E_URL, "--cores", f"{cores[0]},{cores[1]}", "--dtype", "float32",
          "--max-model-len", "2048", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,

@@ -17,7 +17,7 @@ from router.admission.context import AdmissionContext, AdmissionSettings
 from router.app import create_app
 from router.settings import RouterSettings
 from tests.e2e.conftest import LiveCluster
-from tests.helpers import wait_for
+from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 

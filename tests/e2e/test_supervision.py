@@ -27,9 +27,9 @@ import psutil
 import pytest
 import redis
 
-from infra.registry import NodeInfo, node_key
+from contracts.registry import NodeInfo, node_key
 from tests.e2e.test_cache_routing import SYSTEM
-from tests.helpers import alive_pids, wait_for
+from tests.support.helpers import alive_pids, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -98,7 +98,7 @@ def test_a_killed_decode_engine_comes_back_with_a_new_epoch_and_nothing_stale(tm
     r.flushdb()
     url = f"http://127.0.0.1:{ROUTER_PORT}"
     up = subprocess.Popen(
-        [sys.executable, "-m", "infra.cli", "up", "--prefill", "1", "--decode", "1", "--dtype", "float32",
+        [sys.executable, "-m", "tandem", "up", "--prefill", "1", "--decode", "1", "--dtype", "float32",
          "--port", str(ROUTER_PORT), "--node-base-port", str(NODE_BASE), "--redis-url", REDIS_URL,
          "--workdir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT,

@@ -1,6 +1,6 @@
 """`tandem up` keeps the cluster up and takes it all down with it (issue 12), on real processes: the real
 launcher, node agent, router and lake writer, with the node's engine replaced by a STAND-IN engine
-process (``TANDEM_NODE_ENGINE_COMMAND``, tests/infra/fake_engine.py) so no vLLM engine is needed.
+process (``TANDEM_NODE_ENGINE_COMMAND``, tests/support/fake_engine.py) so no vLLM engine is needed.
 The same with vLLM engines: tests/e2e/test_supervision.py. Redis DB 12."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import psutil
 import pytest
 import redis
 
+from contracts.registry import NODES_SET, NodeInfo, node_key
 from infra.launcher import launcher_key
-from infra.registry import NODES_SET, NodeInfo, node_key
-from tests.helpers import alive_pids, wait_for
-from tests.infra.test_supervisor import free_port_block
+from tests.node_agent.test_supervisor import free_port_block
+from tests.support.helpers import alive_pids, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/12"
@@ -95,9 +95,9 @@ def up(tmp_path: Path) -> Iterator[Up]:
     redis.Redis.from_url(REDIS_URL).flushdb()
     router_port, node_port = free_port_block(), free_port_block()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "200",
-           "TANDEM_NODE_ENGINE_COMMAND": json.dumps([PY, "-m", "tests.infra.fake_engine", "--port", "{port}"]),
+           "TANDEM_NODE_ENGINE_COMMAND": json.dumps([PY, "-m", "tests.support.fake_engine", "--port", "{port}"]),
            "TANDEM_NODE_HEARTBEAT_S": "0.2", "TANDEM_NODE_RESTART_BACKOFF_S": "0.1"}
-    proc = subprocess.Popen([PY, "-m", "infra.cli", "up", "--colocated", "--port", str(router_port),
+    proc = subprocess.Popen([PY, "-m", "tandem", "up", "--colocated", "--port", str(router_port),
                              "--node-base-port", str(node_port), "--redis-url", REDIS_URL, "--workdir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=env, cwd=ROOT)
@@ -118,7 +118,7 @@ def up(tmp_path: Path) -> Iterator[Up]:
 
 
 def test_dead_children_are_restarted_and_shown_and_sigterm_stops_everything(up: Up) -> None:
-    router = up.child("infra.cli router")
+    router = up.child("tandem router")
     assert httpx.get(f"{up.url}/health").status_code == 200
 
     up.child("telemetry consume").kill()
@@ -126,7 +126,7 @@ def test_dead_children_are_restarted_and_shown_and_sigterm_stops_everything(up: 
     assert httpx.get(f"{up.url}/health").status_code == 200  # one dead child stops nothing else
 
     epoch = up.epoch()
-    up.child("tests.infra.fake_engine").kill()  # the node agent restarts its engine, not the launcher
+    up.child("tests.support.fake_engine").kill()  # the node agent restarts its engine, not the launcher
     assert wait_for(lambda: up.epoch() > epoch, timeout_s=30), "the node did not come back with a new epoch"
 
     router.kill()
@@ -137,14 +137,14 @@ def test_dead_children_are_restarted_and_shown_and_sigterm_stops_everything(up: 
     up.child(f"--node-id {up.node_id}").kill()  # the agent itself: the launcher restarts it
     up.wait_line(f"RESTARTED {up.node_id}")
     assert wait_for(lambda: up.epoch() > epoch, timeout_s=30), "the restarted agent did not register anew"
-    assert len([p for p in up.descendants() if "tests.infra.fake_engine" in " ".join(p.cmdline())]) == 1
+    assert len([p for p in up.descendants() if "tests.support.fake_engine" in " ".join(p.cmdline())]) == 1
 
     children = {k.decode(): json.loads(v) for k, v in redis.Redis.from_url(REDIS_URL).hgetall(
         launcher_key(up.router_port)).items()}
     assert children["lake-writer"]["restarts"] == 1 and children["router"]["restarts"] == 1
     assert children["lake-writer"]["last_exit"] == "killed by SIGKILL"
     assert children[up.node_id]["restarts"] == 1 and children[up.node_id]["state"] == "running"
-    status = subprocess.run([PY, "-m", "infra.cli", "cluster", "status", "--url", up.url, "--redis-url", REDIS_URL],
+    status = subprocess.run([PY, "-m", "tandem", "cluster", "status", "--url", up.url, "--redis-url", REDIS_URL],
                             capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
     assert status.returncode == 0, status.stderr
     assert "Processes of tandem up" in status.stdout and "Node agents" in status.stdout
@@ -175,7 +175,7 @@ def _health(url: str) -> int:
 def test_sigterm_to_a_running_bench_stops_every_process_it_started(tmp_path: Path) -> None:
     """`tandem bench admission` (the one benchmark without engines) starts a router and a stand-in
     engine; a SIGTERM mid-run unwinds it like Ctrl-C, and nothing it started survives."""
-    bench = subprocess.Popen([PY, "-m", "infra.cli", "bench", "admission", "--out", str(tmp_path / "b.json"),
+    bench = subprocess.Popen([PY, "-m", "tandem", "bench", "admission", "--out", str(tmp_path / "b.json"),
                               "-n", "300", "--requests", "100000", "--concurrency", "1"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
     seen: set[int] = set()

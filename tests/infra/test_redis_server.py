@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from infra.redis_server import start_embedded
-from tests.infra.test_supervisor import free_port_block
+from tests.node_agent.test_supervisor import free_port_block
 
 
 def test_a_graceful_restart_from_a_relative_workdir_keeps_the_data(tmp_path: Path,

@@ -10,7 +10,7 @@ import pytest
 
 from kv_transfer import control
 from kv_transfer.auth import SECRET_ENV
-from tests.kv_transfer.block_server_proc import SECRET
+from tests.support.block_server_proc import SECRET
 
 
 @pytest.fixture(scope="session", autouse=True)

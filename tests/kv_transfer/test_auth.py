@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from infra.errors import ConfigError
+from contracts.errors import ConfigError
 from kv_transfer.auth import SECRET_ENV, SECRET_FILE_ENV, default_secret_path, load_cluster_secret, peer_credentials
 from kv_transfer.settings import ConnectorSettings
 

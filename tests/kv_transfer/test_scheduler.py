@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from vllm.v1.request import RequestStatus
 
+from contracts.transfer import TransferReport
 from kv_transfer.scheduler import TandemScheduler
 from kv_transfer.settings import ConnectorSettings, host_id
 
@@ -98,8 +99,10 @@ def test_abort_during_pull_cancels_it_and_a_finished_pull_reports_back() -> None
     assert d.build_connector_meta().cancels == ["d1"]
     ok = _req("d2", 10, dict(_decode_params(_sched(), "r2")), RequestStatus.FINISHED_STOPPED)
     d.update_state_after_alloc(ok, _blocks([], [6, 7, 8]), 10)
-    d.update_connector_output({"d2"}, {"d2": {"ok": True, "bytes": 123}})
-    assert d.request_finished(ok, [6, 7, 8]) == (False, {"tandem_transfer": {"ok": True, "bytes": 123}})
+    d.update_connector_output({"d2"}, {"d2": TransferReport(ok=True, bytes=123)})
+    delay, params = d.request_finished(ok, [6, 7, 8])
+    assert delay is False and params is not None
+    assert TransferReport.from_dict(params["tandem_transfer"]) == TransferReport(ok=True, bytes=123)
 
 
 def test_blocks_past_the_prompt_are_not_pulled() -> None:

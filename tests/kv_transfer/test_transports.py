@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import zmq
 
+from decode_nodes.puller import Puller, PullJob
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
-from kv_transfer.puller import Puller, PullJob
 from kv_transfer.stats import TransferStats
-from tests.kv_transfer.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote
-from tests.kv_transfer.block_server_proc import source as _source
+from tests.support.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote, transfer_params
+from tests.support.block_server_proc import source as _source
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_the_router_can_ask_how_a_transfer_went(remote: Remote, local) -> None: 
     before = time.time()
     out = _pull(remote, puller, "asked", "tcp", [15, 16], [15, 16])
     assert out.ok and remote.ended("asked") == "done"
-    params = {"transfer_id": "asked", "remote_endpoints": {"tcp": remote.tcp}}
+    params = transfer_params("asked", remote.tcp)
     report = asyncio.run(lease_report(params))
     assert report is not None and report["ok"] and report["state"] == "done" and report["transport"] == "tcp"
     assert report["bytes"] == out.nbytes == 2 * LAYERS * _source()[0][0].nbytes

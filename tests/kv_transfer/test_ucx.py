@@ -24,7 +24,7 @@ from kv_transfer import wire  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
 from kv_transfer.transports import TransferFailed  # noqa: E402
 from kv_transfer.ucx import UcxReceiver  # noqa: E402
-from tests.kv_transfer.block_server_proc import SECRET  # noqa: E402
+from tests.support.block_server_proc import SECRET  # noqa: E402
 
 LAYERS, BLOCKS, SHAPE = 3, 32, (3, 16, 128)  # 24 KiB blocks: above UCX's rendezvous threshold
 CODEC = wire.Codec(SECRET)
@@ -36,7 +36,8 @@ def _source() -> list[np.ndarray]:
 
 
 def _serve(endpoint: str, conn) -> None:  # noqa: ANN001 - runs in the child process
-    """The UCX half of server.py alone (no leases), so the sender's own failure paths can be driven."""
+    """The UCX half of prefill_nodes/block_server.py alone (no leases), so the sender's own failure paths
+    can be driven."""
     from kv_transfer.ucx import UcxSender, UcxSendFailed
 
     sender = UcxSender(KVLayout.from_arrays(_source()))
@@ -122,7 +123,7 @@ def cache() -> tuple[list[np.ndarray], KVLayout]:
 
 def _pull(endpoint: str, receiver: UcxReceiver, layout: KVLayout, tid: str, remote_ids: list[int],
           local_ids: list[int], timeout: float = 5.0) -> int:
-    """What puller.py does for a ``ucx`` pull (Done included), on a fresh socket."""
+    """What decode_nodes/puller.py does for a ``ucx`` pull (Done included), on a fresh socket."""
     with zmq.Context.instance().socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from infra.errors import PeerUnauthenticated, UpstreamError
+from contracts.errors import PeerUnauthenticated, UpstreamError
 from kv_transfer import wire
 from kv_transfer.wire import Segment
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from decode_nodes.puller import Puller
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
-from kv_transfer.lease import LeaseState
 from kv_transfer.metadata import TandemMetadata
-from kv_transfer.puller import Puller
 from kv_transfer.settings import ConnectorSettings
 from kv_transfer.worker import TandemWorker
+from prefill_nodes.lease import LeaseState
 
 
 class RecordingEvent:

@@ -20,12 +20,12 @@ import httpx
 import redis.asyncio as aioredis
 
 from bench.standin_engine import ServerThread, StandInEngine
-from infra.model import default_model_dir
-from infra.registry import NodeInfo, NodeRegistry, Role
+from contracts.registry import NodeInfo, NodeRegistry, Role
+from node_agent.model import default_model_dir
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.app import create_app
 from router.settings import RouterSettings
-from tests.admission.support import delete_prefix
+from tests.router.admission.support import delete_prefix
 
 REDIS_URL = "redis://127.0.0.1:6379/14"
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +99,7 @@ def router_process(tmp_path: Path, **env: str) -> Iterator[tuple[str, int]]:
     """The router as ``tandem`` runs it: its own process (``uvicorn --factory``), settings from the
     environment. Yields (base URL, pid)."""
     port, tag = free_port(), uuid.uuid4().hex[:10]
-    full = {**os.environ, "TANDEM_ROUTER_REDIS_URL": REDIS_URL, "TANDEM_REDIS_URL": REDIS_URL,
+    full = {**os.environ, "TANDEM_REDIS_URL": REDIS_URL,
             "TANDEM_KEY_PREFIX": f"sec-{tag}:", "TANDEM_SQLITE_PATH": str(tmp_path / f"{tag}.db"),
             "TANDEM_ROUTER_TELEMETRY": "false", "TANDEM_ROUTER_REGISTRY_REFRESH_S": "60", **env}
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "router.app:create_app",

@@ -26,15 +26,15 @@ import numpy as np
 import pytest
 import zmq
 
+from decode_nodes.puller import Puller, PullJob
 from kv_transfer import control, wire
 from kv_transfer.auth import SECRET_ENV
 from kv_transfer.layout import KVLayout
-from kv_transfer.lease import LeaseTable
-from kv_transfer.puller import Puller, PullJob
-from kv_transfer.server import BlockServer
 from kv_transfer.stats import TransferStats
 from kv_transfer.transports import CmaTransport, TransferFailed
-from tests.kv_transfer.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote, source
+from prefill_nodes.block_server import BlockServer
+from prefill_nodes.lease import LeaseTable
+from tests.support.block_server_proc import BLOCKS, LAYERS, SECRET, SHAPE, Remote, source, transfer_params
 
 OTHER = wire.Codec(b"not-the-cluster-secret-0123456789abcdef")
 
@@ -131,7 +131,7 @@ def test_the_routers_calls_are_signed_and_refused_under_another_secret(remote: R
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     _, layout = local
     remote.offer("sec-router", [7])
-    params = {"transfer_id": "sec-router", "remote_endpoints": {"tcp": remote.tcp}}
+    params = transfer_params("sec-router", remote.tcp)
     assert asyncio.run(control.lease_report(params)) is not None  # the cluster secret: answered
     monkeypatch.setenv(SECRET_ENV, "another-router-secret-0123456789abcdef")
     control._codec.cache_clear()

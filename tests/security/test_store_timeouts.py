@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import redis.exceptions
 
-from infra.errors import StoreError, StoreTimeout
+from contracts.errors import StoreError, StoreTimeout
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.sessions.sql import open_database
 from router.sessions.store import RegionCache, SessionStore

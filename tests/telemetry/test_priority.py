@@ -35,7 +35,7 @@ def _lake_rows(lake: Path) -> int:
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 def test_consume_runs_sched_idle_and_writes_everything(make_emitter, lake, prefix, tmp_path):
-    args = [sys.executable, "-m", "infra.cli", "telemetry", "consume", "--redis-url", REDIS_URL, "--lake",
+    args = [sys.executable, "-m", "tandem", "telemetry", "consume", "--redis-url", REDIS_URL, "--lake",
             str(lake), "--stream-prefix", prefix, "--consumer", "idle-test", "--block-ms", "100"]
     log = (tmp_path / "writer.log").open("wb")
     proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,

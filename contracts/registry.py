@@ -1,0 +1,267 @@
+"""Node registry in Redis: which engines exist, what they serve, and how loaded they are.
+
+Control path only. A node writes two keys, both with a short TTL that its heartbeat refreshes:
+
+    tandem:node:<id>   NodeInfo  (static: role, model, addresses, capacity)
+    tandem:load:<id>   NodeLoad  (dynamic: running / waiting requests, KV usage)
+
+and adds its id to the set ``tandem:nodes``. A node whose heartbeat lapses simply expires; readers
+prune ids whose keys are gone, so a crashed node leaves routing within one TTL. A clean shutdown
+deletes the keys at once. Values are msgpack-encoded ``msgspec`` structs carrying a schema version.
+
+Incarnations. A node id outlives its engines: the node agent restarts a dead or hung engine, and
+``tandem up`` restarts a dead agent, both under the same id. Every engine start takes a new *epoch*
+from a counter that survives both (``INCR tandem:epoch:<id>``, never expiring), and registers with
+it, so a reader that sees the epoch of an id change knows that everything the old engine held (KV
+blocks, leases, in-flight requests) is gone, even if it never saw the id leave the registry.
+
+Beside the routing keys, each agent keeps a status record for operators (``tandem cluster status``):
+
+    tandem:nodestatus:<id>   NodeStatus (serving / restarting / unhealthy, epoch, restarts, last exit)
+
+with a long TTL, so a node that gave up stays visible after its agent exited; routers never read it.
+
+Schema history: v1 the first; v2 adds ``NodeInfo.epoch`` (default 0, so v1 entries still decode and
+v1 readers ignore the field).
+
+Readers check each entry (``NodeRegistry.live_nodes``): an entry of a newer schema than the reader's
+(``VersionMismatch``, naming both) or one that does not decode is skipped, counted in
+``NodeRegistry.skipped`` and logged once per node and reason; every other node is still listed, so one
+bad entry never blinds a router to the fleet. Upgrade readers (routers) before writers (node agents).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import Counter
+from typing import TypeVar, cast
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from contracts.errors import StoreError, VersionMismatch
+
+log = logging.getLogger("tandem.registry")
+
+REGISTRY_SCHEMA_VERSION = 2
+NODES_SET = "tandem:nodes"
+STATUS_TTL_S = 3600.0
+"""How long a node's status record outlives its last update (an unhealthy node stays visible)."""
+
+
+def node_key(node_id: str) -> str:
+    return f"tandem:node:{node_id}"
+
+
+def load_key(node_id: str) -> str:
+    return f"tandem:load:{node_id}"
+
+
+def epoch_key(node_id: str) -> str:
+    return f"tandem:epoch:{node_id}"
+
+
+def status_key(node_id: str) -> str:
+    return f"tandem:nodestatus:{node_id}"
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"  # colocated: prefills and decodes its own requests, no KV transfer
+
+
+class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a node is. Written at registration; unchanged for the node's life."""
+
+    node_id: str
+    role: Role
+    model: str
+    """Served model name (what clients put in ``model``)."""
+    url: str
+    """Base URL of the engine's OpenAI-compatible HTTP server, e.g. http://127.0.0.1:8100."""
+    block_size: int
+    max_model_len: int
+    kv_connector: str
+    """Connector in use (``nixl``, ``tandem`` or ``none``)."""
+    kv_events_endpoint: str | None = None
+    """ZeroMQ PUB endpoint of the engine's KV events."""
+    kv_replay_endpoint: str | None = None
+    """ZeroMQ ROUTER endpoint that replays KV events from a sequence number."""
+    model_path: str | None = None
+    """Local model folder, so a router on the same host can load the exact tokenizer and template."""
+    num_kv_blocks: int = 0
+    """KV cache capacity in blocks (0 until the engine reports it)."""
+    started_at: float = 0.0
+    epoch: int = 0
+    """Incarnation of the engine behind this id (see the module docstring); 0 for a v1 entry."""
+    schema_version: int = REGISTRY_SCHEMA_VERSION
+
+
+class NodeLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """How busy a node is, as its agent last read it from the engine's metrics."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    """Fraction of KV blocks in use, 0..1."""
+    updated_at: float = 0.0
+
+
+class NodeState(enum.StrEnum):
+    STARTING = "starting"
+    SERVING = "serving"
+    RESTARTING = "restarting"
+    """The engine died or hung; the agent waits out its backoff and starts a new one."""
+    UNHEALTHY = "unhealthy"
+    """Too many failures in the window: the agent gave up (and exited non-zero)."""
+    STOPPED = "stopped"
+
+
+_T = TypeVar("_T")
+
+
+class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """What an operator wants to know about a node agent; not read on any serving path."""
+
+    node_id: str
+    state: NodeState
+    epoch: int = 0
+    restarts: int = 0
+    """Engine restarts since the agent started."""
+    last_exit: str | None = None
+    """Why the last engine ended (exit status, signal, or "hung: ..."), if one did."""
+    updated_at: float = 0.0
+
+
+class LiveNode(msgspec.Struct, frozen=True, kw_only=True):
+    info: NodeInfo
+    load: NodeLoad
+
+
+class _Versioned(msgspec.Struct):
+    """Only an entry's version, read before the rest (a newer schema may not decode as ours)."""
+
+    schema_version: int = 1
+
+
+_version_decoder = msgspec.msgpack.Decoder(_Versioned)
+_info_decoder = msgspec.msgpack.Decoder(NodeInfo)
+_load_decoder = msgspec.msgpack.Decoder(NodeLoad)
+_status_decoder = msgspec.msgpack.Decoder(NodeStatus)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class NodeRegistry:
+    """Async access to the registry; one per process, sharing the process's Redis client."""
+
+    def __init__(self, redis: aioredis.Redis, *, ttl_s: float = 6.0) -> None:
+        self._redis = redis
+        self.ttl_ms = int(ttl_s * 1000)
+        self.skipped: Counter[str] = Counter()
+        """Entries left out of ``live_nodes`` / ``statuses`` since start, by reason (``version``,
+        ``malformed``): each read counts each bad entry again."""
+        self._warned: set[tuple[str, str]] = set()
+
+    def _skip(self, node_id: str, reason: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        if (node_id, reason) not in self._warned:  # once per node and reason: reads repeat every second
+            self._warned.add((node_id, reason))
+            log.warning("registry entry of node %s skipped: %s", node_id, detail)
+
+    def _decode(self, node_id: str, raw: bytes, decoder: msgspec.msgpack.Decoder[_T]) -> _T | None:
+        """One entry, or None when it is skipped (another schema version, or malformed)."""
+        try:
+            version = _version_decoder.decode(raw).schema_version
+            if version > REGISTRY_SCHEMA_VERSION:
+                raise VersionMismatch("registry schema", theirs=version, ours=REGISTRY_SCHEMA_VERSION)
+            return decoder.decode(raw)
+        except VersionMismatch as exc:
+            self._skip(node_id, "version", exc.message)
+        except msgspec.DecodeError as exc:
+            self._skip(node_id, "malformed", f"undecodable: {exc}")
+        return None
+
+    async def register(self, info: NodeInfo, load: NodeLoad | None = None) -> None:
+        await self.heartbeat(info, load or NodeLoad(updated_at=time.time()))
+
+    async def heartbeat(self, info: NodeInfo, load: NodeLoad) -> None:
+        """(Re)write both keys with a fresh TTL; registering and heart-beating are the same write,
+        so a node that was dropped after a Redis restart or a long pause comes back by itself."""
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(node_key(info.node_id), _encoder.encode(info), px=self.ttl_ms)
+                pipe.set(load_key(info.node_id), _encoder.encode(load), px=self.ttl_ms)
+                pipe.sadd(NODES_SET, info.node_id)
+                await pipe.execute()
+        except RedisError as exc:
+            raise StoreError(f"registry write for node {info.node_id} failed: {exc}") from exc
+
+    async def deregister(self, node_id: str) -> None:
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(node_key(node_id), load_key(node_id))
+                pipe.srem(NODES_SET, node_id)
+                await pipe.execute()
+        except RedisError as exc:
+            raise StoreError(f"registry delete for node {node_id} failed: {exc}") from exc
+
+    async def next_epoch(self, node_id: str) -> int:
+        """A new incarnation number for ``node_id``: 1, 2, ... across agent and engine restarts."""
+        try:
+            return int(await self._redis.incr(epoch_key(node_id)))
+        except RedisError as exc:
+            raise StoreError(f"epoch counter for node {node_id} unavailable: {exc}") from exc
+
+    async def set_status(self, status: NodeStatus) -> None:
+        try:
+            await self._redis.set(status_key(status.node_id), _encoder.encode(status), px=int(STATUS_TTL_S * 1000))
+        except RedisError as exc:
+            raise StoreError(f"status write for node {status.node_id} failed: {exc}") from exc
+
+    async def statuses(self) -> list[NodeStatus]:
+        """Every node status record (live, restarting, or gave up within STATUS_TTL_S), by node id."""
+        try:
+            keys = [k async for k in self._redis.scan_iter(match=status_key("*"), count=500)]
+            raw = cast("list[bytes | None]", await self._redis.mget(keys) if keys else [])
+        except RedisError as exc:
+            raise StoreError(f"node status read failed: {exc}") from exc
+        found = [st for k, r in zip(keys, raw, strict=True) if r is not None
+                 and (st := self._decode(_id_of(k, "status"), r, _status_decoder)) is not None]
+        return sorted(found, key=lambda st: st.node_id)
+
+    async def live_nodes(self) -> list[LiveNode]:
+        """Every node whose heartbeat has not lapsed; prunes lapsed ids from the set."""
+        try:
+            ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await self._redis.smembers(NODES_SET))
+            if not ids:
+                return []
+            keys = [k for i in ids for k in (node_key(i), load_key(i))]
+            raw = cast("list[bytes | None]", await self._redis.mget(keys))
+        except RedisError as exc:
+            raise StoreError(f"registry read failed: {exc}") from exc
+        live: list[LiveNode] = []
+        lapsed: list[str] = []
+        for n, node_id in enumerate(ids):
+            info_raw, load_raw = raw[2 * n], raw[2 * n + 1]
+            if info_raw is None:
+                lapsed.append(node_id)
+                continue
+            info = self._decode(node_id, info_raw, _info_decoder)
+            load = self._decode(node_id, load_raw, _load_decoder) if load_raw is not None else NodeLoad()
+            if info is not None and load is not None:
+                live.append(LiveNode(info=info, load=load))
+        if lapsed:
+            try:
+                await self._redis.srem(NODES_SET, *lapsed)
+            except RedisError:
+                pass  # pruning is housekeeping; the next reader retries it
+        return live
+
+
+def _id_of(key: bytes | str, kind: str) -> str:
+    text = key.decode() if isinstance(key, bytes) else key
+    return text.removeprefix(f"tandem:node{kind}:")

@@ -1,0 +1,146 @@
+"""Settings of one node process (``tandem node``): one typed object, built once, passed down."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from contracts.registry import Role
+from kv_transfer import ConnectorKind
+
+
+class NodeSettings(BaseSettings):
+    """Every field can also come from the environment as ``TANDEM_NODE_<FIELD>``, but the Redis URL,
+    which is every process's ``TANDEM_REDIS_URL`` (``contracts.config``)."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_NODE_", frozen=True, validate_by_name=True,
+                                      validate_by_alias=True)
+
+    role: Role = Role.BOTH
+    """prefill: computes prompts and hands their KV to a decode node. decode: loads KV and generates.
+    both: colocated, serves whole requests itself."""
+    model: str | None = None
+    """Hugging Face model folder; None means the prepared default model."""
+    served_model_name: str | None = None
+    """Name clients use in ``model``; defaults to the folder name."""
+    host: str = "127.0.0.1"
+    port: int = 8100
+    """HTTP port of the engine. Side ports: port+1 KV events (PUB), port+2 event replay, port+3 KV block
+    server (tandem connector) or NIXL side channel."""
+    node_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+    redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=REDIS_URL_ENV)
+    connector: ConnectorKind = ConnectorKind.TANDEM
+    kv_transport: Literal["auto", "tcp", "ipc", "shm", "ucx"] = "auto"
+    """Tandem connector: how this node pulls KV. auto = shm (cross-memory copy) when the prefill node is
+    on this host, else tcp; ucx goes through ucxx-cu12."""
+    kv_checksum: Literal["auto", "always", "never"] = "auto"
+    """Tandem connector: verify an xxh3 checksum per segment (auto: on for tcp/ipc frames, off for shm)."""
+    kv_lease_s: float = 30.0
+    """Tandem connector: how long a prefill node holds a request's blocks for its decode node, at most."""
+    kv_transfer_timeout_s: float = 10.0
+    """Tandem connector: how long a decode node waits for one pull before prefilling itself."""
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    """When a pull fails: recompute the prompt on the decode node, or fail the request."""
+    dtype: str = "bfloat16"
+    """Weights/activations dtype. Tests use float32, where greedy outputs are bit-stable."""
+    max_model_len: int = 8192
+    block_size: int | None = None
+    """KV block size in tokens; None keeps the engine's default (128 on CPU)."""
+    kv_cache_gib: int = 1
+    """KV cache size (VLLM_CPU_KVCACHE_SPACE on CPU)."""
+    cores: str | None = None
+    """CPU cores to pin the engine's threads to, e.g. "0" or "0-1" (VLLM_CPU_OMP_THREADS_BIND)."""
+    enforce_eager: bool = True
+    """Skip torch.compile: ~35 s start instead of 67-160 s on CPU (the compile cache is not reused)."""
+    nixl_progress_thread: Literal["idle", "normal"] = "idle"
+    """NIXL's UCX progress thread busy-polls a core: ``idle`` runs it at SCHED_IDLE priority, ``normal``
+    leaves NIXL as shipped. See kv_transfer/engine_hooks/sitecustomize.py."""
+    heartbeat_s: float = 2.0
+    """How often the agent writes the engine's load to the registry and probes the engine's health."""
+    registry_ttl_s: float = 6.0
+    startup_timeout_s: float = 600.0
+    """Longest an engine may take to answer /health after its start; longer counts as a failed start."""
+    restart_backoff_s: float = 1.0
+    """Delay before restarting an engine after the first failure in the window; doubles with each
+    further failure in the window (node_agent/supervisor.py)."""
+    restart_backoff_max_s: float = 30.0
+    """Cap of that delay."""
+    max_failures: int = 5
+    """Engine failures (exit, hang, failed start) within ``failure_window_s`` after which the agent
+    stops restarting, marks the node unhealthy and exits non-zero, instead of looping."""
+    failure_window_s: float = 600.0
+    """Sliding window in which ``max_failures`` is counted; older failures are forgotten."""
+    health_timeout_s: float = 5.0
+    """Timeout of one probe of the engine (GET /health and /metrics)."""
+    health_failures: int = 3
+    """Consecutive failed probes (one every ``heartbeat_s``) after which the engine counts as hung and
+    is killed and restarted."""
+    stall_timeout_s: float = 30.0
+    """An engine with requests running or waiting whose token counters do not move for this long, or
+    with a process stopped (SIGSTOP, state T) for this long, counts as hung."""
+    tool_call_parser: str | None = "pythonic"
+    """vLLM tool-call parser for ``tools`` / ``tool_choice`` (auto tool choice on). ``pythonic`` needs no
+    special tokens, which the default model lacks (hermes needs <tool_call>); None turns tools off."""
+    extra_engine_args: list[str] = Field(default_factory=list)
+    engine_command: list[str] | None = None
+    """Replaces the whole ``vllm serve`` command line (a wrapper script, another build); ``{port}`` in
+    an argument becomes ``port``. The supervision tests run a stand-in engine through it
+    (``TANDEM_NODE_ENGINE_COMMAND='["python", "-m", "tests.support.fake_engine", "--port", "{port}"]'``)."""
+    log_dir: Path | None = None
+    """Where the engine's stdout/stderr go; None inherits the node's."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1")
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        """Where subscribers connect. vLLM's publisher binds only wildcard and ipc endpoints (it
+        *connects* to anything else), so a loopback node publishes on an ipc socket and a node on a
+        real interface binds tcp://*:port+1 (see kv_events_bind)."""
+        if self.is_loopback:
+            return f"ipc://{Path(tempfile.gettempdir()) / 'tandem'}/kv-events-{self.port}.sock"
+        return f"tcp://{self.host}:{self.port + 1}"
+
+    @property
+    def kv_events_bind(self) -> str:
+        """The endpoint given to vLLM's publisher (bind form)."""
+        return self.kv_events_endpoint if self.is_loopback else f"tcp://*:{self.port + 1}"
+
+    @property
+    def kv_replay_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port + 2}"
+
+    @property
+    def nixl_port(self) -> int:
+        return self.port + 3
+
+    @property
+    def engine_ports(self) -> dict[int, str]:
+        """TCP ports the engine binds (port -> what for), checked free before every start. A loopback
+        node publishes KV events on an ipc socket, and a colocated node runs no connector."""
+        ports = {self.port: "engine HTTP", self.port + 2: "KV event replay"}
+        if not self.is_loopback:
+            ports[self.port + 1] = "KV events"
+        if self.role is not Role.BOTH and self.connector is not ConnectorKind.NONE:
+            ports[self.nixl_port] = ("NIXL side channel" if self.connector is ConnectorKind.NIXL
+                                     else "KV block server")
+        return ports
+
+    @property
+    def kv_connector_extra(self) -> dict[str, object]:
+        """The tandem connector's ``kv_connector_extra_config`` (kv_transfer.settings.ConnectorSettings)."""
+        return {"host": self.host, "port": self.nixl_port, "transport": self.kv_transport,
+                "checksum": self.kv_checksum, "lease_s": self.kv_lease_s,
+                "transfer_timeout_s": self.kv_transfer_timeout_s}

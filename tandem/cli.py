@@ -1,0 +1,26 @@
+"""``tandem``: every package's sub-commands under one command. Nothing is defined here but the mounts;
+the top of the import graph (``pyproject.toml``'s import contracts)."""
+
+from __future__ import annotations
+
+import typer
+
+from bench.cli import bench_app
+from infra.cli import cluster_app, model_app, up
+from node_agent.cli import node
+from router.admission.cli import keys_app
+from router.cli import router
+from telemetry.cli import lake_app, telemetry_app
+
+app = typer.Typer(help="Tandem: prefill/decode disaggregated LLM serving on vLLM.", no_args_is_help=True)
+app.command()(node)
+app.command()(router)
+app.command()(up)
+app.add_typer(model_app, name="model")
+app.add_typer(cluster_app, name="cluster")
+app.add_typer(bench_app, name="bench")
+app.add_typer(keys_app, name="keys")
+app.add_typer(telemetry_app, name="telemetry")
+app.add_typer(lake_app, name="lake")
+
+__all__ = ["app"]

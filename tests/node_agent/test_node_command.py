@@ -1,0 +1,166 @@
+"""The `vllm serve` command a node builds for each role."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from contracts.registry import Role
+from kv_transfer import ConnectorKind
+from node_agent.node import engine_command, engine_env
+from node_agent.settings import NodeSettings
+
+
+def _args(role: Role, **kw) -> list[str]:
+    return engine_command(NodeSettings(role=role, port=9100, **kw), Path("/models/m"))
+
+
+def _value(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_prefill_and_decode_get_the_tandem_connector_by_default_both_gets_none() -> None:
+    for role in (Role.PREFILL, Role.DECODE):
+        cfg = json.loads(_value(_args(role), "--kv-transfer-config"))
+        assert cfg["kv_connector"] == "TandemConnector"
+        assert cfg["kv_connector_module_path"] == "kv_transfer.connector"
+        assert cfg["kv_load_failure_policy"] == "recompute"
+        extra = cfg["kv_connector_extra_config"]
+        assert extra["port"] == 9103 and extra["host"] == "127.0.0.1" and extra["transport"] == "auto"
+        nixl = json.loads(_value(_args(role, connector=ConnectorKind.NIXL), "--kv-transfer-config"))
+        assert nixl["kv_connector"] == "NixlConnector" and nixl["kv_buffer_device"] == "cpu"
+    assert "--kv-transfer-config" not in _args(Role.BOTH)
+    assert "--kv-transfer-config" not in _args(Role.DECODE, connector=ConnectorKind.NONE)
+
+
+def test_kv_events_prefix_caching_and_loopback_ports() -> None:
+    cmd = _args(Role.DECODE)
+    events = json.loads(_value(cmd, "--kv-events-config"))
+    assert events["enable_kv_cache_events"] is True
+    # vLLM binds only wildcard/ipc publisher endpoints: loopback nodes publish on ipc.
+    assert events["endpoint"].startswith("ipc://") and events["endpoint"].endswith("kv-events-9100.sock")
+    assert events["replay_endpoint"] == "tcp://127.0.0.1:9102"
+    assert "--enable-prefix-caching" in cmd and _value(cmd, "--prefix-caching-hash-algo") == "sha256_cbor"
+    assert "--enable-prompt-tokens-details" in cmd
+    assert _value(cmd, "--tool-call-parser") == "pythonic" and "--enable-auto-tool-choice" in cmd
+    assert _value(cmd, "--host") == "127.0.0.1" and _value(cmd, "--port") == "9100"
+
+
+def test_a_node_on_a_real_interface_binds_its_publisher_on_all_interfaces() -> None:
+    s = NodeSettings(role=Role.DECODE, host="10.1.2.3", port=9100)
+    assert s.kv_events_bind == "tcp://*:9101" and s.kv_events_endpoint == "tcp://10.1.2.3:9101"
+
+
+def test_role_specific_token_budgets() -> None:
+    assert _value(_args(Role.PREFILL, max_model_len=8192), "--max-num-batched-tokens") == "4096"
+    assert _value(_args(Role.DECODE, max_model_len=4096), "--max-num-batched-tokens") == "2048"
+    assert "--max-num-batched-tokens" not in _args(Role.BOTH)
+
+
+def test_engine_env_pins_cores_and_separates_nixl_ports() -> None:
+    env = engine_env(NodeSettings(role=Role.PREFILL, port=9100, cores="0", kv_cache_gib=2))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9103"
+
+
+def test_nixl_engines_start_with_the_hook_that_demotes_the_busy_progress_thread() -> None:
+    from kv_transfer import ENGINE_HOOKS
+
+    env = engine_env(NodeSettings(role=Role.DECODE, connector=ConnectorKind.NIXL))
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ENGINE_HOOKS)
+    assert env["TANDEM_NIXL_PROGRESS_THREAD"] == "idle"
+    assert engine_env(NodeSettings(role=Role.DECODE, connector=ConnectorKind.NIXL, nixl_progress_thread="normal"))[
+        "TANDEM_NIXL_PROGRESS_THREAD"] == "normal"
+    assert str(ENGINE_HOOKS) not in engine_env(NodeSettings(role=Role.BOTH)).get("PYTHONPATH", "")
+
+
+def test_engine_hook_moves_nixl_threads_to_sched_idle_in_a_real_interpreter() -> None:
+    import subprocess
+    import sys
+
+    from kv_transfer import ENGINE_HOOKS
+
+    code = ("import os, nixl_cu12._api as a\n"
+            "before = {int(t) for t in os.listdir('/proc/self/task')}\n"
+            "agent = a.nixl_agent('t', a.nixl_agent_config(num_threads=2))\n"
+            "new = {int(t) for t in os.listdir('/proc/self/task')} - before\n"
+            "print(len(new), sorted({os.sched_getscheduler(t) for t in new}) == [os.SCHED_IDLE])")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ENGINE_HOOKS)},
+                         capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1].split()
+    assert int(out[0]) >= 1 and out[1] == "True"
+
+
+def test_parse_cores() -> None:
+    from node_agent.node import parse_cores
+
+    assert parse_cores("0") == {0}
+    assert parse_cores("0-2") == {0, 1, 2}
+    assert parse_cores("0,2-3") == {0, 2, 3}
+
+
+def test_pin_process_tree_pins_children_threads() -> None:
+    import subprocess
+    import sys
+
+    from node_agent.node import pin_process_tree
+
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\ntime.sleep(30)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        import psutil
+
+        from tests.support.helpers import wait_for
+
+        assert wait_for(lambda: len(psutil.Process(parent.pid).children()) == 1, timeout_s=10)
+        target = {sorted(os.sched_getaffinity(0))[-1]}
+        assert pin_process_tree(parent.pid, target) >= 2
+        child = psutil.Process(parent.pid).children()[0]
+        assert os.sched_getaffinity(parent.pid) == target and os.sched_getaffinity(child.pid) == target
+    finally:
+        for p in psutil.Process(parent.pid).children():
+            p.kill()
+        parent.kill()
+        parent.wait()
+
+
+def test_pin_process_tree_keeps_threads_already_inside_the_node() -> None:
+    """A thread vLLM bound to one core of the node (its OpenMP threads) is neither widened nor moved;
+    one that may run outside the node's cores is narrowed to them."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from node_agent.node import pin_process_tree
+
+    all_cores = os.sched_getaffinity(0)
+    if len(all_cores) < 2:
+        import pytest
+
+        pytest.fail("this test needs a host with at least 2 cores")
+    first, last = sorted(all_cores)[0], sorted(all_cores)[-1]
+    bound = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    loose = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        os.sched_setaffinity(bound.pid, {first})
+        node = {first}
+        # both processes are "the engine": pin each tree with the node's core set
+        assert pin_process_tree(bound.pid, node) == 0
+        assert os.sched_getaffinity(bound.pid) == {first}
+        assert pin_process_tree(loose.pid, node) >= 1
+        assert os.sched_getaffinity(loose.pid) == {first}
+        # a node with every core widens nothing that is bound to one of them
+        assert pin_process_tree(bound.pid, all_cores) == 0
+        assert os.sched_getaffinity(bound.pid) == {first}
+        # a thread bound to a core outside the node is moved into it
+        os.sched_setaffinity(loose.pid, {last})
+        assert pin_process_tree(loose.pid, {first}) == 1
+        assert os.sched_getaffinity(loose.pid) == {first}
+        assert psutil.Process(bound.pid).is_running()
+    finally:
+        for p in (bound, loose):
+            p.kill()
+            p.wait()

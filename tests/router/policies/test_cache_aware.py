@@ -1,0 +1,144 @@
+"""cache_aware against a real FleetIndex and real routing keys."""
+
+from __future__ import annotations
+
+import random
+
+from contracts.registry import Role
+from router.kv_index import BlockHasher, FleetIndex
+from router.policies import CacheAware, CacheAwareConfig, RoutingRequest
+from tests.router.policies.helpers import cand
+
+BS = 16
+HASHER = BlockHasher(BS)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(49_152) for _ in range(n)]
+
+
+def _req(tokens: list[int], session: str | None = None) -> RoutingRequest:
+    return RoutingRequest(
+        request_id="r",
+        model="m",
+        prompt_token_ids=tuple(tokens),
+        block_keys=tuple(HASHER.keys(tokens)),
+        session_id=session,
+    )
+
+
+def _fleet(holdings: dict[str, list[int]]) -> FleetIndex:
+    fleet = FleetIndex()
+    m = fleet.model("m", BS)
+    for node, tokens in holdings.items():
+        m.add_blocks(node, HASHER.keys(tokens))
+    return fleet
+
+
+PROMPT = _tokens(2000, seed=1)
+DECODE = [cand("d0", Role.DECODE)]
+
+
+def test_prefers_the_node_holding_the_prefix() -> None:
+    fleet = _fleet({"p1": PROMPT[:1600], "p0": PROMPT[:320]})
+    d = CacheAware(fleet).select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
+    assert d.prefill is not None and d.prefill.node_id == "p1"
+    assert d.extra["fleet_cached_tokens"] == 1600
+    assert d.extra["routed_cached_tokens"] == 1600
+    assert d.extra["uncached_tokens"] == 400
+    assert d.reason.startswith("cache: p1")
+
+
+def test_queued_tokens_outweigh_a_small_cache_win() -> None:
+    fleet = _fleet({"p1": PROMPT[:320]})
+    policy = CacheAware(fleet)
+    # p1 holds 320 tokens but has 2 requests waiting (2 * 1024 queued tokens): p0 wins
+    d = policy.select(_req(PROMPT), [cand("p0"), cand("p1", waiting=2)], DECODE)
+    assert d.prefill is not None and d.prefill.node_id == "p0"
+    assert d.extra["fleet_cached_tokens"] == 320 and d.extra["routed_cached_tokens"] == 0
+
+
+def test_own_queue_is_tracked_and_released() -> None:
+    fleet = _fleet({"p1": PROMPT[:160]})
+    policy = CacheAware(fleet)
+    first = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
+    assert first.prefill is not None and first.prefill.node_id == "p1"
+    # p1 now has 1840 uncached tokens queued from this router: the same prompt goes to p0
+    second = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
+    assert second.prefill is not None and second.prefill.node_id == "p0"
+    policy.on_complete(first)
+    policy.on_complete(second)
+    third = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
+    assert third.prefill is not None and third.prefill.node_id == "p1"
+
+
+def test_load_guard_falls_back_to_least_loaded() -> None:
+    fleet = _fleet({"p1": PROMPT[:1600]})
+    policy = CacheAware(fleet, CacheAwareConfig(imbalance_threshold=4, waiting_request_tokens=0))
+    d = policy.select(_req(PROMPT), [cand("p0"), cand("p1", inflight=5)], DECODE)
+    assert d.prefill is not None and d.prefill.node_id == "p0"
+    assert d.reason.startswith("load guard")
+    within = policy.select(_req(PROMPT), [cand("p0"), cand("p1", inflight=4)], DECODE)
+    assert within.prefill is not None and within.prefill.node_id == "p1"
+
+
+def test_short_uncached_suffix_prefills_on_decode() -> None:
+    turn = PROMPT[:1800]
+    fleet = _fleet({"d1": turn, "p0": turn})
+    decode = [cand("d0", Role.DECODE), cand("d1", Role.DECODE, running=3)]
+    d = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=256)).select(
+        _req(PROMPT), [cand("p0")], decode
+    )
+    assert d.prefill is None and d.decode.node_id == "d1"
+    assert d.extra["routed_cached_tokens"] == 1792  # 112 whole blocks of the 1800 tokens
+    assert d.reason.startswith("local prefill: 208 uncached")
+    # a longer new suffix goes through the prefill pool
+    longer = PROMPT + _tokens(400, seed=2)
+    d2 = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=256)).select(
+        _req(longer), [cand("p0")], decode
+    )
+    assert d2.prefill is not None and d2.prefill.node_id == "p0"
+
+
+def test_whole_prompt_match_reuses_one_block_less() -> None:
+    prompt = PROMPT[: 50 * BS]  # exactly 50 blocks
+    fleet = _fleet({"p0": prompt})
+    d = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=0)).select(
+        _req(prompt), [cand("p0")], DECODE
+    )
+    assert d.extra["routed_cached_tokens"] == 49 * BS
+    assert d.extra["fleet_cached_tokens"] == 49 * BS
+
+
+def test_saturated_prefill_pool_prefills_on_decode() -> None:
+    policy = CacheAware(FleetIndex(), CacheAwareConfig(prefill_saturation_load=4))
+    d = policy.select(_req(PROMPT), [cand("p0", waiting=4), cand("p1", inflight=5)], DECODE)
+    assert d.prefill is None
+    assert "saturated" in d.reason
+
+
+def test_session_affinity_keeps_the_decode_node() -> None:
+    policy = CacheAware(FleetIndex(), CacheAwareConfig(imbalance_threshold=2))
+    decode = [cand("d0", Role.DECODE), cand("d1", Role.DECODE, running=1)]
+    first = policy.select(_req(PROMPT, "s1"), [cand("p0")], decode)
+    assert first.decode.node_id == "d0"
+    busier = [cand("d0", Role.DECODE, inflight=2), cand("d1", Role.DECODE)]
+    assert policy.select(_req(PROMPT, "s1"), [cand("p0")], busier).decode.node_id == "d0"
+    too_busy = [cand("d0", Role.DECODE, inflight=3), cand("d1", Role.DECODE)]
+    assert policy.select(_req(PROMPT, "s1"), [cand("p0")], too_busy).decode.node_id == "d1"
+
+
+def test_colocated_routes_on_the_decode_pool_cache() -> None:
+    fleet = _fleet({"b1": PROMPT[:1000]})
+    both = [cand("b0", Role.BOTH), cand("b1", Role.BOTH)]
+    d = CacheAware(fleet).select(_req(PROMPT), [], both)
+    assert d.prefill is None and d.decode.node_id == "b1"
+    assert d.extra["routed_cached_tokens"] == 992
+    assert d.reason.startswith("colocated, cache: b1")
+
+
+def test_unknown_tokens_do_not_force_local_prefill() -> None:
+    d = CacheAware(FleetIndex()).select(RoutingRequest(request_id="r", model="m"), [cand("p0")], DECODE)
+    assert d.prefill is not None
+    assert d.extra["fleet_cached_tokens"] == 0 and d.extra["prompt_tokens"] == 0

@@ -1,0 +1,159 @@
+"""NodeClient against a real HTTP/1.1 server on loopback (a few lines of asyncio, so the test controls
+the wire): streamed answers are split into event payloads (bytes, undecoded), in-band errors raise,
+and a stream read to its end hands its connection back to the pool instead of costing a new TCP
+connection per request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from contracts.errors import EngineRejected, UpstreamError
+from router.node_client import NodeClient
+
+
+class SseServer:
+    """Answers every POST with a chunked SSE body; counts accepted connections."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.connections = 0
+        self.server: asyncio.base_events.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+        self.all_closed = asyncio.Event()
+
+    def drop_idle(self) -> None:
+        """Close every connection, as a server does when its keep-alive timeout expires."""
+        for w in self.writers:
+            w.close()
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/v1/completions"
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        self.all_closed.clear()
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for event in self.events:
+                    data = f"data: {event}\n\n".encode()
+                    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+        finally:
+            self.writers.remove(writer)
+            if not self.writers:
+                self.all_closed.set()
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def _read_all(client: NodeClient, url: str) -> list[dict]:
+    async with client.open_stream(url, {"prompt": "x"}, {}) as batches:
+        return [json.loads(payload) async for batch in batches for payload in batch]
+
+
+async def test_streams_are_parsed_and_reuse_one_connection() -> None:
+    server = SseServer([json.dumps({"choices": [{"text": "a"}]}), json.dumps({"choices": [{"text": "b"}]}),
+                        "[DONE]"])
+    url = await server.start()
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    try:
+        for _ in range(3):
+            chunks = await _read_all(client, url)
+            assert [c["choices"][0]["text"] for c in chunks] == ["a", "b"]
+        assert server.connections == 1
+    finally:
+        await client.aclose()
+        await server.close()
+
+
+async def test_a_stream_without_done_is_an_upstream_error() -> None:
+    server = SseServer([json.dumps({"choices": [{"text": "a"}]})])
+    url = await server.start()
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    try:
+        with pytest.raises(UpstreamError, match="without \\[DONE\\]"):
+            await _read_all(client, url)
+    finally:
+        await client.aclose()
+        await server.close()
+
+
+async def test_an_in_band_error_event_raises_the_engines_status() -> None:
+    server = SseServer([json.dumps({"choices": [{"text": "a"}]}),
+                        json.dumps({"error": {"message": "bad things", "type": "BadRequestError", "code": 400}}),
+                        "[DONE]"])
+    url = await server.start()
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    try:
+        with pytest.raises(EngineRejected, match="bad things") as info:
+            await _read_all(client, url)
+        assert info.value.status_code == 400
+    finally:
+        await client.aclose()
+        await server.close()
+
+
+async def test_events_split_across_reads_and_crlf_framing_are_reassembled() -> None:
+    """An event cut in two by TCP, and events framed with CRLF: the payloads come out whole."""
+    events = [json.dumps({"choices": [{"text": f"t{i}"}]}) for i in range(50)]
+
+    async def conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        body = b"".join(f"data: {e}\r\n\r\n".encode() for e in events) + b"data: [DONE]\n\n"
+        for i in range(0, len(body), 37):  # HTTP chunks that cut events anywhere
+            piece = body[i:i + 37]
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(conn, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    try:
+        chunks = await _read_all(client, url)
+        assert [c["choices"][0]["text"] for c in chunks] == [f"t{i}" for i in range(50)]
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_pooled_connection_the_node_closed_is_replaced_without_an_error() -> None:
+    """The node drops idle keep-alive connections (vLLM's server after 5 s): the next stream opens a
+    new connection instead of failing on the dead one."""
+    server = SseServer([json.dumps({"choices": [{"text": "a"}]}), "[DONE]"])
+    url = await server.start()
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
+    try:
+        assert [c["choices"][0]["text"] for c in await _read_all(client, url)] == ["a"]
+        server.drop_idle()
+        await asyncio.wait_for(server.all_closed.wait(), 5)
+        assert [c["choices"][0]["text"] for c in await _read_all(client, url)] == ["a"]
+        assert server.connections == 2
+    finally:
+        await client.aclose()
+        await server.close()

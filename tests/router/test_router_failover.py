@@ -1,0 +1,37 @@
+"""A node whose engine is gone (connections refused) costs no request: the leg is served once more on
+another node before any byte reached the client, and the node is left out of routing at once instead
+of when its registry entry lapses. Stand-in engines (the labelled test double) behind the real router."""
+
+from __future__ import annotations
+
+import httpx
+
+from contracts.registry import Role
+from tests.support.standin_cluster import metric, standin_cluster
+
+CHAT = "/v1/chat/completions"
+
+
+async def test_a_dead_colocated_node_is_routed_around_and_marked_down(tmp_path) -> None:
+    async with standin_cluster(tmp_path, {"live": Role.BOTH}, dead={"gone": Role.BOTH},
+                               policy="round_robin") as c:
+        async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:
+            for i in range(6):  # round robin would send every other request to the dead node
+                stream = i % 2 == 1
+                r = await client.post(CHAT, json=c.chat(f"q{i}", stream=stream))
+                assert r.status_code == 200, r.text
+                if stream:
+                    assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+                else:
+                    assert r.json()["usage"]["tandem"]["mode"] == "colocated"
+            assert len(c.engines["live"].bodies()) == 6  # every request was answered by the live node
+            # Only the first request found the dead node: after it, the node was out of routing.
+            page = (await client.get("/metrics")).text
+            assert metric(page, "tandem_prefill_fallbacks_total") == 1.0
+
+
+async def test_with_no_other_node_the_failure_is_a_502(tmp_path) -> None:
+    async with standin_cluster(tmp_path, {}, dead={"gone": Role.BOTH}) as c:
+        async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:
+            r = await client.post(CHAT, json=c.chat("alone"))
+            assert r.status_code == 502 and r.json()["error"]["message"]

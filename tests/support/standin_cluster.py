@@ -1,0 +1,113 @@
+"""A real router (its ASGI app under uvicorn on loopback, real Redis registry and admission, SQLite
+store) in front of STAND-IN engines (``bench.standin_engine``: fixed replies, no model), for router
+tests that must hold node slots or see exactly what reached a node. Redis DB 7; each use has its own
+model name and key prefix, and removes its nodes and keys afterwards."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from bench.standin_engine import ServerThread, StandInEngine, free_port
+from contracts.registry import NodeInfo, NodeRegistry, Role
+from router.admission.context import AdmissionContext, AdmissionSettings
+from router.admission.priority_class import Priority
+from router.app import create_app
+from router.settings import RouterSettings
+from tests.router.admission.support import delete_prefix
+
+REDIS_URL = "redis://127.0.0.1:6379/7"
+
+
+@dataclass
+class StandInCluster:
+    url: str
+    """The router's base URL."""
+    model: str
+    engines: dict[str, StandInEngine]
+    """Stand-in engine per node name (as given to ``standin_cluster``)."""
+    node_ids: dict[str, str]
+    """Registry node id per node name."""
+    admission: AdmissionSettings
+    admin_headers: dict[str, str] = field(default_factory=dict)
+    """``Authorization`` of an admin key (for /metrics and /cluster), once ``create_key`` turned auth on."""
+
+    async def create_key(self, tenant: str, priority: Priority = Priority.INTERACTIVE, *, admin: bool = False) -> str:
+        """A real API key (auth turns on for the router's prefix; an admin key is made with the first)."""
+        ctx = await AdmissionContext.create(self.admission, start_writer=False)
+        try:
+            if not self.admin_headers:
+                ops = (await ctx.keys.create_key("ops", rpm=0, tpm=0, admin=True))[1]
+                self.admin_headers = {"Authorization": f"Bearer {ops}"}
+            return (await ctx.keys.create_key(tenant, rpm=0, tpm=0, priority=priority, admin=admin))[1]
+        finally:
+            await ctx.close()
+
+    def chat(self, content: str, **kw: object) -> dict:
+        return {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": 8, **kw}
+
+
+async def _register(nodes: list[NodeInfo]) -> None:
+    r = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        reg = NodeRegistry(r, ttl_s=600)
+        for n in nodes:
+            await reg.register(n)
+    finally:
+        await r.aclose()
+
+
+async def _deregister(node_ids: list[str]) -> None:
+    r = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        reg = NodeRegistry(r)
+        for node_id in node_ids:
+            await reg.deregister(node_id)
+    finally:
+        await r.aclose()
+
+
+@asynccontextmanager
+async def standin_cluster(tmp_path: Path, roles: dict[str, Role], *, dead: dict[str, Role] | None = None,
+                          policy: str = "cache_aware", **admission: object) -> AsyncIterator[StandInCluster]:
+    """Stand-in engines for ``roles`` (node id → role), registered; a router over them, started.
+    ``dead`` nodes are registered at a loopback port nobody listens on (a node whose engine is gone).
+    ``admission`` overrides ``AdmissionSettings`` fields (``node_max_concurrency=1``, ...)."""
+    tag = uuid.uuid4().hex[:10]
+    model, prefix = f"standin-{tag}", f"test-{tag}:"
+    node_ids = {name: f"{name}-{tag}" for name in [*roles, *(dead or {})]}
+    engines = {name: StandInEngine() for name in roles}
+    settings = AdmissionSettings(redis_url=REDIS_URL, key_prefix=prefix, database_url=f"sqlite:///{tmp_path}/t.db",
+                                 region="local", region_cache_urls={}, **admission)  # type: ignore[arg-type]
+    async with AsyncExitStack() as stack:
+        urls = {name: stack.enter_context(ServerThread(e.app)) for name, e in engines.items()}
+        for name in dead or {}:
+            urls[name] = f"http://127.0.0.1:{free_port()}"  # bound by nobody: connections are refused
+        nodes = [NodeInfo(node_id=node_ids[name], role=role, model=model, url=urls[name], block_size=16,
+                          max_model_len=4096, kv_connector="nixl" if role is not Role.BOTH else "none")
+                 for name, role in [*roles.items(), *(dead or {}).items()]]
+        stack.push_async_callback(delete_prefix, REDIS_URL, prefix)
+        stack.push_async_callback(_deregister, list(node_ids.values()))
+        await _register(nodes)
+        router = RouterSettings(redis_url=REDIS_URL, registry_refresh_s=60, telemetry=False, admission=settings,
+                                policy=policy)
+        url = stack.enter_context(ServerThread(create_app(router)))
+        yield StandInCluster(url=url, model=model, engines=engines, node_ids=node_ids, admission=settings)
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """One sample's value from a Prometheus text page (labels matched exactly), None when absent."""
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+        if got == labels:
+            return float(m.group(4))
+    return None
