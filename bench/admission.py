@@ -78,20 +78,35 @@ class AdmissionBenchConfig:
 # -- 1. the fast path in-process ---------------------------------------------------------------------
 async def _fast_path(cfg: AdmissionBenchConfig, prefix: str) -> tuple[dict[str, Any], list[float]]:
     with tempfile.TemporaryDirectory() as tmp:
-        settings = AdmissionSettings(redis_url=cfg.redis_url, key_prefix=prefix, region="local",
-                                     region_cache_urls={}, database_url=f"sqlite:///{tmp}/bench.db",
-                                     global_rpm=BIG, global_tpm=BIG)
+        settings = AdmissionSettings(
+            redis_url=cfg.redis_url,
+            key_prefix=prefix,
+            region="local",
+            region_cache_urls={},
+            database_url=f"sqlite:///{tmp}/bench.db",
+            global_rpm=BIG,
+            global_tpm=BIG,
+        )
         ctx = await AdmissionContext.create(settings)
         try:
             _, key = await ctx.keys.create_key("bench", rpm=BIG, tpm=BIG)
             header = f"Bearer {key}"
             for i in range(TURNS):
-                ctx.sessions.record_turn(Turn(
-                    turn_id=f"t{i}", session_id="s-bench", tenant_id="bench", created_at=float(i),
-                    messages=[Message(role="user", content="explain this function " * 20)],
-                    response=Message(role="assistant", content="it reads the file " * 30, tool_calls=[
-                        ToolCall(id=f"c{i}", function=FunctionCall("read_file", '{"p":"x.py"}'))]),
-                    usage=Usage(prompt_tokens=900, completion_tokens=120, total_tokens=1020)))
+                ctx.sessions.record_turn(
+                    Turn(
+                        turn_id=f"t{i}",
+                        session_id="s-bench",
+                        tenant_id="bench",
+                        created_at=float(i),
+                        messages=[Message(role="user", content="explain this function " * 20)],
+                        response=Message(
+                            role="assistant",
+                            content="it reads the file " * 30,
+                            tool_calls=[ToolCall(id=f"c{i}", function=FunctionCall("read_file", '{"p":"x.py"}'))],
+                        ),
+                        usage=Usage(prompt_tokens=900, completion_tokens=120, total_tokens=1020),
+                    )
+                )
             await ctx.sessions.flush()
             samples: list[float] = []
             cpu0 = 0.0
@@ -114,8 +129,8 @@ async def _fast_path(cfg: AdmissionBenchConfig, prefix: str) -> tuple[dict[str, 
     samples.sort()
     return {
         "what": "auth + requests/min (one Lua call) + tokens/min (one Lua call), tenant and global buckets; "
-                "session read (Redis hash, 6 turns); free node slot. In-process, real Redis, on uvloop "
-                "(the router's loop under uvicorn).",
+        "session read (Redis hash, 6 turns); free node slot. In-process, real Redis, on uvloop "
+        "(the router's loop under uvicorn).",
         "redis_url": cfg.redis_url,
         "n": cfg.n,
         "admit_p50_us": round(statistics.median(samples), 1),
@@ -124,7 +139,7 @@ async def _fast_path(cfg: AdmissionBenchConfig, prefix: str) -> tuple[dict[str, 
         "admit_mean_us": round(statistics.fmean(samples), 1),
         "client_cpu_us_per_request": round(cpu_us, 1),
         "client_cpu_note": "CPU time of this process per request (Python side, not Redis): a figure that the "
-                           "machine's load does not inflate, unlike the wall-clock percentiles",
+        "machine's load does not inflate, unlike the wall-clock percentiles",
     }, samples
 
 
@@ -177,8 +192,7 @@ async def _level(url: str, model: str, key: str, concurrency: int, n: int, warmu
     async def client_loop(client: httpx.AsyncClient, worker: int) -> None:
         for conversation in itertools.count():
             session = f"bench-{run}-{worker}-{conversation}"
-            messages: list[dict[str, str]] = [
-                {"role": "system", "content": "You are a coding agent. Be brief."}]
+            messages: list[dict[str, str]] = [{"role": "system", "content": "You are a coding agent. Be brief."}]
             for turn in range(4):
                 k = next(counter)
                 if k >= limit:
@@ -186,8 +200,13 @@ async def _level(url: str, model: str, key: str, concurrency: int, n: int, warmu
                 if k == warmup:
                     timed_start.append(time.perf_counter())
                 messages.append({"role": "user", "content": f"step {turn}: what does function f{worker} do?"})
-                body = {"model": model, "messages": messages, "max_tokens": 16, "stream": True,
-                        "stream_options": {"include_usage": True}}
+                body = {
+                    "model": model,
+                    "messages": messages,
+                    "max_tokens": 16,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 headers = {"Authorization": f"Bearer {key}", "x-session-id": session}
                 t0 = time.perf_counter()
                 result = await one_request(client, "/v1/chat/completions", body, headers)
@@ -202,8 +221,12 @@ async def _level(url: str, model: str, key: str, concurrency: int, n: int, warmu
         await asyncio.gather(*(client_loop(client, w) for w in range(concurrency)))
     wall = time.perf_counter() - timed_start[0]
     return {
-        "concurrency": concurrency, "requests": n, "errors": len(errors), "first_errors": errors[:3],
-        "wall_s": round(wall, 3), "rps": round(n / wall, 1),
+        "concurrency": concurrency,
+        "requests": n,
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "wall_s": round(wall, 3),
+        "rps": round(n / wall, 1),
         "latency_p50_ms": round(percentile(latencies, 0.5) * 1000, 2),
         "latency_p99_ms": round(percentile(latencies, 0.99) * 1000, 2),
     }
@@ -232,15 +255,31 @@ def _router_rps(cfg: AdmissionBenchConfig, prefix: str, tmp: Path) -> dict[str, 
     engine_port, router_port = free_port(), free_port()
     model_dir = default_model_dir()
     tokenizes = model_dir.is_dir()
-    node = NodeInfo(node_id=f"standin-{tag}", role=Role.BOTH, model=model, url=f"http://127.0.0.1:{engine_port}",
-                    block_size=16, max_model_len=8192, kv_connector="none",
-                    model_path=str(model_dir) if tokenizes else None)
+    node = NodeInfo(
+        node_id=f"standin-{tag}",
+        role=Role.BOTH,
+        model=model,
+        url=f"http://127.0.0.1:{engine_port}",
+        block_size=16,
+        max_model_len=8192,
+        kv_connector="none",
+        model_path=str(model_dir) if tokenizes else None,
+    )
     db = f"sqlite:///{tmp}/router.db"
-    env = {**os.environ, "TANDEM_KEY_PREFIX": prefix, "TANDEM_DATABASE_URL": db, "TANDEM_REGION": "local",
-           "TANDEM_REGION_CACHE_URLS": "{}", "TANDEM_GLOBAL_RPM": str(BIG), "TANDEM_GLOBAL_TPM": str(BIG),
-           "TANDEM_ROUTER_TELEMETRY": "true", "TANDEM_ROUTER_TELEMETRY_REDIS_URL": cfg.redis_url}
-    settings = AdmissionSettings(redis_url=cfg.redis_url, key_prefix=prefix, database_url=db, region="local",
-                                 region_cache_urls={})
+    env = {
+        **os.environ,
+        "TANDEM_KEY_PREFIX": prefix,
+        "TANDEM_DATABASE_URL": db,
+        "TANDEM_REGION": "local",
+        "TANDEM_REGION_CACHE_URLS": "{}",
+        "TANDEM_GLOBAL_RPM": str(BIG),
+        "TANDEM_GLOBAL_TPM": str(BIG),
+        "TANDEM_ROUTER_TELEMETRY": "true",
+        "TANDEM_ROUTER_TELEMETRY_REDIS_URL": cfg.redis_url,
+    }
+    settings = AdmissionSettings(
+        redis_url=cfg.redis_url, key_prefix=prefix, database_url=db, region="local", region_cache_urls={}
+    )
     key = asyncio.run(_create_key(settings))
     levels = []
     engine_log, router_log = tmp / "standin-engine.log", tmp / "router.log"
@@ -248,8 +287,18 @@ def _router_rps(cfg: AdmissionBenchConfig, prefix: str, tmp: Path) -> dict[str, 
         _wait_http(f"{node.url}/health", eng, engine_log)
         asyncio.run(_register(cfg.redis_url, node))
         try:
-            cmd = [sys.executable, "-m", "tandem", "router", "--port", str(router_port), "--redis-url",
-                   cfg.redis_url, "--log-level", "warning"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tandem",
+                "router",
+                "--port",
+                str(router_port),
+                "--redis-url",
+                cfg.redis_url,
+                "--log-level",
+                "warning",
+            ]
             with _process(cmd, router_log, env) as router:
                 url = f"http://127.0.0.1:{router_port}"
                 _wait_http(f"{url}/health", router, router_log)
@@ -258,11 +307,15 @@ def _router_rps(cfg: AdmissionBenchConfig, prefix: str, tmp: Path) -> dict[str, 
                     level = asyncio.run(_level(url, model, key, c, cfg.requests_per_level, cfg.router_warmup))
                     # warm-up included: the router's CPU per request, whatever the machine's load
                     level["router_cpu_ms_per_request"] = round(
-                        (_cpu_s(router.pid) - cpu0) * 1000 / (cfg.requests_per_level + cfg.router_warmup), 2)
-                    print(f"router c={c:<3} {level['rps']:8.1f} req/s  p50 {level['latency_p50_ms']:7.2f} ms  "
-                          f"p99 {level['latency_p99_ms']:7.2f} ms  router CPU "
-                          f"{level['router_cpu_ms_per_request']:.2f} ms/req  errors {level['errors']}",
-                          file=sys.stderr, flush=True)
+                        (_cpu_s(router.pid) - cpu0) * 1000 / (cfg.requests_per_level + cfg.router_warmup), 2
+                    )
+                    print(
+                        f"router c={c:<3} {level['rps']:8.1f} req/s  p50 {level['latency_p50_ms']:7.2f} ms  "
+                        f"p99 {level['latency_p99_ms']:7.2f} ms  router CPU "
+                        f"{level['router_cpu_ms_per_request']:.2f} ms/req  errors {level['errors']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     levels.append(level)
         finally:
             asyncio.run(_register(cfg.redis_url, node, remove=True))
@@ -270,8 +323,8 @@ def _router_rps(cfg: AdmissionBenchConfig, prefix: str, tmp: Path) -> dict[str, 
     return {
         "engine": STANDIN_LABEL,
         "what": "requests/s through the real router process (uvicorn, loopback HTTP, telemetry on, API key, "
-                "x-session-id, turns recorded) over a STAND-IN engine that answers at once; closed loop, "
-                "4-turn streamed conversations; client, router and stand-in share the machine",
+        "x-session-id, turns recorded) over a STAND-IN engine that answers at once; closed loop, "
+        "4-turn streamed conversations; client, router and stand-in share the machine",
         "router_tokenizes": tokenizes,
         "levels": levels,
         "router_rps": best["rps"],
@@ -304,8 +357,11 @@ def plot(doc: dict[str, Any], samples_us: list[float], out_png: Path) -> None:
     lo, hi = max(1.0, min(samples_us)), max(samples_us)
     bins = [lo * (hi / lo) ** (i / 80) for i in range(81)]  # log-spaced, to match the log axis
     left.hist(samples_us, bins=bins, color="#4c72b0")
-    for x, label, style in ((fast["admit_p50_us"], "p50", "--"), (fast["admit_p99_us"], "p99", "-."),
-                            (TARGET_P99_US, "target p99", ":")):
+    for x, label, style in (
+        (fast["admit_p50_us"], "p50", "--"),
+        (fast["admit_p99_us"], "p99", "-."),
+        (TARGET_P99_US, "target p99", ":"),
+    ):
         left.axvline(x, color="k", linestyle=style, label=f"{label} {x:,.0f} µs")
     left.set_xscale("log")
     left.set_xlabel("µs per request (log)")
@@ -315,15 +371,22 @@ def plot(doc: dict[str, Any], samples_us: list[float], out_png: Path) -> None:
     xs = [str(lv["concurrency"]) for lv in router["levels"]]
     right.bar(xs, [lv["rps"] for lv in router["levels"]], color="#55a868")
     for i, lv in enumerate(router["levels"]):
-        right.annotate(f"{lv['rps']:.0f}/s\np99 {lv['latency_p99_ms']:.0f} ms", (i, lv["rps"]), ha="center",
-                       va="bottom", fontsize=8)
+        right.annotate(
+            f"{lv['rps']:.0f}/s\np99 {lv['latency_p99_ms']:.0f} ms",
+            (i, lv["rps"]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     right.set_ylim(0, 1.25 * max(lv["rps"] for lv in router["levels"]))
     right.set_xlabel("concurrent clients")
     right.set_ylabel("requests/s")
     right.set_title("Router requests/s over a no-op STAND-IN engine")
     host = doc["host"]
-    fig.suptitle(f"tandem bench admission ({host['cpus']} cores, load average {host['loadavg_1m_before']}"
-                 f" → {host['loadavg_1m_after']})")
+    fig.suptitle(
+        f"tandem bench admission ({host['cpus']} cores, load average {host['loadavg_1m_before']}"
+        f" → {host['loadavg_1m_after']})"
+    )
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -344,14 +407,26 @@ def run_admission_bench(out: Path, cfg: AdmissionBenchConfig | None = None) -> d
             router = _router_rps(cfg, prefix, Path(tmp))
     finally:
         asyncio.run(_cleanup(cfg.redis_url, prefix))
-    result = {"admit_p50_us": fast["admit_p50_us"], "admit_p99_us": fast["admit_p99_us"],
-              "router_rps": router["router_rps"]}
-    doc = {"benchmark": "admission", "time": time.time(), "host": {
-               "cpus": os.cpu_count(), "node": platform.node(),
-               "loadavg_1m_before": round(load_before[0], 2), "loadavg_1m_after": round(os.getloadavg()[0], 2)},
-           "config": cfg.__dict__, "admission_fast_path": fast, "router": router,
-           "target": {"admit_p99_us_below": TARGET_P99_US, "met": fast["admit_p99_us"] < TARGET_P99_US},
-           "result": result}
+    result = {
+        "admit_p50_us": fast["admit_p50_us"],
+        "admit_p99_us": fast["admit_p99_us"],
+        "router_rps": router["router_rps"],
+    }
+    doc = {
+        "benchmark": "admission",
+        "time": time.time(),
+        "host": {
+            "cpus": os.cpu_count(),
+            "node": platform.node(),
+            "loadavg_1m_before": round(load_before[0], 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        },
+        "config": cfg.__dict__,
+        "admission_fast_path": fast,
+        "router": router,
+        "target": {"admit_p99_us_below": TARGET_P99_US, "met": fast["admit_p99_us"] < TARGET_P99_US},
+        "result": result,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     png = out.with_suffix(".png")
@@ -361,8 +436,10 @@ def run_admission_bench(out: Path, cfg: AdmissionBenchConfig | None = None) -> d
 
 
 def result_line(result: dict[str, Any]) -> str:
-    return (f"RESULT admit_p50_us={result['admit_p50_us']} admit_p99_us={result['admit_p99_us']} "
-            f"router_rps={result['router_rps']}")
+    return (
+        f"RESULT admit_p50_us={result['admit_p50_us']} admit_p99_us={result['admit_p99_us']} "
+        f"router_rps={result['router_rps']}"
+    )
 
 
 def main() -> None:

@@ -22,9 +22,38 @@ from dataclasses import dataclass
 
 from bench.loadgen import SessionScript
 
-WORDS = ("cache", "block", "router", "node", "prefill", "decode", "session", "token", "index", "event",
-         "queue", "lease", "state", "config", "batch", "stream", "worker", "retry", "span", "record",
-         "buffer", "limit", "score", "policy", "hash", "chain", "table", "frame", "schema", "store")
+WORDS = (
+    "cache",
+    "block",
+    "router",
+    "node",
+    "prefill",
+    "decode",
+    "session",
+    "token",
+    "index",
+    "event",
+    "queue",
+    "lease",
+    "state",
+    "config",
+    "batch",
+    "stream",
+    "worker",
+    "retry",
+    "span",
+    "record",
+    "buffer",
+    "limit",
+    "score",
+    "policy",
+    "hash",
+    "chain",
+    "table",
+    "frame",
+    "schema",
+    "store",
+)
 TOOLS = ("read_file", "run_tests", "grep", "list_dir", "apply_patch", "git_diff")
 
 
@@ -64,15 +93,19 @@ def _code(rng: random.Random, path: str) -> str:
     lines = [f"# {path}", f'"""{_ident(rng).replace("_", " ").capitalize()} helpers."""', ""]
     for _ in range(rng.randint(2, 4)):
         fn, arg = _ident(rng), _ident(rng)
-        lines += [f"def {fn}({arg}, limit={rng.randint(1, 512)}):",
-                  f"    if {arg} is None or limit <= {rng.randint(0, 9)}:",
-                  f"        raise ValueError('{fn}: {arg} missing')",
-                  f"    return [{_ident(rng)}(x) for x in {arg}][:limit]", ""]
+        lines += [
+            f"def {fn}({arg}, limit={rng.randint(1, 512)}):",
+            f"    if {arg} is None or limit <= {rng.randint(0, 9)}:",
+            f"        raise ValueError('{fn}: {arg} missing')",
+            f"    return [{_ident(rng)}(x) for x in {arg}][:limit]",
+            "",
+        ]
     return "\n".join(lines)
 
 
-def _grow(rng: random.Random, count_tokens: Callable[[str], int], target: int,
-          piece: Callable[[random.Random, int], str]) -> str:
+def _grow(
+    rng: random.Random, count_tokens: Callable[[str], int], target: int, piece: Callable[[random.Random, int], str]
+) -> str:
     """Join pieces until the text reaches ``target`` tokens, then drop trailing lines beyond it (a
     piece may be a whole file), so sizes hold to within a line."""
     lines: list[str] = []
@@ -90,9 +123,16 @@ def _grow(rng: random.Random, count_tokens: Callable[[str], int], target: int,
 def _system(salt: str, cfg: AgentWorkloadConfig, count_tokens: Callable[[str], int]) -> str:
     rng = random.Random(f"{cfg.seed}-system")
     head = f"[{salt}] You are a coding agent. Work step by step; call one tool per turn.\nTools:\n"
-    body = _grow(rng, count_tokens, cfg.system_tokens - count_tokens(head), lambda r, i: (
-        f"- {TOOLS[i % len(TOOLS)]}({_ident(r)}: str): {_ident(r).replace('_', ' ')} of the {r.choice(WORDS)}."
-        if i < len(TOOLS) else f"Rule {i}: keep each {r.choice(WORDS)} small and test the {r.choice(WORDS)}."))
+    body = _grow(
+        rng,
+        count_tokens,
+        cfg.system_tokens - count_tokens(head),
+        lambda r, i: (
+            f"- {TOOLS[i % len(TOOLS)]}({_ident(r)}: str): {_ident(r).replace('_', ' ')} of the {r.choice(WORDS)}."
+            if i < len(TOOLS)
+            else f"Rule {i}: keep each {r.choice(WORDS)} small and test the {r.choice(WORDS)}."
+        ),
+    )
     return head + body
 
 
@@ -106,25 +146,43 @@ def _repo(repo: int, cfg: AgentWorkloadConfig, count_tokens: Callable[[str], int
 def _tool_output(rng: random.Random, tokens: int, count_tokens: Callable[[str], int]) -> tuple[str, str]:
     tool = rng.choice(TOOLS)
     if tool == "run_tests":
-        out = _grow(rng, count_tokens, tokens, lambda r, i: (
-            f"tests/test_{_ident(r)}.py::test_{_ident(r)} {'PASSED' if r.random() < 0.8 else 'FAILED'}"))
+        out = _grow(
+            rng,
+            count_tokens,
+            tokens,
+            lambda r, i: f"tests/test_{_ident(r)}.py::test_{_ident(r)} {'PASSED' if r.random() < 0.8 else 'FAILED'}",
+        )
     elif tool == "grep":
-        out = _grow(rng, count_tokens, tokens, lambda r, i: (
-            f"src/{_ident(r)}.py:{r.randint(1, 400)}:    {_ident(r)} = {_ident(r)}({_ident(r)})"))
+        out = _grow(
+            rng,
+            count_tokens,
+            tokens,
+            lambda r, i: f"src/{_ident(r)}.py:{r.randint(1, 400)}:    {_ident(r)} = {_ident(r)}({_ident(r)})",
+        )
     else:
         out = _grow(rng, count_tokens, tokens, lambda r, i: _code(r, f"src/{_ident(r)}.py"))
     return tool, out
 
 
 def _reply(rng: random.Random, tool: str, tokens: int, count_tokens: Callable[[str], int]) -> str:
-    text = _grow(rng, count_tokens, tokens - 12, lambda r, i: (
-        f"The {r.choice(WORDS)} {r.choice(WORDS)} looks {r.choice(('wrong', 'fine', 'slow', 'unused'))} "
-        f"in {_ident(r)}; next I check the {r.choice(WORDS)}."))
-    return f"{text}\nCalling {tool}(\"{_ident(rng)}\")."
+    text = _grow(
+        rng,
+        count_tokens,
+        tokens - 12,
+        lambda r, i: (
+            f"The {r.choice(WORDS)} {r.choice(WORDS)} looks {r.choice(('wrong', 'fine', 'slow', 'unused'))} "
+            f"in {_ident(r)}; next I check the {r.choice(WORDS)}."
+        ),
+    )
+    return f'{text}\nCalling {tool}("{_ident(rng)}").'
 
 
-def build_sessions(cfg: AgentWorkloadConfig, salt: str, count_tokens: Callable[[str], int],
-                   prompt_tokens: Callable[[list[dict[str, str]]], int]) -> list[SessionScript]:
+def build_sessions(
+    cfg: AgentWorkloadConfig,
+    salt: str,
+    count_tokens: Callable[[str], int],
+    prompt_tokens: Callable[[list[dict[str, str]]], int],
+) -> list[SessionScript]:
     """The run's sessions, in arrival order. ``count_tokens`` measures a text, ``prompt_tokens`` a
     whole rendered chat (for the context budget)."""
     system = _system(salt, cfg, count_tokens)
@@ -136,15 +194,20 @@ def build_sessions(cfg: AgentWorkloadConfig, salt: str, count_tokens: Callable[[
     for k, idx in enumerate(order):
         repo = idx % cfg.repos
         rng = random.Random(f"{cfg.seed}-session-{idx}")
-        task = (f"Task {idx}: the {rng.choice(WORDS)} {rng.choice(WORDS)} is {rng.choice(('flaky', 'slow', 'wrong'))}"
-                f" after the last change to {_ident(rng)}. Find the cause and fix it.")
+        task = (
+            f"Task {idx}: the {rng.choice(WORDS)} {rng.choice(WORDS)} is {rng.choice(('flaky', 'slow', 'wrong'))}"
+            f" after the last change to {_ident(rng)}. Find the cause and fix it."
+        )
         messages = [{"role": "system", "content": system}, {"role": "user", "content": repos[repo] + task}]
         turns = [messages]
         for _ in range(rng.randint(cfg.turns_min, cfg.turns_max) - 1):
             tool, output = _tool_output(rng, rng.randint(*cfg.tool_tokens), count_tokens)
             reply = _reply(rng, tool, rng.randint(*cfg.reply_tokens), count_tokens)
-            nxt = [*turns[-1], {"role": "assistant", "content": reply},
-                   {"role": "user", "content": f"Output of {tool}:\n{output}"}]
+            nxt = [
+                *turns[-1],
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": f"Output of {tool}:\n{output}"},
+            ]
             if prompt_tokens(nxt) > cfg.context_budget:
                 break
             turns.append(nxt)
@@ -152,6 +215,5 @@ def build_sessions(cfg: AgentWorkloadConfig, salt: str, count_tokens: Callable[[
             start += timing.expovariate(1.0 / cfg.session_gap_s)
         pause = random.Random(f"{cfg.seed}-think-{idx}")
         think = [pause.expovariate(1.0 / cfg.think_s) for _ in turns[1:]]
-        sessions.append(SessionScript(session_id=f"{salt}-s{idx}", start_s=round(start, 3), turns=turns,
-                                      think_s=think))
+        sessions.append(SessionScript(session_id=f"{salt}-s{idx}", start_s=round(start, 3), turns=turns, think_s=think))
     return sessions

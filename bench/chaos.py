@@ -61,10 +61,18 @@ from node_agent.engine_metrics import parse_metrics
 
 console = Console(stderr=True)
 
-FAULTS = ("sigkill_decode_engine", "sigkill_prefill_engine", "sigkill_node_agent", "sigstop_engine",
-          "sigkill_router", "sigkill_lake_writer", "restart_redis")
+FAULTS = (
+    "sigkill_decode_engine",
+    "sigkill_prefill_engine",
+    "sigkill_node_agent",
+    "sigstop_engine",
+    "sigkill_router",
+    "sigkill_lake_writer",
+    "restart_redis",
+)
 SYSTEM = "You are a coding agent in a Python repository. " + " ".join(
-    f"Rule {i}: small functions, clear names, tests that can fail." for i in range(25))
+    f"Rule {i}: small functions, clear names, tests that can fail." for i in range(25)
+)
 
 
 @dataclass(frozen=True)
@@ -144,12 +152,20 @@ class Workload:
                     self.stop.wait(min(2.0, retry_after))  # a client's pause before retrying
 
     def _one(self, client: httpx.Client, req: Request, n: int, i: int) -> float:
-        body = {"model": self.model, "stream": True, "max_tokens": self.cfg.max_tokens, "temperature": 0,
-                "messages": [{"role": "system", "content": SYSTEM},
-                             {"role": "user", "content": f"Session {n}, step {i}: what should I check next?"}]}
+        body = {
+            "model": self.model,
+            "stream": True,
+            "max_tokens": self.cfg.max_tokens,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Session {n}, step {i}: what should I check next?"},
+            ],
+        }
         try:
-            with client.stream("POST", f"{self.url}/v1/chat/completions", json=body,
-                               headers={"x-session-id": f"chaos-{n}"}) as resp:
+            with client.stream(
+                "POST", f"{self.url}/v1/chat/completions", json=body, headers={"x-session-id": f"chaos-{n}"}
+            ) as resp:
                 if resp.status_code != 200:
                     req.outcome = f"status {resp.status_code}"
                     resp.read()
@@ -167,8 +183,9 @@ class Workload:
                         if "error" in chunk:
                             error = True
                         req.response_id = req.response_id or chunk.get("id")
-                        req.tokens += sum(1 for c in chunk.get("choices") or [] if (c.get("delta") or {}).get(
-                            "content"))
+                        req.tokens += sum(
+                            1 for c in chunk.get("choices") or [] if (c.get("delta") or {}).get("content")
+                        )
                 req.outcome = "error event" if error else ("ok" if done else "cut")
         except httpx.TimeoutException:
             req.outcome = "hung"
@@ -188,9 +205,18 @@ class Chaos:
 
     def __init__(self, cfg: ChaosConfig) -> None:
         self.cfg = cfg
-        spec = ClusterSpec(prefill=1, decode=1, both=1, router_port=cfg.router_port,
-                           node_base_port=cfg.node_base_port, redis_port=cfg.redis_port, embedded_redis=True,
-                           dtype=cfg.dtype, kv_cache_gib=cfg.kv_cache_gib, workdir=cfg.workdir)
+        spec = ClusterSpec(
+            prefill=1,
+            decode=1,
+            both=1,
+            router_port=cfg.router_port,
+            node_base_port=cfg.node_base_port,
+            redis_port=cfg.redis_port,
+            embedded_redis=True,
+            dtype=cfg.dtype,
+            kv_cache_gib=cfg.kv_cache_gib,
+            workdir=cfg.workdir,
+        )
         self.cluster = Cluster(spec)
         self.t0 = time.monotonic()
         self.events: list[str] = []
@@ -245,10 +271,12 @@ class Chaos:
             if sum(health.get("nodes", {}).values()) < len(self.cluster.node_ids):
                 return False
             for route in ("disaggregated", "colocated"):
-                resp = httpx.post(f"{self.cluster.url}/v1/chat/completions", timeout=30,
-                                  headers={"x-tandem-route": route, "x-session-id": "chaos-probe"},
-                                  json={"model": self.model, "max_tokens": 2,
-                                        "messages": [{"role": "user", "content": "ping"}]})
+                resp = httpx.post(
+                    f"{self.cluster.url}/v1/chat/completions",
+                    timeout=30,
+                    headers={"x-tandem-route": route, "x-session-id": "chaos-probe"},
+                    json={"model": self.model, "max_tokens": 2, "messages": [{"role": "user", "content": "ping"}]},
+                )
                 if resp.status_code != 200:
                     return False
         except (httpx.HTTPError, redis.RedisError, ValueError):
@@ -308,8 +336,12 @@ class Chaos:
                 t_fault = time.monotonic()
                 back = self.inject(fault)
                 ok = self.wait_until(lambda back=back: back() and self.full_service(), cfg.recovery_timeout_s)
-                res = FaultResult(fault, at_s=round(t_fault - self.t0, 1), survived=ok,
-                                  recovery_s=round(time.monotonic() - t_fault, 1) if ok else None)
+                res = FaultResult(
+                    fault,
+                    at_s=round(t_fault - self.t0, 1),
+                    survived=ok,
+                    recovery_s=round(time.monotonic() - t_fault, 1) if ok else None,
+                )
                 results.append(res)
                 console.print(f"  {'recovered' if ok else 'NOT recovered'} after {time.monotonic() - t_fault:.0f} s")
                 if not ok:
@@ -325,6 +357,7 @@ class Chaos:
 
     def stranded_blocks(self) -> int:
         """KV blocks held once every engine is idle (polled up to 60 s: leases end within their TTL)."""
+
         def held() -> int | None:
             total = 0
             for url in self.cluster.node_urls.values():
@@ -367,8 +400,16 @@ class Chaos:
         self.wait_until(drained, 120, every_s=2.0)
         return missing[0], len(answered)
 
-    def summarise(self, cfg: ChaosConfig, results: list[FaultResult], requests: list[Request], t_end: float,
-                  stranded: int, lost: int, answered: int) -> dict[str, Any]:
+    def summarise(
+        self,
+        cfg: ChaosConfig,
+        results: list[FaultResult],
+        requests: list[Request],
+        t_end: float,
+        stranded: int,
+        lost: int,
+        answered: int,
+    ) -> dict[str, Any]:
         for res in results:
             lo = self.t0 + res.at_s
             hi = lo + (res.recovery_s if res.recovery_s is not None else cfg.recovery_timeout_s) + 5
@@ -377,16 +418,27 @@ class Chaos:
             res.failed_outcomes = {o: sum(1 for r in bad if r.outcome == o) for o in sorted({r.outcome for r in bad})}
         recoveries = [r.recovery_s for r in results if r.recovery_s is not None]
         summary = {
-            "faults": len(cfg.faults), "survived": sum(r.survived for r in results),
-            "hung_streams": sum(1 for r in requests if r.outcome == "hung"), "stranded_blocks": stranded,
-            "lost_lake_rows": lost, "failed_requests": sum(1 for r in requests if r.outcome not in ("ok", "running")),
+            "faults": len(cfg.faults),
+            "survived": sum(r.survived for r in results),
+            "hung_streams": sum(1 for r in requests if r.outcome == "hung"),
+            "stranded_blocks": stranded,
+            "lost_lake_rows": lost,
+            "failed_requests": sum(1 for r in requests if r.outcome not in ("ok", "running")),
             "recovery_p50_s": round(statistics.median(recoveries), 1) if recoveries else None,
             "recovery_max_s": max(recoveries) if recoveries else None,
         }
         timeline = _timeline(requests, self.t0, t_end)
-        return {"benchmark": "chaos", "time": time.time(), "config": {**asdict(cfg), "workdir": str(cfg.workdir)},
-                "summary": summary, "faults": [asdict(r) for r in results], "answered": answered,
-                "requests": len(requests), "timeline": timeline, "launcher_events": self.events}
+        return {
+            "benchmark": "chaos",
+            "time": time.time(),
+            "config": {**asdict(cfg), "workdir": str(cfg.workdir)},
+            "summary": summary,
+            "faults": [asdict(r) for r in results],
+            "answered": answered,
+            "requests": len(requests),
+            "timeline": timeline,
+            "launcher_events": self.events,
+        }
 
 
 def _running(proc: psutil.Process) -> bool:
@@ -443,16 +495,27 @@ def plot(doc: dict[str, Any], out_png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
     s = doc["summary"]
-    ax.set_title(f"Tandem chaos: {s['survived']}/{s['faults']} faults survived, {s['failed_requests']} failed, "
-                 f"{s['hung_streams']} hung (recovery shaded)", fontsize=10)
+    ax.set_title(
+        f"Tandem chaos: {s['survived']}/{s['faults']} faults survived, {s['failed_requests']} failed, "
+        f"{s['hung_streams']} hung (recovery shaded)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
 
 
 def result_line(summary: dict[str, Any]) -> str:
-    keys = ("faults", "survived", "hung_streams", "stranded_blocks", "lost_lake_rows", "failed_requests",
-            "recovery_p50_s", "recovery_max_s")
+    keys = (
+        "faults",
+        "survived",
+        "hung_streams",
+        "stranded_blocks",
+        "lost_lake_rows",
+        "failed_requests",
+        "recovery_p50_s",
+        "recovery_max_s",
+    )
     return "RESULT " + " ".join(f"{k}={summary[k]}" for k in keys)
 
 

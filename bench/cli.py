@@ -12,8 +12,9 @@ import typer
 from contracts.cli import clean_errors, console, interrupt
 from contracts.config import redis_url as _redis_url
 
-bench_app = typer.Typer(help="Benchmarks (write JSON results, render plots, print a RESULT line).",
-                        no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks (write JSON results, render plots, print a RESULT line).", no_args_is_help=True
+)
 
 
 @bench_app.callback()
@@ -27,30 +28,41 @@ def _bench_signals() -> None:
 @bench_app.command("pd")
 def bench_pd(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-pd.json"),
+        "results/bench-pd.json"
+    ),
     concurrency: Annotated[list[int] | None, typer.Option(help="Concurrency levels (repeatable).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
     requests: Annotated[int, typer.Option(help="Requests per level (0: max(8, 2 x concurrency)).")] = 0,
-    redis_url: Annotated[str | None, typer.Option(help="Registry Redis for the benchmark's clusters"
-        " (default: $TANDEM_REDIS_URL, database 9).")] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 9)."),
+    ] = None,
 ) -> None:
     """Disaggregated (1P+1D) vs colocated (1 node): TTFT, ITL, E2E p50/p99 and output tokens/s at
     concurrency 1, 8 and 32. Starts and stops its own clusters."""
     redis_url = redis_url or _redis_url(db=9)
     from bench.pd import PdBenchConfig, run_pd_bench
 
-    cfg = PdBenchConfig(concurrencies=tuple(concurrency or (1, 8, 32)), max_tokens=max_tokens,
-                        requests_per_level=requests, redis_url=redis_url)
+    cfg = PdBenchConfig(
+        concurrencies=tuple(concurrency or (1, 8, 32)),
+        max_tokens=max_tokens,
+        requests_per_level=requests,
+        redis_url=redis_url,
+    )
     with clean_errors():
         s = run_pd_bench(out, cfg)
-    print(f"RESULT pd_ttft_p50_ms={s['pd_ttft_p50_ms']} colo_ttft_p50_ms={s['colo_ttft_p50_ms']} "
-          f"pd_tok_s={s['pd_tok_s']} colo_tok_s={s['colo_tok_s']}", flush=True)
+    print(
+        f"RESULT pd_ttft_p50_ms={s['pd_ttft_p50_ms']} colo_ttft_p50_ms={s['colo_ttft_p50_ms']} "
+        f"pd_tok_s={s['pd_tok_s']} colo_tok_s={s['colo_tok_s']}",
+        flush=True,
+    )
 
 
 @bench_app.command("overhead")
 def bench_overhead(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-overhead.json"),
+        "results/bench-overhead.json"
+    ),
     rounds: Annotated[int, typer.Option(help="Rounds; each runs every arm on a fresh engine, order alternating.")] = 2,
     num_prompts: Annotated[int, typer.Option(help="vllm bench serve: prompts per arm and round.")] = 64,
     concurrency: Annotated[int, typer.Option(help="vllm bench serve: --max-concurrency.")] = 16,
@@ -58,8 +70,13 @@ def bench_overhead(
     output_len: Annotated[int, typer.Option(help="vllm bench serve: output tokens (--ignore-eos).")] = 64,
     agent_sessions: Annotated[int, typer.Option(help="Agent-workload sessions per arm and round (0: skip).")] = 4,
     ceiling_streams: Annotated[int, typer.Option(help="Router ceiling: concurrent streams.")] = 64,
-    redis_url: Annotated[str | None, typer.Option(help="Registry Redis for the Tandem arms (a database of their own)"
-        " (default: $TANDEM_REDIS_URL, database 11).")] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Registry Redis for the Tandem arms (a database of their own)"
+            " (default: $TANDEM_REDIS_URL, database 11)."
+        ),
+    ] = None,
 ) -> None:
     """What Tandem costs over the vLLM it wraps, same cores, one run: plain `vllm serve` (node's flags),
     vllm-router in front of it, a Tandem node straight to its engine, and Tandem through its router;
@@ -68,9 +85,16 @@ def bench_overhead(
     redis_url = redis_url or _redis_url(db=11)
     from bench.overhead import OverheadBenchConfig, result_line, run_overhead_bench
 
-    cfg = OverheadBenchConfig(rounds=rounds, num_prompts=num_prompts, concurrency=concurrency, input_len=input_len,
-                              output_len=output_len, agent_sessions=agent_sessions,
-                              ceiling_streams=ceiling_streams, redis_url=redis_url)
+    cfg = OverheadBenchConfig(
+        rounds=rounds,
+        num_prompts=num_prompts,
+        concurrency=concurrency,
+        input_len=input_len,
+        output_len=output_len,
+        agent_sessions=agent_sessions,
+        ceiling_streams=ceiling_streams,
+        redis_url=redis_url,
+    )
     signal.signal(signal.SIGTERM, interrupt)  # SIGTERM unwinds like Ctrl-C: every arm's processes stop
     with clean_errors():
         result = run_overhead_bench(out, cfg)
@@ -80,16 +104,25 @@ def bench_overhead(
 @bench_app.command("kv-transfer")
 def bench_kv_transfer(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-kv-transfer.json"),
-    size: Annotated[list[int] | None, typer.Option(help="Prompt sizes in tokens (repeatable; default 1000, "
-                                                        "4000, 7500).")] = None,
+        "results/bench-kv-transfer.json"
+    ),
+    size: Annotated[
+        list[int] | None, typer.Option(help="Prompt sizes in tokens (repeatable; default 1000, 4000, 7500).")
+    ] = None,
     repeats: Annotated[int, typer.Option(help="Requests per size and transport.")] = 3,
     nixl: Annotated[bool, typer.Option(help="Also measure NixlConnector (default UCX and UCX_TLS=tcp).")] = True,
     ttft_tokens: Annotated[int, typer.Option(help="Prompt tokens of the TTFT P/D-vs-colocated comparison.")] = 1000,
-    dtype: Annotated[str, typer.Option(help="Engine dtype: bfloat16 (the model's own) or float32 (prefills "
-                                            "~2x faster on AVX2 CPUs, twice the bytes per token).")] = "bfloat16",
-    redis_url: Annotated[str | None, typer.Option(help="Registry Redis for the benchmark's clusters"
-        " (default: $TANDEM_REDIS_URL, database 9).")] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Engine dtype: bfloat16 (the model's own) or float32 (prefills "
+            "~2x faster on AVX2 CPUs, twice the bytes per token)."
+        ),
+    ] = "bfloat16",
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 9)."),
+    ] = None,
 ) -> None:
     """KV transfer time and GB/s per transport (our ZeroMQ tcp and ipc, shared-memory copy and UCX;
     NixlConnector default and over tcp) on real engines, against an in-process memcpy, plus TTFT P/D vs
@@ -97,8 +130,14 @@ def bench_kv_transfer(
     redis_url = redis_url or _redis_url(db=9)
     from bench.kv_transfer import KvBenchConfig, run_kv_transfer_bench
 
-    cfg = KvBenchConfig(sizes=tuple(size or (1000, 4000, 7500)), repeats=repeats, nixl=nixl, redis_url=redis_url,
-                        ttft_tokens=ttft_tokens, dtype=dtype)
+    cfg = KvBenchConfig(
+        sizes=tuple(size or (1000, 4000, 7500)),
+        repeats=repeats,
+        nixl=nixl,
+        redis_url=redis_url,
+        ttft_tokens=ttft_tokens,
+        dtype=dtype,
+    )
     with clean_errors():
         run_kv_transfer_bench(out, cfg)
 
@@ -106,31 +145,39 @@ def bench_kv_transfer(
 @bench_app.command("routing")
 def bench_routing(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-routing.json"),
+        "results/bench-routing.json"
+    ),
     repos: Annotated[int, typer.Option(help="Repositories (each context shared by its sessions).")] = 2,
     sessions_per_repo: Annotated[int, typer.Option(help="Agent sessions per repository.")] = 3,
     turns_min: Annotated[int, typer.Option(help="Fewest turns of a session.")] = 6,
     turns_max: Annotated[int, typer.Option(help="Most turns of a session.")] = 10,
     repo_tokens: Annotated[int, typer.Option(help="Tokens of each repository's context.")] = 800,
     tool_tokens: Annotated[int, typer.Option(help="Largest tool output of a turn, tokens (smallest: a third).")] = (
-        100),
+        100
+    ),
     session_gap_s: Annotated[float, typer.Option(help="Mean gap between session arrivals (open loop).")] = 5.0,
     think_s: Annotated[float, typer.Option(help="Mean pause between an answer and the next turn.")] = 1.0,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 16,
     seed: Annotated[int, typer.Option(help="Workload seed (same seed, same request sequence).")] = 7,
-    policy: Annotated[list[str] | None, typer.Option(help="Tandem policies of part 2 (repeatable; default "
-                                                         "cache_aware, least_loaded, round_robin).")] = None,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(help="Tandem policies of part 2 (repeatable; default cache_aware, least_loaded, round_robin)."),
+    ] = None,
     pd: Annotated[bool, typer.Option(help="Part 2: the policies on 2 prefill + 1 decode nodes.")] = True,
     peer: Annotated[bool, typer.Option(help="Part 3: Tandem vs vllm-router on 2 colocated nodes.")] = True,
     kv_cache_gib: Annotated[int, typer.Option(help="KV cache per node, GiB (1 GiB: ~23k tokens in float32).")] = 1,
     dtype: Annotated[str, typer.Option(help="Engine dtype (float32 prefills ~2x faster than bfloat16 on AVX2).")] = (
-        "float32"),
+        "float32"
+    ),
     block_size: Annotated[int, typer.Option(help="KV block size of every node (multiple of 32 on CPU).")] = 32,
     router_port: Annotated[int, typer.Option(help="First router port (routers use +0..+4, vllm-router +50).")] = (
-        19000),
+        19000
+    ),
     node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 19100,
-    redis_url: Annotated[str | None, typer.Option(help="Registry Redis for the benchmark's clusters"
-        " (default: $TANDEM_REDIS_URL, database 10).")] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 10)."),
+    ] = None,
 ) -> None:
     """Cache-aware routing on a synthetic coding-agent workload: engine-confirmed hit rate, TTFT p50/p99
     and prefill tokens per policy on 2 prefill + 1 decode nodes, against an unlimited cache (ideal_hit);
@@ -145,13 +192,30 @@ def bench_routing(
     if unknown:
         console.print(f"[red]error:[/red] unknown policy {', '.join(unknown)}; choose from {', '.join(PolicyName)}")
         raise typer.Exit(2)
-    workload = AgentWorkloadConfig(repos=repos, sessions_per_repo=sessions_per_repo, turns_min=turns_min,
-                                   turns_max=turns_max, repo_tokens=repo_tokens,
-                                   tool_tokens=(max(1, tool_tokens // 3), tool_tokens), session_gap_s=session_gap_s,
-                                   think_s=think_s, seed=seed)
-    cfg = RoutingBenchConfig(workload=workload, policies=policies, pd=pd, peer=peer, max_tokens=max_tokens,
-                             router_port=router_port, node_base_port=node_base_port, redis_url=redis_url,
-                             kv_cache_gib=kv_cache_gib, dtype=dtype, block_size=block_size)
+    workload = AgentWorkloadConfig(
+        repos=repos,
+        sessions_per_repo=sessions_per_repo,
+        turns_min=turns_min,
+        turns_max=turns_max,
+        repo_tokens=repo_tokens,
+        tool_tokens=(max(1, tool_tokens // 3), tool_tokens),
+        session_gap_s=session_gap_s,
+        think_s=think_s,
+        seed=seed,
+    )
+    cfg = RoutingBenchConfig(
+        workload=workload,
+        policies=policies,
+        pd=pd,
+        peer=peer,
+        max_tokens=max_tokens,
+        router_port=router_port,
+        node_base_port=node_base_port,
+        redis_url=redis_url,
+        kv_cache_gib=kv_cache_gib,
+        dtype=dtype,
+        block_size=block_size,
+    )
     # SIGTERM unwinds like Ctrl-C, so the benchmark's clusters are stopped (a shell's background job
     # ignores SIGINT, so a script can only stop it with SIGTERM).
     signal.signal(signal.SIGTERM, interrupt)
@@ -165,10 +229,17 @@ def bench_telemetry(
     out: Annotated[Path, typer.Option(help="JSON results.")] = Path("results/bench-telemetry.json"),
     events: Annotated[int, typer.Option(help="Request events pre-filled for the lake-writer run.")] = 200_000,
     concurrency: Annotated[int, typer.Option(help="Concurrency of the TTFT on/off comparison.")] = 32,
-    rounds: Annotated[int, typer.Option(help="Measured rounds; each sends `concurrency` streams at once, half "
-                                             "through the router with telemetry, half through the one without.")] = 12,
-    redis_url: Annotated[str | None, typer.Option(help="Redis for streams and the benchmark's registry"
-        " (default: $TANDEM_REDIS_URL, database 9).")] = None,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            help="Measured rounds; each sends `concurrency` streams at once, half "
+            "through the router with telemetry, half through the one without."
+        ),
+    ] = 12,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Redis for streams and the benchmark's registry (default: $TANDEM_REDIS_URL, database 9)."),
+    ] = None,
 ) -> None:
     """(a) lake-writer throughput in request events/s from a pre-filled stream; (b) router TTFT p50
     with telemetry on vs off at the given concurrency, same node, both routers in every round."""
@@ -186,20 +257,29 @@ def bench_telemetry(
             ttft = run_ttft_on_off(redis_url, concurrency=concurrency, rounds=rounds)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "telemetry", "lake_writer": writer, "ttft": ttft}, indent=2))
-    print(f"RESULT events_per_s={writer['events_per_s']} ttft_on_ms={ttft['ttft_on_ms']} "
-          f"ttft_off_ms={ttft['ttft_off_ms']}", flush=True)
+    print(
+        f"RESULT events_per_s={writer['events_per_s']} ttft_on_ms={ttft['ttft_on_ms']} "
+        f"ttft_off_ms={ttft['ttft_off_ms']}",
+        flush=True,
+    )
 
 
 @bench_app.command("admission")
 def bench_admission(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-admission.json"),
+        "results/bench-admission.json"
+    ),
     n: Annotated[int, typer.Option("-n", help="Fast-path samples (after 200 warm-up).")] = 5000,
     concurrency: Annotated[list[int] | None, typer.Option(help="Router concurrency levels (repeatable).")] = None,
     requests: Annotated[int, typer.Option(help="Timed router requests per level.")] = 1500,
-    redis_url: Annotated[str | None, typer.Option(help="Redis for the run's keys, sessions, registry and telemetry "
-                                                "(everything it writes is removed at the end; default: "
-                                                "$TANDEM_REDIS_URL, database 7).")] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Redis for the run's keys, sessions, registry and telemetry "
+            "(everything it writes is removed at the end; default: "
+            "$TANDEM_REDIS_URL, database 7)."
+        ),
+    ] = None,
 ) -> None:
     """(a) Admission fast path in-process against the real Redis: auth + rate limits + session read
     (+ a free node slot), p50/p99 in µs per request, target p99 < 2 ms; (b) requests/s through the
@@ -208,8 +288,9 @@ def bench_admission(
     redis_url = redis_url or _redis_url(db=7)
     from bench.admission import AdmissionBenchConfig, result_line, run_admission_bench
 
-    cfg = AdmissionBenchConfig(redis_url=redis_url, n=n, concurrencies=tuple(concurrency or (1, 8, 32)),
-                               requests_per_level=requests)
+    cfg = AdmissionBenchConfig(
+        redis_url=redis_url, n=n, concurrencies=tuple(concurrency or (1, 8, 32)), requests_per_level=requests
+    )
     with clean_errors():
         result = run_admission_bench(out, cfg)
     print(result_line(result), flush=True)
@@ -218,17 +299,22 @@ def bench_admission(
 @bench_app.command("chaos")
 def bench_chaos(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG timeline is written beside it.")] = Path(
-        "results/bench-chaos.json"),
+        "results/bench-chaos.json"
+    ),
     streams: Annotated[int, typer.Option(help="Concurrent SSE clients.")] = 16,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 32,
     settle_s: Annotated[float, typer.Option(help="Steady service before each fault.")] = 20.0,
     stop_s: Annotated[float, typer.Option(help="How long the SIGSTOP fault stops the engine.")] = 30.0,
-    recovery_timeout_s: Annotated[float, typer.Option(help="A fault not recovered by then did not survive.")] = (
-        240.0),
-    fault: Annotated[list[str] | None, typer.Option(help="Faults to fire, in order (repeatable; default all: "
-                                                        "sigkill_decode_engine, sigkill_prefill_engine, "
-                                                        "sigkill_node_agent, sigstop_engine, sigkill_router, "
-                                                        "sigkill_lake_writer, restart_redis).")] = None,
+    recovery_timeout_s: Annotated[float, typer.Option(help="A fault not recovered by then did not survive.")] = (240.0),
+    fault: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Faults to fire, in order (repeatable; default all: "
+            "sigkill_decode_engine, sigkill_prefill_engine, "
+            "sigkill_node_agent, sigstop_engine, sigkill_router, "
+            "sigkill_lake_writer, restart_redis)."
+        ),
+    ] = None,
     router_port: Annotated[int, typer.Option(help="Router port.")] = 19600,
     node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 19610,
     redis_port: Annotated[int, typer.Option(help="Port of the benchmark's own Redis (it restarts it).")] = 19695,
@@ -244,11 +330,17 @@ def bench_chaos(
     if unknown:
         console.print(f"[red]error:[/red] unknown fault {', '.join(unknown)}; choose from {', '.join(FAULTS)}")
         raise typer.Exit(2)
-    cfg = ChaosConfig(streams=streams, max_tokens=max_tokens, settle_s=settle_s, stop_s=stop_s,
-                      recovery_timeout_s=recovery_timeout_s, faults=faults, router_port=router_port,
-                      node_base_port=node_base_port, redis_port=redis_port)
+    cfg = ChaosConfig(
+        streams=streams,
+        max_tokens=max_tokens,
+        settle_s=settle_s,
+        stop_s=stop_s,
+        recovery_timeout_s=recovery_timeout_s,
+        faults=faults,
+        router_port=router_port,
+        node_base_port=node_base_port,
+        redis_port=redis_port,
+    )
     with clean_errors():
         summary = run_chaos_bench(out, cfg)
     print(result_line(summary), flush=True)
-
-

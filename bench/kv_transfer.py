@@ -96,8 +96,9 @@ class Sample:
         return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-def _two_legs(prefill: str, decode: str, model: str, prompt: str, transport: str | None, nixl: bool,
-              client: httpx.Client) -> int:
+def _two_legs(
+    prefill: str, decode: str, model: str, prompt: str, transport: str | None, nixl: bool, client: httpx.Client
+) -> int:
     """One P/D request done by hand; returns the prompt's token count."""
     params: dict[str, Any] = prefill_request_params()
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
@@ -118,15 +119,19 @@ def _reset_prefix_cache(url: str, client: httpx.Client) -> None:
     resp.raise_for_status()
 
 
-def measure_transfers(cluster: Cluster, model: str, cfg: KvBenchConfig, *, nixl: bool, label: str,
-                      transports: tuple[str | None, ...]) -> list[Sample]:
+def measure_transfers(
+    cluster: Cluster, model: str, cfg: KvBenchConfig, *, nixl: bool, label: str, transports: tuple[str | None, ...]
+) -> list[Sample]:
     """Per size, the prompt is prefilled once; every measured pull after that reuses the prefill
     node's prefix cache (its prefill leg is a cache hit that still leases every block) while the decode
     node's cache is emptied before each pull, so each pull moves the whole prompt and a 7.5k-token
     prefill on one CPU core is paid once per size, not once per sample."""
     prefill, decode = cluster.role_urls("prefill")[0], cluster.role_urls("decode")[0]
-    secs_name, bytes_name = (("vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum") if nixl
-                             else ("tandem_kv_transfer_seconds_sum", "tandem_kv_transfer_bytes_total"))
+    secs_name, bytes_name = (
+        ("vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum")
+        if nixl
+        else ("tandem_kv_transfer_seconds_sum", "tandem_kv_transfer_bytes_total")
+    )
     samples: list[Sample] = []
     with httpx.Client(timeout=1800) as client:
         for size in cfg.sizes:
@@ -145,8 +150,10 @@ def measure_transfers(cluster: Cluster, model: str, cfg: KvBenchConfig, *, nixl:
                     s1, b1 = _metric(decode, secs_name), _metric(decode, bytes_name)
                     name = label if transport is None else f"{label}-{transport}"
                     samples.append(Sample(name, tokens, b1 - b0, s1 - s0))
-                    console.print(f"{name:>12} {tokens:5d} tok  {(b1 - b0) / 1e6:8.1f} MB  "
-                                  f"{(s1 - s0) * 1000:8.1f} ms  {samples[-1].gbps:6.2f} GB/s")
+                    console.print(
+                        f"{name:>12} {tokens:5d} tok  {(b1 - b0) / 1e6:8.1f} MB  "
+                        f"{(s1 - s0) * 1000:8.1f} ms  {samples[-1].gbps:6.2f} GB/s"
+                    )
     return samples
 
 
@@ -171,8 +178,7 @@ def ttft(cluster: Cluster, model: str, tokens: int, route: str, repeats: int) ->
     import asyncio
 
     prompts = [[{"role": "user", "content": prompt_text(tokens, uuid.uuid4().hex)}] for _ in range(repeats)]
-    _, results = asyncio.run(run_level(cluster.url, model, prompts, 1, repeats, 8,
-                                       headers={"x-tandem-route": route}))
+    _, results = asyncio.run(run_level(cluster.url, model, prompts, 1, repeats, 8, headers={"x-tandem-route": route}))
     return statistics.median(r.ttft_s for r in results if r.ok) * 1000
 
 
@@ -192,9 +198,20 @@ def _env(**values: str) -> Any:
 
 def _cluster(cfg: KvBenchConfig, workdir: Path, connector: str, both: int) -> Cluster:
     """Not started: ``_start`` starts it with progress on the console."""
-    return Cluster(ClusterSpec(prefill=1, decode=1, both=both, router_port=cfg.router_port,
-                               node_base_port=cfg.node_base_port, redis_url=cfg.redis_url, dtype=cfg.dtype,
-                               kv_cache_gib=cfg.kv_cache_gib, connector=connector, workdir=workdir))
+    return Cluster(
+        ClusterSpec(
+            prefill=1,
+            decode=1,
+            both=both,
+            router_port=cfg.router_port,
+            node_base_port=cfg.node_base_port,
+            redis_url=cfg.redis_url,
+            dtype=cfg.dtype,
+            kv_cache_gib=cfg.kv_cache_gib,
+            connector=connector,
+            workdir=workdir,
+        )
+    )
 
 
 @contextmanager
@@ -220,8 +237,7 @@ def run_kv_transfer_bench(out: Path, cfg: KvBenchConfig | None = None) -> dict[s
         samples += measure_transfers(cluster, model, cfg, nixl=False, label="tandem", transports=TRANSPORTS)
         ttfts["pd"] = ttft(cluster, model, cfg.ttft_tokens, "disaggregated", cfg.repeats)
         ttfts["colo"] = ttft(cluster, model, cfg.ttft_tokens, "colocated", cfg.repeats)
-        console.print(f"TTFT at {cfg.ttft_tokens} tokens: P/D {ttfts['pd']:.0f} ms, "
-                      f"colocated {ttfts['colo']:.0f} ms")
+        console.print(f"TTFT at {cfg.ttft_tokens} tokens: P/D {ttfts['pd']:.0f} ms, colocated {ttfts['colo']:.0f} ms")
         block_nbytes = int(_block_nbytes(samples))
     if cfg.nixl:
         for label, env in (("nixl", {}), ("nixl_tcp", {"UCX_TLS": "tcp"})):
@@ -248,12 +264,18 @@ def summarise(samples: list[Sample], cfg: KvBenchConfig, ttfts: dict[str, float]
     for s in samples:
         size = min(cfg.sizes, key=lambda x: abs(x - s.tokens))
         by.setdefault(s.transport, {}).setdefault(size, []).append(s)
-    table = {name: {str(size): {"tokens": int(statistics.median(x.tokens for x in xs)),
-                                "mbytes": round(statistics.median(x.nbytes for x in xs) / 1e6, 2),
-                                "ms": round(statistics.median(x.seconds for x in xs) * 1000, 2),
-                                "gbps": round(statistics.median(x.gbps for x in xs), 3)}
-                     for size, xs in sizes.items()}
-             for name, sizes in by.items()}
+    table = {
+        name: {
+            str(size): {
+                "tokens": int(statistics.median(x.tokens for x in xs)),
+                "mbytes": round(statistics.median(x.nbytes for x in xs) / 1e6, 2),
+                "ms": round(statistics.median(x.seconds for x in xs) * 1000, 2),
+                "gbps": round(statistics.median(x.gbps for x in xs), 3),
+            }
+            for size, xs in sizes.items()
+        }
+        for name, sizes in by.items()
+    }
     top = str(max(cfg.sizes))
     top_bytes = int(table["tandem-shm"][top]["mbytes"] * 1e6)
     memcpy = memcpy_ceiling(top_bytes, block_nbytes)
@@ -270,20 +292,33 @@ def summarise(samples: list[Sample], cfg: KvBenchConfig, ttfts: dict[str, float]
         "ttft_ms": {k: round(v, 1) for k, v in ttfts.items()},
         "best_gbps": max(v for v in ours.values() if v is not None),
         "tcp_gbps": max((v for t, v in ours.items() if t in CROSS_HOST and v is not None), default=None),
-        "nixl_gbps": g("nixl"), "nixl_tcp_gbps": g("nixl_tcp"),
+        "nixl_gbps": g("nixl"),
+        "nixl_tcp_gbps": g("nixl_tcp"),
     }
     result["targets"] = {
         "best_vs_memcpy": round(result["best_gbps"] / memcpy, 3),
         "best_at_least_60pct_memcpy": result["best_gbps"] >= 0.6 * memcpy,
         "best_not_slower_than_nixl": result["nixl_gbps"] is None or result["best_gbps"] >= result["nixl_gbps"],
-        "tcp_not_slower_than_nixl_tcp": result["nixl_tcp_gbps"] is None or (
-            result["tcp_gbps"] or 0) >= result["nixl_tcp_gbps"],
+        "tcp_not_slower_than_nixl_tcp": result["nixl_tcp_gbps"] is None
+        or (result["tcp_gbps"] or 0) >= result["nixl_tcp_gbps"],
     }
     console.print(json.dumps(result["targets"]))
-    print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in (
-        ("best_gbps", result["best_gbps"]), ("memcpy_gbps", result["memcpy_gbps"]), ("nixl_gbps", result["nixl_gbps"]),
-        ("tcp_gbps", result["tcp_gbps"]), ("nixl_tcp_gbps", result["nixl_tcp_gbps"]),
-        ("ttft_pd_ms", ttfts.get("pd")), ("ttft_colo_ms", ttfts.get("colo")))), flush=True)
+    print(
+        "RESULT "
+        + " ".join(
+            f"{k}={_fmt(v)}"
+            for k, v in (
+                ("best_gbps", result["best_gbps"]),
+                ("memcpy_gbps", result["memcpy_gbps"]),
+                ("nixl_gbps", result["nixl_gbps"]),
+                ("tcp_gbps", result["tcp_gbps"]),
+                ("nixl_tcp_gbps", result["nixl_tcp_gbps"]),
+                ("ttft_pd_ms", ttfts.get("pd")),
+                ("ttft_colo_ms", ttfts.get("colo")),
+            )
+        ),
+        flush=True,
+    )
     return result
 
 

@@ -59,8 +59,9 @@ class LevelStats:
         return asdict(self)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                      headers: dict[str, str]) -> RequestResult:
+async def one_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> RequestResult:
     start = time.perf_counter()
     last = first = None
     itl: list[float] = []
@@ -93,13 +94,27 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     end = time.perf_counter()
     if first is None:
         return RequestResult(ok=False, error="no token received")
-    return RequestResult(ok=True, ttft_s=first - start, e2e_s=end - start, itl_s=itl, output_tokens=out,
-                         prompt_tokens=prompt, usage=usage)
+    return RequestResult(
+        ok=True,
+        ttft_s=first - start,
+        e2e_s=end - start,
+        itl_s=itl,
+        output_tokens=out,
+        prompt_tokens=prompt,
+        usage=usage,
+    )
 
 
-async def run_level(base_url: str, model: str, prompts: Sequence[list[dict[str, str]]], concurrency: int,
-                    n_requests: int, max_tokens: int, headers: dict[str, str] | None = None,
-                    on_done: Callable[[], None] | None = None) -> tuple[LevelStats, list[RequestResult]]:
+async def run_level(
+    base_url: str,
+    model: str,
+    prompts: Sequence[list[dict[str, str]]],
+    concurrency: int,
+    n_requests: int,
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+    on_done: Callable[[], None] | None = None,
+) -> tuple[LevelStats, list[RequestResult]]:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(n_requests):
         queue.put_nowait(i)
@@ -112,9 +127,15 @@ async def run_level(base_url: str, model: str, prompts: Sequence[list[dict[str, 
                 i = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            body = {"model": model, "messages": prompts[i % len(prompts)], "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "messages": prompts[i % len(prompts)],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             results.append(await one_request(client, url, body, headers or {}))
             if on_done:
                 on_done()
@@ -128,13 +149,17 @@ async def run_level(base_url: str, model: str, prompts: Sequence[list[dict[str, 
     itl = [x for r in ok for x in r.itl_s]
     ms = 1000.0
     stats = LevelStats(
-        concurrency=concurrency, requests=len(results), errors=len(results) - len(ok),
+        concurrency=concurrency,
+        requests=len(results),
+        errors=len(results) - len(ok),
         ttft_p50_ms=percentile([r.ttft_s for r in ok], 0.5) * ms,
         ttft_p99_ms=percentile([r.ttft_s for r in ok], 0.99) * ms,
-        itl_p50_ms=percentile(itl, 0.5) * ms, itl_p99_ms=percentile(itl, 0.99) * ms,
+        itl_p50_ms=percentile(itl, 0.5) * ms,
+        itl_p99_ms=percentile(itl, 0.99) * ms,
         e2e_p50_ms=percentile([r.e2e_s for r in ok], 0.5) * ms,
         e2e_p99_ms=percentile([r.e2e_s for r in ok], 0.99) * ms,
-        output_tok_s=sum(r.output_tokens for r in ok) / wall if wall > 0 else 0.0, wall_s=wall,
+        output_tok_s=sum(r.output_tokens for r in ok) / wall if wall > 0 else 0.0,
+        wall_s=wall,
     )
     return stats, results
 
@@ -167,9 +192,14 @@ class SentRequest:
     result: RequestResult
 
 
-async def run_sessions(base_url: str, model: str, sessions: Sequence[SessionScript], max_tokens: int,
-                       headers: Mapping[str, str] | None = None,
-                       on_done: Callable[[SentRequest], None] | None = None) -> list[SentRequest]:
+async def run_sessions(
+    base_url: str,
+    model: str,
+    sessions: Sequence[SessionScript],
+    max_tokens: int,
+    headers: Mapping[str, str] | None = None,
+    on_done: Callable[[SentRequest], None] | None = None,
+) -> list[SentRequest]:
     """Replay ``sessions`` against ``base_url`` (POST /v1/chat/completions, SSE). Each request carries
     ``x-session-id``. Returns every request in the order it was sent."""
     url = f"{base_url}/v1/chat/completions"
@@ -180,10 +210,22 @@ async def run_sessions(base_url: str, model: str, sessions: Sequence[SessionScri
         await asyncio.sleep(max(0.0, s.start_s - (time.perf_counter() - t0)))
         late = max(0.0, time.perf_counter() - t0 - s.start_s)
         for i, messages in enumerate(s.turns):
-            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            entry = SentRequest(s.session_id, i, time.perf_counter() - t0, late if i == 0 else 0.0,
-                                RequestResult(ok=False, error="not finished"))
+            body = {
+                "model": model,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            entry = SentRequest(
+                s.session_id,
+                i,
+                time.perf_counter() - t0,
+                late if i == 0 else 0.0,
+                RequestResult(ok=False, error="not finished"),
+            )
             sent.append(entry)
             entry.result = await one_request(client, url, body, {**(headers or {}), "x-session-id": s.session_id})
             if on_done:

@@ -155,8 +155,15 @@ class Served:
 
 @contextlib.contextmanager
 def _plain_engine(cfg: OverheadBenchConfig, port: int, logs: Path) -> Iterator[str]:
-    settings = NodeSettings(role=Role.BOTH, port=port, cores=_cores(), kv_cache_gib=cfg.kv_cache_gib,
-                            log_dir=logs, node_id=f"plain-{port}", redis_url=cfg.redis_url)
+    settings = NodeSettings(
+        role=Role.BOTH,
+        port=port,
+        cores=_cores(),
+        kv_cache_gib=cfg.kv_cache_gib,
+        log_dir=logs,
+        node_id=f"plain-{port}",
+        redis_url=cfg.redis_url,
+    )
     engine = EngineProcess(settings)
     engine.start()
     try:
@@ -183,15 +190,29 @@ def serve_arm(arm: str, cfg: OverheadBenchConfig, slot: int) -> Iterator[Served]
                 return
             from bench.vllm_router import PeerWorker, VllmRouter
 
-            with VllmRouter(port=port + 30, policy="cache_aware", block_size=128, model=model,
-                            log=logs / f"vllm-router-{port}.log", metrics_port=port + 31,
-                            workers=[PeerWorker(url, "", "")]) as peer:
+            with VllmRouter(
+                port=port + 30,
+                policy="cache_aware",
+                block_size=128,
+                model=model,
+                log=logs / f"vllm-router-{port}.log",
+                metrics_port=port + 31,
+                workers=[PeerWorker(url, "", "")],
+            ) as peer:
                 assert peer.proc is not None
                 yield Served(peer.url, model, router_pid=peer.proc.pid)
             return
-    spec = ClusterSpec(prefill=0, decode=0, both=1, router_port=port + 30, node_base_port=port,
-                       redis_url=cfg.redis_url, kv_cache_gib=cfg.kv_cache_gib, workdir=cfg.workdir / f"cluster-{port}",
-                       router_env=(("TANDEM_DATABASE_URL", f"sqlite:///{cfg.workdir}/router-{port}.db"),))
+    spec = ClusterSpec(
+        prefill=0,
+        decode=0,
+        both=1,
+        router_port=port + 30,
+        node_base_port=port,
+        redis_url=cfg.redis_url,
+        kv_cache_gib=cfg.kv_cache_gib,
+        workdir=cfg.workdir / f"cluster-{port}",
+        router_env=(("TANDEM_DATABASE_URL", f"sqlite:///{cfg.workdir}/router-{port}.db"),),
+    )
     with Cluster(spec) as cluster:
         node_url = cluster.role_urls("both")[0]
         model = _model_name(node_url)
@@ -207,14 +228,46 @@ def vllm_bench_serve(served: Served, cfg: OverheadBenchConfig, seed: int, out_di
     """One ``vllm bench serve`` run (vLLM's own load client) against ``served``; its metrics."""
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"vllm-bench-{seed}.json"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai-chat",
-           "--base-url", served.url, "--endpoint", "/v1/chat/completions", "--model", served.model,
-           "--tokenizer", str(resolve_model(None)), "--dataset-name", "random",
-           "--random-input-len", str(cfg.input_len), "--random-output-len", str(cfg.output_len),
-           "--num-prompts", str(cfg.num_prompts), "--max-concurrency", str(cfg.concurrency),
-           "--seed", str(seed), "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
-           "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
-           "--result-filename", name, "--disable-tqdm"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--base-url",
+        served.url,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--model",
+        served.model,
+        "--tokenizer",
+        str(resolve_model(None)),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(cfg.input_len),
+        "--random-output-len",
+        str(cfg.output_len),
+        "--num-prompts",
+        str(cfg.num_prompts),
+        "--max-concurrency",
+        str(cfg.concurrency),
+        "--seed",
+        str(seed),
+        "--ignore-eos",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        name,
+        "--disable-tqdm",
+    ]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
     meter = _CpuMeter(served.router_pid) if served.router_pid else None
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -230,7 +283,9 @@ def vllm_bench_serve(served: Served, cfg: OverheadBenchConfig, seed: int, out_di
     window = float(data.get("duration") or 0.0)
     router_cpu = meter.between(ended - window - 1.0, ended) if meter is not None else None
     return {
-        "seed": seed, "completed": completed, "failed": cfg.num_prompts - completed,
+        "seed": seed,
+        "completed": completed,
+        "failed": cfg.num_prompts - completed,
         "req_s": round(float(data["request_throughput"]), 3),
         "output_tok_s": round(float(data["output_throughput"]), 1),
         "ttft_p50_ms": round(float(data["median_ttft_ms"]), 1),
@@ -248,17 +303,28 @@ def agent_sessions(served: Served, cfg: OverheadBenchConfig, salt: str) -> dict[
     from bench.routing import _Tokens
 
     tokens = _Tokens(None)
-    wl = AgentWorkloadConfig(repos=2, sessions_per_repo=max(1, cfg.agent_sessions // 2), turns_min=3, turns_max=4,
-                             repo_tokens=600, session_gap_s=0.5, think_s=0.2)
+    wl = AgentWorkloadConfig(
+        repos=2,
+        sessions_per_repo=max(1, cfg.agent_sessions // 2),
+        turns_min=3,
+        turns_max=4,
+        repo_tokens=600,
+        session_gap_s=0.5,
+        think_s=0.2,
+    )
     sessions = build_sessions(wl, salt, tokens.text, lambda m: len(tokens.prompt(m)))
     start = time.perf_counter()
     sent = asyncio.run(run_sessions(served.url, served.model, sessions, max_tokens=32))
     wall = time.perf_counter() - start
     ok = [s.result for s in sent if s.result.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    return {"requests": len(sent), "failed": len(sent) - len(ok), "req_s": round(len(ok) / wall, 3),
-            "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1000, 1) if ttfts else None,
-            "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1000, 1) if ttfts else None}
+    return {
+        "requests": len(sent),
+        "failed": len(sent) - len(ok),
+        "req_s": round(len(ok) / wall, 3),
+        "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1000, 1) if ttfts else None,
+        "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1000, 1) if ttfts else None,
+    }
 
 
 # -- the router's ceiling -------------------------------------------------------------------------------
@@ -266,8 +332,12 @@ async def _count_chunks(url: str, model: str, streams: int, tokens: int) -> int:
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, i: int) -> int:
-        body = {"model": model, "stream": True, "max_tokens": tokens,
-                "messages": [{"role": "user", "content": f"ceiling {uuid.uuid4().hex} {i}"}]}
+        body = {
+            "model": model,
+            "stream": True,
+            "max_tokens": tokens,
+            "messages": [{"role": "user", "content": f"ceiling {uuid.uuid4().hex} {i}"}],
+        }
         n = 0
         async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
@@ -293,23 +363,54 @@ def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
     model = f"standin-ceiling-{uuid.uuid4().hex[:8]}"
     logs = cfg.workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    node = NodeInfo(node_id=f"standin-{model}", role=Role.BOTH, model=model, url=f"http://127.0.0.1:{engine_port}",
-                    block_size=128, max_model_len=1 << 20, kv_connector="none",
-                    model_path=str(default_model_dir()))
+    node = NodeInfo(
+        node_id=f"standin-{model}",
+        role=Role.BOTH,
+        model=model,
+        url=f"http://127.0.0.1:{engine_port}",
+        block_size=128,
+        max_model_len=1 << 20,
+        kv_connector="none",
+        model_path=str(default_model_dir()),
+    )
     procs: list[subprocess.Popen[bytes]] = []
     me = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, other)  # the client, and the children started from here, stay off the router's core
-        eng = subprocess.Popen([sys.executable, "-m", "bench.standin_engine", "--port", str(engine_port),
-                                "--stream-tokens", str(cfg.ceiling_tokens)],
-                               stdout=open(logs / "ceiling-standin.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        eng = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.standin_engine",
+                "--port",
+                str(engine_port),
+                "--stream-tokens",
+                str(cfg.ceiling_tokens),
+            ],
+            stdout=open(logs / "ceiling-standin.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )  # noqa: SIM115
         procs.append(eng)
         _wait_http(f"{node.url}/health", lambda: eng.poll() is None, 60)
         asyncio.run(NodeRegistry(_async_redis(cfg.redis_url), ttl_s=3600).register(node))
         env = {**os.environ, "TANDEM_DATABASE_URL": f"sqlite:///{cfg.workdir}/ceiling-router.db"}
-        router = subprocess.Popen([sys.executable, "-m", "tandem", "router", "--port", str(router_port),
-                                   "--redis-url", cfg.redis_url, "--log-level", "warning"], env=env,
-                                  stdout=open(logs / "ceiling-router.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        router = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tandem",
+                "router",
+                "--port",
+                str(router_port),
+                "--redis-url",
+                cfg.redis_url,
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            stdout=open(logs / "ceiling-router.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )  # noqa: SIM115
         procs.append(router)
         os.sched_setaffinity(router.pid, router_core)
         url = f"http://127.0.0.1:{router_port}"
@@ -323,15 +424,29 @@ def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
             cpu0, t0 = _cpu_s(router.pid), time.perf_counter()
             chunks = asyncio.run(_count_chunks(url, model, cfg.ceiling_streams, cfg.ceiling_tokens))
             wall, cpu = time.perf_counter() - t0, _cpu_s(router.pid) - cpu0
-            runs.append({"chunks": chunks, "wall_s": round(wall, 3), "router_cpu_s": round(cpu, 3),
-                         "chunks_per_s": round(chunks / wall),
-                         "chunks_per_router_cpu_s": round(chunks / max(cpu, 1e-9))})
-            _log(f"ceiling: {chunks} chunks in {wall:.2f} s = {chunks / wall:,.0f}/s "
-                 f"(router CPU {cpu:.2f} s, {chunks / max(cpu, 1e-9):,.0f} chunks per CPU-second)")
+            runs.append(
+                {
+                    "chunks": chunks,
+                    "wall_s": round(wall, 3),
+                    "router_cpu_s": round(cpu, 3),
+                    "chunks_per_s": round(chunks / wall),
+                    "chunks_per_router_cpu_s": round(chunks / max(cpu, 1e-9)),
+                }
+            )
+            _log(
+                f"ceiling: {chunks} chunks in {wall:.2f} s = {chunks / wall:,.0f}/s "
+                f"(router CPU {cpu:.2f} s, {chunks / max(cpu, 1e-9):,.0f} chunks per CPU-second)"
+            )
         best = max(runs, key=lambda x: x["chunks_per_s"])
-        return {"engine": STANDIN_LABEL, "streams": cfg.ceiling_streams, "tokens_per_stream": cfg.ceiling_tokens,
-                "router_core": sorted(router_core), "runs": runs, "chunks_per_s": best["chunks_per_s"],
-                "chunks_per_router_cpu_s": best["chunks_per_router_cpu_s"]}
+        return {
+            "engine": STANDIN_LABEL,
+            "streams": cfg.ceiling_streams,
+            "tokens_per_stream": cfg.ceiling_tokens,
+            "router_core": sorted(router_core),
+            "runs": runs,
+            "chunks_per_s": best["chunks_per_s"],
+            "chunks_per_router_cpu_s": best["chunks_per_router_cpu_s"],
+        }
     finally:
         os.sched_setaffinity(0, me)
         for p in reversed(procs):
@@ -383,8 +498,8 @@ def targets(result: dict[str, float]) -> dict[str, dict[str, Any]]:
         "tandem_rps >= 0.95 * plain_rps": tandem >= 0.95 * plain,
         "tandem_rps >= peer_rps": tandem >= peer,
         "node_rps >= 0.97 * plain_rps": node >= 0.97 * plain,
-        "tandem_ttft_p50_ms <= 1.10 * plain_ttft_p50_ms": result["tandem_ttft_p50_ms"] <= 1.10 * result[
-            "plain_ttft_p50_ms"],
+        "tandem_ttft_p50_ms <= 1.10 * plain_ttft_p50_ms": result["tandem_ttft_p50_ms"]
+        <= 1.10 * result["plain_ttft_p50_ms"],
         "router_cpu_ms_per_req <= 8": result["router_cpu_ms_per_req"] <= 8,
         "router_chunks_per_s >= 20000": result["router_chunks_per_s"] >= 20000,
     }
@@ -401,18 +516,31 @@ def plot(doc: dict[str, Any], out_png: Path) -> None:
     s = doc["summary"]
     colors = {"plain": "#4c72b0", "peer": "#8172b2", "node": "#55a868", "tandem": "#dd8452"}
     fig, axes = plt.subplots(1, 4, figsize=(17, 4.4))
-    panels = (("req_s", "requests/s (vllm bench serve)"), ("ttft_p50_ms", "TTFT p50, ms"),
-              ("tpot_p50_ms", "TPOT p50, ms"), ("router_cpu_ms_per_req", "router CPU ms / request"))
+    panels = (
+        ("req_s", "requests/s (vllm bench serve)"),
+        ("ttft_p50_ms", "TTFT p50, ms"),
+        ("tpot_p50_ms", "TPOT p50, ms"),
+        ("router_cpu_ms_per_req", "router CPU ms / request"),
+    )
     for ax, (key, title) in zip(axes, panels, strict=True):
         xs = [a for a in arms if key in s[a]]
         vals = [s[a][key] for a in xs]
-        err = [[max(0.0, v - s[a][f"{key}_range"][0]) for a, v in zip(xs, vals, strict=True)],
-               [max(0.0, s[a][f"{key}_range"][1] - v) for a, v in zip(xs, vals, strict=True)]]  # rounding
+        err = [
+            [max(0.0, v - s[a][f"{key}_range"][0]) for a, v in zip(xs, vals, strict=True)],
+            [max(0.0, s[a][f"{key}_range"][1] - v) for a, v in zip(xs, vals, strict=True)],
+        ]  # rounding
         ax.bar(xs, vals, yerr=err, capsize=4, color=[colors[a] for a in xs])
         for i, (a, v) in enumerate(zip(xs, vals, strict=True)):
             top = s[a][f"{key}_range"][1]  # above the range whisker, not on it
-            ax.annotate(f"{v:.2f}" if v < 100 else f"{v:.0f}", (i, top), xytext=(0, 3), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=9)
+            ax.annotate(
+                f"{v:.2f}" if v < 100 else f"{v:.0f}",
+                (i, top),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=9,
+            )
         if key == "req_s" and "plain" in s:
             ax.axhline(0.95 * s["plain"]["req_s"], color="k", linestyle=":", label="95% of plain")
             ax.legend(fontsize=8, loc="lower right")
@@ -421,10 +549,12 @@ def plot(doc: dict[str, Any], out_png: Path) -> None:
             ax.legend(fontsize=8)
         ax.set_title(title)
     r = doc["result"]
-    fig.suptitle(f"tandem bench overhead: {doc['config']['num_prompts']} prompts × {doc['config']['rounds']} rounds, "
-                 f"{doc['config']['input_len']} in / {doc['config']['output_len']} out, concurrency "
-                 f"{doc['config']['concurrency']}, {doc['host']['cpus']} cores — router ceiling "
-                 f"{r['router_chunks_per_s']:,.0f} chunks/s on one core (stand-in engine)")
+    fig.suptitle(
+        f"tandem bench overhead: {doc['config']['num_prompts']} prompts × {doc['config']['rounds']} rounds, "
+        f"{doc['config']['input_len']} in / {doc['config']['output_len']} out, concurrency "
+        f"{doc['config']['concurrency']}, {doc['host']['cpus']} cores — router ceiling "
+        f"{r['router_chunks_per_s']:,.0f} chunks/s on one core (stand-in engine)"
+    )
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -447,37 +577,58 @@ def run_overhead_bench(out: Path, cfg: OverheadBenchConfig | None = None) -> dic
                 if cfg.agent_sessions:
                     res["agent"] = agent_sessions(served, cfg, salt=f"overhead-{seed}")
             v = res["vllm_bench"]
-            _log(f"  {arm}: {v['req_s']:.2f} req/s, {v['output_tok_s']:.0f} tok/s, TTFT p50 {v['ttft_p50_ms']:.0f} ms "
-                 f"p99 {v['ttft_p99_ms']:.0f} ms, TPOT p50 {v['tpot_p50_ms']:.1f} ms"
-                 + (f", router CPU {v['router_cpu_ms_per_req']:.2f} ms/req" if v["router_cpu_ms_per_req"] else "")
-                 + (f"; agent {res['agent']['req_s']:.2f} req/s TTFT p50 {res['agent']['ttft_p50_ms']} ms"
-                    if res.get("agent") else ""))
+            _log(
+                f"  {arm}: {v['req_s']:.2f} req/s, {v['output_tok_s']:.0f} tok/s, TTFT p50 {v['ttft_p50_ms']:.0f} ms "
+                f"p99 {v['ttft_p99_ms']:.0f} ms, TPOT p50 {v['tpot_p50_ms']:.1f} ms"
+                + (f", router CPU {v['router_cpu_ms_per_req']:.2f} ms/req" if v["router_cpu_ms_per_req"] else "")
+                + (
+                    f"; agent {res['agent']['req_s']:.2f} req/s TTFT p50 {res['agent']['ttft_p50_ms']} ms"
+                    if res.get("agent")
+                    else ""
+                )
+            )
             arms[arm] = res
         rounds.append({"order": order, "arms": arms})
     _log("router ceiling over the stand-in engine")
     ceiling = router_ceiling(cfg)
     summary = summarize(rounds, cfg.arms)
     result = {
-        "plain_rps": summary["plain"]["req_s"], "peer_rps": summary["peer"]["req_s"],
-        "node_rps": summary["node"]["req_s"], "tandem_rps": summary["tandem"]["req_s"],
-        "plain_ttft_p50_ms": summary["plain"]["ttft_p50_ms"], "tandem_ttft_p50_ms": summary["tandem"]["ttft_p50_ms"],
+        "plain_rps": summary["plain"]["req_s"],
+        "peer_rps": summary["peer"]["req_s"],
+        "node_rps": summary["node"]["req_s"],
+        "tandem_rps": summary["tandem"]["req_s"],
+        "plain_ttft_p50_ms": summary["plain"]["ttft_p50_ms"],
+        "tandem_ttft_p50_ms": summary["tandem"]["ttft_p50_ms"],
         "router_cpu_ms_per_req": summary["tandem"]["router_cpu_ms_per_req"],
         "router_chunks_per_s": ceiling["chunks_per_s"],
     }
-    doc = {"benchmark": "overhead", "time": time.time(),
-           "host": {"cpus": os.cpu_count(), "node": platform.node(), "loadavg_1m_before": round(load_before[0], 2),
-                    "loadavg_1m_after": round(os.getloadavg()[0], 2)},
-           "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-           "arms": {"plain": "vllm serve with the node's flags, all cores, no agent",
-                    "peer": "vllm-router 0.1.17 --policy cache_aware in front of a plain engine",
-                    "node": "tandem node (agent + thread pinning), load straight to its engine port",
-                    "tandem": "tandem up --colocated: load through the Tandem router"},
-           "rounds": rounds, "summary": summary, "router_ceiling": ceiling, "result": result,
-           "ratios": {"tandem/plain": round(result["tandem_rps"] / result["plain_rps"], 3),
-                      "tandem/peer": round(result["tandem_rps"] / result["peer_rps"], 3),
-                      "node/plain": round(result["node_rps"] / result["plain_rps"], 3),
-                      "tandem_ttft/plain_ttft": round(result["tandem_ttft_p50_ms"] / result["plain_ttft_p50_ms"], 3)},
-           }
+    doc = {
+        "benchmark": "overhead",
+        "time": time.time(),
+        "host": {
+            "cpus": os.cpu_count(),
+            "node": platform.node(),
+            "loadavg_1m_before": round(load_before[0], 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        },
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "arms": {
+            "plain": "vllm serve with the node's flags, all cores, no agent",
+            "peer": "vllm-router 0.1.17 --policy cache_aware in front of a plain engine",
+            "node": "tandem node (agent + thread pinning), load straight to its engine port",
+            "tandem": "tandem up --colocated: load through the Tandem router",
+        },
+        "rounds": rounds,
+        "summary": summary,
+        "router_ceiling": ceiling,
+        "result": result,
+        "ratios": {
+            "tandem/plain": round(result["tandem_rps"] / result["plain_rps"], 3),
+            "tandem/peer": round(result["tandem_rps"] / result["peer_rps"], 3),
+            "node/plain": round(result["node_rps"] / result["plain_rps"], 3),
+            "tandem_ttft/plain_ttft": round(result["tandem_ttft_p50_ms"] / result["plain_ttft_p50_ms"], 3),
+        },
+    }
     doc["targets"] = targets(result)
     # A faster arm that refused requests is no faster: every arm must have answered everything.
     failed = {arm: s["failed"] + s.get("agent_failed", 0) for arm, s in summary.items()}
@@ -486,8 +637,10 @@ def run_overhead_bench(out: Path, cfg: OverheadBenchConfig | None = None) -> dic
     out.write_text(json.dumps(doc, indent=2) + "\n")
     png = out.with_suffix(".png")
     plot(doc, png)
-    _log(f"wrote {out} and {png}; targets: " + ", ".join(f"{k}: {'met' if v['met'] else 'MISSED'}"
-                                                       for k, v in doc["targets"].items()))
+    _log(
+        f"wrote {out} and {png}; targets: "
+        + ", ".join(f"{k}: {'met' if v['met'] else 'MISSED'}" for k, v in doc["targets"].items())
+    )
     return result
 
 

@@ -31,10 +31,12 @@ def bench_prompts() -> list[list[dict[str, str]]]:
     prompts = []
     for i in range(8):
         body = code[: 400 + 450 * i]
-        prompts.append([
-            {"role": "system", "content": "You are a coding agent. Answer with a short plan."},
-            {"role": "user", "content": f"Task {i}: refactor this module.\n```python\n{body}\n```"},
-        ])
+        prompts.append(
+            [
+                {"role": "system", "content": "You are a coding agent. Answer with a short plan."},
+                {"role": "user", "content": f"Task {i}: refactor this module.\n```python\n{body}\n```"},
+            ]
+        )
     return prompts
 
 
@@ -64,19 +66,29 @@ async def _measure(cluster: Cluster, cfg: PdBenchConfig, mode: str) -> list[Leve
         for c in cfg.concurrencies:
             n = cfg.requests_per_level or max(8, 2 * c)
             task = progress.add_task(f"{mode} c={c}", total=n)
-            stats, _ = await run_level(cluster.url, model, prompts, c, n, cfg.max_tokens,
-                                       on_done=lambda t=task: progress.advance(t))
+            stats, _ = await run_level(
+                cluster.url, model, prompts, c, n, cfg.max_tokens, on_done=lambda t=task: progress.advance(t)
+            )
             levels.append(stats)
-            console.print(f"{mode:>14} c={c:<3} TTFT p50 {stats.ttft_p50_ms:8.1f} ms  p99 {stats.ttft_p99_ms:8.1f} ms"
-                          f"  ITL p50 {stats.itl_p50_ms:6.1f} ms  {stats.output_tok_s:7.1f} tok/s"
-                          f"  errors {stats.errors}")
+            console.print(
+                f"{mode:>14} c={c:<3} TTFT p50 {stats.ttft_p50_ms:8.1f} ms  p99 {stats.ttft_p99_ms:8.1f} ms"
+                f"  ITL p50 {stats.itl_p50_ms:6.1f} ms  {stats.output_tok_s:7.1f} tok/s"
+                f"  errors {stats.errors}"
+            )
     return levels
 
 
 def _run_mode(cfg: PdBenchConfig, mode: str, workdir: Path) -> list[LevelStats]:
-    spec = ClusterSpec(prefill=1 if mode == "disaggregated" else 0, decode=1 if mode == "disaggregated" else 0,
-                       both=0 if mode == "disaggregated" else 1, model=cfg.model, router_port=cfg.router_port,
-                       node_base_port=cfg.node_base_port, redis_url=cfg.redis_url, workdir=workdir / mode)
+    spec = ClusterSpec(
+        prefill=1 if mode == "disaggregated" else 0,
+        decode=1 if mode == "disaggregated" else 0,
+        both=0 if mode == "disaggregated" else 1,
+        model=cfg.model,
+        router_port=cfg.router_port,
+        node_base_port=cfg.node_base_port,
+        redis_url=cfg.redis_url,
+        workdir=workdir / mode,
+    )
     cluster = Cluster(spec)
     cluster.start()
     try:
@@ -94,8 +106,12 @@ def plot(results: dict[str, list[dict[str, Any]]], out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
-    panels = [("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_p99_ms", "TTFT p99 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"),
-              ("output_tok_s", "output tokens/s")]
+    panels = [
+        ("ttft_p50_ms", "TTFT p50 (ms)"),
+        ("ttft_p99_ms", "TTFT p99 (ms)"),
+        ("itl_p50_ms", "ITL p50 (ms)"),
+        ("output_tok_s", "output tokens/s"),
+    ]
     for ax, (key, title) in zip(axes, panels, strict=True):
         for mode, levels in results.items():
             xs = [lv["concurrency"] for lv in levels]
@@ -120,13 +136,22 @@ def run_pd_bench(out: Path, cfg: PdBenchConfig | None = None) -> dict[str, Any]:
         results[mode] = [lv.as_dict() for lv in _run_mode(cfg, mode, workdir)]
     pd, colo = results["disaggregated"], results["colocated"]
     summary = {
-        "pd_ttft_p50_ms": round(pd[0]["ttft_p50_ms"], 1), "colo_ttft_p50_ms": round(colo[0]["ttft_p50_ms"], 1),
-        "pd_tok_s": round(pd[-1]["output_tok_s"], 1), "colo_tok_s": round(colo[-1]["output_tok_s"], 1),
+        "pd_ttft_p50_ms": round(pd[0]["ttft_p50_ms"], 1),
+        "colo_ttft_p50_ms": round(colo[0]["ttft_p50_ms"], 1),
+        "pd_tok_s": round(pd[-1]["output_tok_s"], 1),
+        "colo_tok_s": round(colo[-1]["output_tok_s"], 1),
     }
-    doc = {"benchmark": "pd", "time": time.time(), "config": cfg.__dict__, "results": results,
-           "summary": summary, "summary_definitions": {
-               "*_ttft_p50_ms": f"TTFT p50 at concurrency {cfg.concurrencies[0]}",
-               "*_tok_s": f"output tokens/s at concurrency {cfg.concurrencies[-1]}"}}
+    doc = {
+        "benchmark": "pd",
+        "time": time.time(),
+        "config": cfg.__dict__,
+        "results": results,
+        "summary": summary,
+        "summary_definitions": {
+            "*_ttft_p50_ms": f"TTFT p50 at concurrency {cfg.concurrencies[0]}",
+            "*_tok_s": f"output tokens/s at concurrency {cfg.concurrencies[-1]}",
+        },
+    }
     out.write_text(json.dumps(doc, indent=2))
     png = out.with_suffix(".png")
     plot(results, png)

@@ -99,12 +99,16 @@ def _cluster(spec: ClusterSpec, what: str) -> Iterator[Cluster]:
 
 def _warm(url: str, model: str, n: int) -> None:
     for _ in range(n):
-        httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
-            "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]}).raise_for_status()
+        httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=300,
+            json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]},
+        ).raise_for_status()
 
 
-def _summarize(sent: list[SentRequest], ids: dict[tuple[str, int], list[int]], block_size: int,
-               wall_s: float) -> dict[str, Any]:
+def _summarize(
+    sent: list[SentRequest], ids: dict[tuple[str, int], list[int]], block_size: int, wall_s: float
+) -> dict[str, Any]:
     ok = [s for s in sent if s.result.ok and s.result.usage]
     prompt = sum(s.result.usage["prompt_tokens"] for s in ok)
     cached = sum((s.result.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for s in ok)
@@ -114,23 +118,39 @@ def _summarize(sent: list[SentRequest], ids: dict[tuple[str, int], list[int]], b
     tandem = [s.result.usage.get("tandem") or {} for s in ok]
     predicted = [t for t in tandem if t.get("routed_cached_tokens") is not None]
     return {
-        "requests": len(sent), "errors": len(sent) - len(ok), "wall_s": round(wall_s, 1),
-        "prompt_tokens": prompt, "cached_tokens": cached, "hit": cached / prompt if prompt else 0.0,
-        "ideal_hit": ideal, "prefill_tokens": prompt - cached,
-        "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
+        "requests": len(sent),
+        "errors": len(sent) - len(ok),
+        "wall_s": round(wall_s, 1),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit": cached / prompt if prompt else 0.0,
+        "ideal_hit": ideal,
+        "prefill_tokens": prompt - cached,
+        "ttft_p50_ms": percentile(ttft, 0.5),
+        "ttft_p99_ms": percentile(ttft, 0.99),
         "e2e_p50_ms": percentile([s.result.e2e_s * 1000 for s in ok], 0.5),
         "late_session_starts_s": round(sum(s.late_s for s in sent), 2),
-        "prompt_token_mismatches": sum(s.result.usage["prompt_tokens"] != len(ids[(s.session_id, s.turn)])
-                                       for s in ok),
+        "prompt_token_mismatches": sum(s.result.usage["prompt_tokens"] != len(ids[(s.session_id, s.turn)]) for s in ok),
         "modes": dict(Counter(t.get("mode") or "n/a" for t in tandem)),
-        "routed_equals_engine": (sum(t["routed_cached_tokens"] == t["engine_cached_tokens"] for t in predicted)
-                                 / len(predicted)) if predicted else None,
-        "per_request": [{"session": s.session_id, "turn": s.turn, "sent_s": round(s.sent_s, 3),
-                         "ok": s.result.ok, "ttft_ms": round(s.result.ttft_s * 1000, 1),
-                         "prompt_tokens": (s.result.usage or {}).get("prompt_tokens"),
-                         "cached_tokens": ((s.result.usage or {}).get("prompt_tokens_details") or {}).get(
-                             "cached_tokens"),
-                         "tandem": (s.result.usage or {}).get("tandem"), "error": s.result.error} for s in sent],
+        "routed_equals_engine": (
+            sum(t["routed_cached_tokens"] == t["engine_cached_tokens"] for t in predicted) / len(predicted)
+        )
+        if predicted
+        else None,
+        "per_request": [
+            {
+                "session": s.session_id,
+                "turn": s.turn,
+                "sent_s": round(s.sent_s, 3),
+                "ok": s.result.ok,
+                "ttft_ms": round(s.result.ttft_s * 1000, 1),
+                "prompt_tokens": (s.result.usage or {}).get("prompt_tokens"),
+                "cached_tokens": ((s.result.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
+                "tandem": (s.result.usage or {}).get("tandem"),
+                "error": s.result.error,
+            }
+            for s in sent
+        ],
     }
 
 
@@ -144,8 +164,15 @@ class _Runner:
         self.results: dict[str, dict[str, Any]] = {}
         self.extra: dict[str, Any] = {}
 
-    def run(self, part: str, name: str, url: str, model: str, block_size: int,
-            after: Callable[[], dict[str, float]] | None = None) -> dict[str, Any]:
+    def run(
+        self,
+        part: str,
+        name: str,
+        url: str,
+        model: str,
+        block_size: int,
+        after: Callable[[], dict[str, float]] | None = None,
+    ) -> dict[str, Any]:
         """One run; ``after`` adds what the router itself counted (``router_metrics``)."""
         label = f"{part} {name}"
         salt = f"run-{sum(map(len, self.results.values())):02d}-{self.nonce}"
@@ -155,14 +182,17 @@ class _Runner:
         start = time.perf_counter()
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(f"{label}", total=len(ids))
-            sent = asyncio.run(run_sessions(url, model, sessions, self.cfg.max_tokens,
-                                            on_done=lambda _: progress.advance(task)))
+            sent = asyncio.run(
+                run_sessions(url, model, sessions, self.cfg.max_tokens, on_done=lambda _: progress.advance(task))
+            )
         stats = _summarize(sent, ids, block_size, time.perf_counter() - start)
         if after is not None:
             stats["router_metrics"] = after()
-        console.print(f"{label:>34}: hit {stats['hit']:.3f} (ideal {stats['ideal_hit']:.3f})  "
-                      f"TTFT p50 {stats['ttft_p50_ms']:7.0f} ms  p99 {stats['ttft_p99_ms']:7.0f} ms  "
-                      f"prefilled {stats['prefill_tokens']:>7} tok  errors {stats['errors']}  {stats['wall_s']} s")
+        console.print(
+            f"{label:>34}: hit {stats['hit']:.3f} (ideal {stats['ideal_hit']:.3f})  "
+            f"TTFT p50 {stats['ttft_p50_ms']:7.0f} ms  p99 {stats['ttft_p99_ms']:7.0f} ms  "
+            f"prefilled {stats['prefill_tokens']:>7} tok  errors {stats['errors']}  {stats['wall_s']} s"
+        )
         self.results.setdefault(part, {})[name] = stats
         self.partial.write_text(json.dumps({"results": self.results, **self.extra}, indent=2, default=str))
         return stats
@@ -185,9 +215,19 @@ def _replicas(a: str, b: str) -> dict[str, Any]:
 
 
 def _part_pd(cfg: RoutingBenchConfig, runner: _Runner) -> None:
-    spec = ClusterSpec(prefill=2, decode=1, model=cfg.model, router_port=cfg.router_port,
-                       node_base_port=cfg.node_base_port, redis_url=cfg.redis_url, kv_cache_gib=cfg.kv_cache_gib,
-                       dtype=cfg.dtype, block_size=cfg.block_size, policy=cfg.policies[0], workdir=cfg.workdir / "pd")
+    spec = ClusterSpec(
+        prefill=2,
+        decode=1,
+        model=cfg.model,
+        router_port=cfg.router_port,
+        node_base_port=cfg.node_base_port,
+        redis_url=cfg.redis_url,
+        kv_cache_gib=cfg.kv_cache_gib,
+        dtype=cfg.dtype,
+        block_size=cfg.block_size,
+        policy=cfg.policies[0],
+        workdir=cfg.workdir / "pd",
+    )
     with _cluster(spec, "2 prefill + 1 decode nodes") as cluster:
         urls = {cfg.policies[0]: cluster.url}
         for i, policy in enumerate(cfg.policies[1:], start=1):
@@ -207,10 +247,21 @@ def _part_pd(cfg: RoutingBenchConfig, runner: _Runner) -> None:
 
 
 def _part_colocated(cfg: RoutingBenchConfig, runner: _Runner) -> None:
-    spec = ClusterSpec(prefill=0, decode=0, both=2, model=cfg.model, router_port=cfg.router_port,
-                       node_base_port=cfg.node_base_port, redis_url=cfg.redis_url, kv_cache_gib=cfg.kv_cache_gib,
-                       dtype=cfg.dtype, block_size=cfg.block_size, policy="cache_aware",
-                       workdir=cfg.workdir / "colocated", extra_node_args=("--enable-scale-out",))
+    spec = ClusterSpec(
+        prefill=0,
+        decode=0,
+        both=2,
+        model=cfg.model,
+        router_port=cfg.router_port,
+        node_base_port=cfg.node_base_port,
+        redis_url=cfg.redis_url,
+        kv_cache_gib=cfg.kv_cache_gib,
+        dtype=cfg.dtype,
+        block_size=cfg.block_size,
+        policy="cache_aware",
+        workdir=cfg.workdir / "colocated",
+        extra_node_args=("--enable-scale-out",),
+    )
     with _cluster(spec, "2 colocated nodes") as cluster:
         model = _model(cluster.url)
         view = _cluster_view(cluster.url)["nodes"]
@@ -225,24 +276,40 @@ def _part_colocated(cfg: RoutingBenchConfig, runner: _Runner) -> None:
                     if policy == "kv_aware" and events.startswith("ipc://"):
                         events = stack.enter_context(EventRelay(events, cfg.router_port + 60 + i)).endpoint
                     workers.append(PeerWorker(url=n["url"], kv_events=events, kv_replay=ns.kv_replay_endpoint))
-                peer = VllmRouter(port=cfg.router_port + 50, policy=policy, workers=workers, block_size=block_size,
-                                  model=model, log=cluster.logs / f"vllm-router-{policy}.log",
-                                  metrics_port=cfg.router_port + 51)
+                peer = VllmRouter(
+                    port=cfg.router_port + 50,
+                    policy=policy,
+                    workers=workers,
+                    block_size=block_size,
+                    model=model,
+                    log=cluster.logs / f"vllm-router-{policy}.log",
+                    metrics_port=cfg.router_port + 51,
+                )
                 with console.status(f"starting vllm-router --policy {policy}…"):
                     stack.enter_context(peer)
                     _warm(peer.url, model, 2)
-                runner.run("colocated", f"vllm_router_{policy}", peer.url, model, block_size,
-                           after=peer.scrape_routing_metrics)
+                runner.run(
+                    "colocated", f"vllm_router_{policy}", peer.url, model, block_size, after=peer.scrape_routing_metrics
+                )
 
 
 def _targets(s: dict[str, float]) -> dict[str, dict[str, Any]]:
     t = {
-        "cache_hit >= 0.95 * ideal_hit": (s["cache_hit"], 0.95 * s["ideal_hit"],
-                                          s["cache_hit"] >= 0.95 * s["ideal_hit"]),
-        "1 - cache_hit <= 0.75 * (1 - rr_hit)": (1 - s["cache_hit"], 0.75 * (1 - s["rr_hit"]),
-                                                 1 - s["cache_hit"] <= 0.75 * (1 - s["rr_hit"])),
-        "cache_ttft_p50_ms < rr_ttft_p50_ms": (s["cache_ttft_p50_ms"], s["rr_ttft_p50_ms"],
-                                               s["cache_ttft_p50_ms"] < s["rr_ttft_p50_ms"]),
+        "cache_hit >= 0.95 * ideal_hit": (
+            s["cache_hit"],
+            0.95 * s["ideal_hit"],
+            s["cache_hit"] >= 0.95 * s["ideal_hit"],
+        ),
+        "1 - cache_hit <= 0.75 * (1 - rr_hit)": (
+            1 - s["cache_hit"],
+            0.75 * (1 - s["rr_hit"]),
+            1 - s["cache_hit"] <= 0.75 * (1 - s["rr_hit"]),
+        ),
+        "cache_ttft_p50_ms < rr_ttft_p50_ms": (
+            s["cache_ttft_p50_ms"],
+            s["rr_ttft_p50_ms"],
+            s["cache_ttft_p50_ms"] < s["rr_ttft_p50_ms"],
+        ),
     }
     if s.get("peer_hit") == s.get("peer_hit"):  # not NaN: part 3 ran
         t["colo_cache_hit >= peer_hit"] = (s["colo_cache_hit"], s["peer_hit"], s["colo_cache_hit"] >= s["peer_hit"])
@@ -255,21 +322,24 @@ def plot(results: dict[str, dict[str, Any]], out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{part}\n{name}".replace("vllm_router_", "vllm-router\n") for part, runs in results.items()
-              for name in runs]
+    labels = [
+        f"{part}\n{name}".replace("vllm_router_", "vllm-router\n") for part, runs in results.items() for name in runs
+    ]
     rows = [r for runs in results.values() for r in runs.values()]
     colors = ["tab:blue" if part == "pd" else "tab:orange" for part, runs in results.items() for _ in runs]
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
     xs = range(len(rows))
     axes[0].bar(xs, [r["hit"] for r in rows], color=colors)
-    axes[0].scatter(xs, [r["ideal_hit"] for r in rows], marker="_", s=600, color="black",
-                    label="ideal (unlimited cache)")
+    axes[0].scatter(
+        xs, [r["ideal_hit"] for r in rows], marker="_", s=600, color="black", label="ideal (unlimited cache)"
+    )
     axes[0].set_ylim(0, 1)
     axes[0].set_title("engine-confirmed prefix hit rate")
     axes[0].legend(loc="lower right")
     axes[1].bar([x - 0.2 for x in xs], [r["ttft_p50_ms"] for r in rows], width=0.4, color=colors, label="p50")
-    axes[1].bar([x + 0.2 for x in xs], [r["ttft_p99_ms"] for r in rows], width=0.4, color=colors, alpha=0.45,
-                label="p99")
+    axes[1].bar(
+        [x + 0.2 for x in xs], [r["ttft_p99_ms"] for r in rows], width=0.4, color=colors, alpha=0.45, label="p99"
+    )
     axes[1].set_title("TTFT (ms)")
     axes[1].legend()
     axes[2].bar(xs, [r["prefill_tokens"] for r in rows], color=colors)
@@ -277,8 +347,7 @@ def plot(results: dict[str, dict[str, Any]], out_png: Path) -> None:
     for ax in axes:
         ax.set_xticks(list(xs), labels, fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("Routing on a coding-agent workload: 2P+1D (blue) and 2 colocated nodes (orange), "
-                 "SmolLM2-135M on CPU")
+    fig.suptitle("Routing on a coding-agent workload: 2P+1D (blue) and 2 colocated nodes (orange), SmolLM2-135M on CPU")
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -299,22 +368,40 @@ def run_routing_bench(out: Path, cfg: RoutingBenchConfig | None = None) -> dict[
     pd = results.get("pd", {})
     nan = float("nan")
     ca, rr = pd.get("cache_aware", {}), pd.get("round_robin", {})
-    summary = {"cache_hit": ca.get("hit", nan), "ideal_hit": ca.get("ideal_hit", nan), "rr_hit": rr.get("hit", nan),
-               "cache_ttft_p50_ms": ca.get("ttft_p50_ms", nan), "rr_ttft_p50_ms": rr.get("ttft_p50_ms", nan),
-               "colo_cache_hit": nan, "peer_hit": nan, "colo_cache_ttft_p50_ms": nan, "peer_ttft_p50_ms": nan}
+    summary = {
+        "cache_hit": ca.get("hit", nan),
+        "ideal_hit": ca.get("ideal_hit", nan),
+        "rr_hit": rr.get("hit", nan),
+        "cache_ttft_p50_ms": ca.get("ttft_p50_ms", nan),
+        "rr_ttft_p50_ms": rr.get("ttft_p50_ms", nan),
+        "colo_cache_hit": nan,
+        "peer_hit": nan,
+        "colo_cache_ttft_p50_ms": nan,
+        "peer_ttft_p50_ms": nan,
+    }
     if cfg.peer:
         colo = results["colocated"]
         best = max((colo[f"vllm_router_{p}"] for p in PEER_POLICIES), key=lambda r: r["hit"])
-        summary.update(colo_cache_hit=colo["tandem_cache_aware"]["hit"], peer_hit=best["hit"],
-                       colo_cache_ttft_p50_ms=colo["tandem_cache_aware"]["ttft_p50_ms"],
-                       peer_ttft_p50_ms=best["ttft_p50_ms"])
+        summary.update(
+            colo_cache_hit=colo["tandem_cache_aware"]["hit"],
+            peer_hit=best["hit"],
+            colo_cache_ttft_p50_ms=colo["tandem_cache_aware"]["ttft_p50_ms"],
+            peer_ttft_p50_ms=best["ttft_p50_ms"],
+        )
     summary = {k: round(v, 4 if k.endswith("hit") else 1) for k, v in summary.items()}
     targets = _targets(summary) if ca and rr else {}
     for name, t in targets.items():
         console.print(f"{'[green]held' if t['held'] else '[red]MISSED'}[/] {name}: {t['value']} vs {t['bound']}")
-    doc = {"benchmark": "routing", "time": started, "duration_s": round(time.time() - started, 1),
-           "config": {**asdict(cfg), "workdir": str(cfg.workdir)}, "results": results,
-           "replicas": runner.extra.get("replicas"), "summary": summary, "targets": targets}
+    doc = {
+        "benchmark": "routing",
+        "time": started,
+        "duration_s": round(time.time() - started, 1),
+        "config": {**asdict(cfg), "workdir": str(cfg.workdir)},
+        "results": results,
+        "replicas": runner.extra.get("replicas"),
+        "summary": summary,
+        "targets": targets,
+    }
     out.write_text(json.dumps(doc, indent=2, default=str))
     runner.partial.unlink(missing_ok=True)
     png = out.with_suffix(".png")

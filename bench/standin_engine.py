@@ -77,11 +77,13 @@ class StandInEngine:
 
     def __post_init__(self) -> None:
         self._open.set()
-        self.app = Starlette(routes=[
-            Route("/v1/chat/completions", self._handle, methods=["POST"]),
-            Route("/v1/completions", self._handle, methods=["POST"]),
-            Route("/health", lambda _: Response("ok"), methods=["GET"]),
-        ])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._handle, methods=["POST"]),
+                Route("/v1/completions", self._handle, methods=["POST"]),
+                Route("/health", lambda _: Response("ok"), methods=["GET"]),
+            ]
+        )
 
     def close_gate(self) -> None:
         """From now on, requests wait (after being recorded) until ``open_gate``."""
@@ -117,12 +119,22 @@ class StandInEngine:
         prompt_words = len(json.dumps(body.get("messages") or body.get("prompt") or "").split())
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode"):  # prefill leg
-            return JSONResponse({
-                "id": rid, "object": "chat.completion" if chat else "text_completion", "model": body.get("model"),
-                "choices": [{"index": 0, "finish_reason": "length",
-                             **({"message": {"role": "assistant", "content": "x"}} if chat else {"text": "x"})}],
-                "usage": {"prompt_tokens": prompt_words, "completion_tokens": 1, "total_tokens": prompt_words + 1},
-                "kv_transfer_params": {"stand_in": True, "remote_request_id": rid}})
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "model": body.get("model"),
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "length",
+                            **({"message": {"role": "assistant", "content": "x"}} if chat else {"text": "x"}),
+                        }
+                    ],
+                    "usage": {"prompt_tokens": prompt_words, "completion_tokens": 1, "total_tokens": prompt_words + 1},
+                    "kv_transfer_params": {"stand_in": True, "remote_request_id": rid},
+                }
+            )
         if self.stream_tokens and chat and body.get("stream"):
             return self._token_stream(body, header_id or rid)
         message = self.reply(body)
@@ -130,18 +142,33 @@ class StandInEngine:
         calls = message.get("tool_calls") or []
         finish = "tool_calls" if calls else "stop"
         completion_words = max(1, len(text.split()))
-        usage = {"prompt_tokens": prompt_words, "completion_tokens": completion_words,
-                 "total_tokens": prompt_words + completion_words}
+        usage = {
+            "prompt_tokens": prompt_words,
+            "completion_tokens": completion_words,
+            "total_tokens": prompt_words + completion_words,
+        }
         if not body.get("stream"):
-            choice = ({"message": message} if chat else {"text": text})
-            return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                 "created": int(time.time()), "model": body.get("model"),
-                                 "choices": [{"index": 0, "finish_reason": finish, **choice}], "usage": usage})
+            choice = {"message": message} if chat else {"text": text}
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()),
+                    "model": body.get("model"),
+                    "choices": [{"index": 0, "finish_reason": finish, **choice}],
+                    "usage": usage,
+                }
+            )
 
         def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
-            payload = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                       "created": int(time.time()), "model": body.get("model"),
-                       "choices": [choice] if choice else [], **extra}
+            payload = {
+                "id": rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model"),
+                "choices": [choice] if choice else [],
+                **extra,
+            }
             return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
         async def events() -> AsyncIterator[bytes]:
@@ -167,17 +194,23 @@ class StandInEngine:
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.stream_tokens
         n = max(1, min(int(asked), self.stream_tokens))
         rid = f"chatcmpl-{rid}"
-        head = (f'data: {{"id":"{rid}","object":"chat.completion.chunk","created":{int(time.time())},'
-                f'"model":{json.dumps(body.get("model"))},"choices":[{{"index":0,').encode()
+        head = (
+            f'data: {{"id":"{rid}","object":"chat.completion.chunk","created":{int(time.time())},'
+            f'"model":{json.dumps(body.get("model"))},"choices":[{{"index":0,'
+        ).encode()
         first = head + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
         token = head + b'"delta":{"content":" tok"},"logprobs":null,"finish_reason":null}]}\n\n'
         last = head + b'"delta":{},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
         prompt_words = len(json.dumps(body.get("messages") or "").split())
         usage = b""
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = head[:head.index(b'"choices"')] + (
-                f'"choices":[],"usage":{{"prompt_tokens":{prompt_words},"total_tokens":{prompt_words + n},'
-                f'"completion_tokens":{n}}}}}\n\n').encode()
+            usage = (
+                head[: head.index(b'"choices"')]
+                + (
+                    f'"choices":[],"usage":{{"prompt_tokens":{prompt_words},"total_tokens":{prompt_words + n},'
+                    f'"completion_tokens":{n}}}}}\n\n'
+                ).encode()
+            )
         burst, interval = self.burst, self.token_interval_s
 
         async def events() -> AsyncIterator[bytes]:
@@ -197,14 +230,15 @@ class StandInEngine:
 class ServerThread:
     """Serve an ASGI app with uvicorn on 127.0.0.1 in a daemon thread (lifespan included).
 
-        with ServerThread(app) as url: ...
+    with ServerThread(app) as url: ...
     """
 
     def __init__(self, app: Any, port: int = 0) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
-                                lifespan="on")
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False, lifespan="on"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 
@@ -225,14 +259,23 @@ class ServerThread:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run a stand-in engine (NOT an engine: fixed replies).")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--stream-tokens", type=int, default=None,
-                        help="token streaming mode: streamed chat answers are max_tokens one-token chunks (at most N)")
+    parser.add_argument(
+        "--stream-tokens",
+        type=int,
+        default=None,
+        help="token streaming mode: streamed chat answers are max_tokens one-token chunks (at most N)",
+    )
     parser.add_argument("--burst", type=int, default=1, help="token streaming mode: chunks per write")
-    parser.add_argument("--token-interval-ms", type=float, default=0.0,
-                        help="token streaming mode: pause between writes, like an engine's time per output token")
+    parser.add_argument(
+        "--token-interval-ms",
+        type=float,
+        default=0.0,
+        help="token streaming mode: pause between writes, like an engine's time per output token",
+    )
     args = parser.parse_args()
-    engine = StandInEngine(stream_tokens=args.stream_tokens, burst=args.burst,
-                           token_interval_s=args.token_interval_ms / 1000)
+    engine = StandInEngine(
+        stream_tokens=args.stream_tokens, burst=args.burst, token_interval_s=args.token_interval_ms / 1000
+    )
     uvicorn.run(engine.app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 

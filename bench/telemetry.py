@@ -142,9 +142,7 @@ def run_events_throughput(
         t0 = time.perf_counter()
         stats = writer.drain()
         elapsed = time.perf_counter() - t0
-        rows_in_lake = query(
-            lake, "SELECT count(*) AS n, count(DISTINCT event_id) AS d FROM requests"
-        ).to_pylist()[0]
+        rows_in_lake = query(lake, "SELECT count(*) AS n, count(DISTINCT event_id) AS d FROM requests").to_pylist()[0]
         result = {
             "events": n_events,
             "entries": entries,

@@ -51,8 +51,12 @@ _POLICY_NAMES = {0: "SCHED_OTHER", 3: "SCHED_BATCH", 5: "SCHED_IDLE"}
 def _start_off_router(cluster: Cluster, port: int) -> subprocess.Popen[bytes]:
     """A router configured like the cluster's (launcher.Cluster.start), telemetry off."""
     spec = cluster.spec
-    env = {**os.environ, "TANDEM_SQLITE_PATH": str(spec.workdir / "tandem-telemetry-off.db"),
-           **dict(spec.router_env), "TANDEM_ROUTER_TELEMETRY": "false"}
+    env = {
+        **os.environ,
+        "TANDEM_SQLITE_PATH": str(spec.workdir / "tandem-telemetry-off.db"),
+        **dict(spec.router_env),
+        "TANDEM_ROUTER_TELEMETRY": "false",
+    }
     cmd = [sys.executable, "-m", "tandem", "router", "--port", str(port), "--redis-url", cluster.redis_url]
     if spec.policy is not None:
         cmd += ["--policy", spec.policy]
@@ -111,8 +115,9 @@ def _check(results: list[RequestResult]) -> None:
         raise ConfigError(f"{len(failed)} of {len(results)} requests failed, e.g. {failed[0]}")
 
 
-def _mixed_round(urls: dict[str, str], model: str, prompts: list[Any], concurrency: int, max_tokens: int,
-                 on_first: bool) -> dict[str, list[float]]:
+def _mixed_round(
+    urls: dict[str, str], model: str, prompts: list[Any], concurrency: int, max_tokens: int, on_first: bool
+) -> dict[str, list[float]]:
     """``concurrency`` streams at once: stream ``j`` sends prompt ``j // 2`` through the "on" router
     when ``j`` is even (odd when ``on_first`` is False), else through the "off" one."""
     order = ("on", "off") if on_first else ("off", "on")
@@ -121,11 +126,25 @@ def _mixed_round(urls: dict[str, str], model: str, prompts: list[Any], concurren
     async def run() -> list[RequestResult]:
         limits = httpx.Limits(max_connections=concurrency + 4)
         async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
-            return await asyncio.gather(*(
-                one_request(client, f"{urls[mode]}/v1/chat/completions",
-                            {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}, {})
-                for mode, messages in plan))
+            return await asyncio.gather(
+                *(
+                    one_request(
+                        client,
+                        f"{urls[mode]}/v1/chat/completions",
+                        {
+                            "model": model,
+                            "messages": messages,
+                            "max_tokens": max_tokens,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "stream": True,
+                            "stream_options": {"include_usage": True},
+                        },
+                        {},
+                    )
+                    for mode, messages in plan
+                )
+            )
 
     results = asyncio.run(run())
     _check(results)
@@ -144,14 +163,28 @@ def _wait_lake(lake: Path, source: str, since: float, want: int, timeout_s: floa
     return rows
 
 
-def run_ttft_on_off(redis_url: str, *, concurrency: int = 32, rounds: int = 12, max_tokens: int = 16,
-                    router_port: int = 18700, node_base_port: int = 18800,
-                    drain_timeout_s: float = 120.0) -> dict[str, Any]:
+def run_ttft_on_off(
+    redis_url: str,
+    *,
+    concurrency: int = 32,
+    rounds: int = 12,
+    max_tokens: int = 16,
+    router_port: int = 18700,
+    node_base_port: int = 18800,
+    drain_timeout_s: float = 120.0,
+) -> dict[str, Any]:
     """``rounds`` measured rounds per mode of ``concurrency`` simultaneous streamed requests."""
     workdir = Path(".tandem") / "bench-telemetry"
-    spec = ClusterSpec(prefill=0, decode=0, both=1, router_port=router_port, node_base_port=node_base_port,
-                       redis_url=redis_url, workdir=workdir,
-                       router_env=(("TANDEM_ROUTER_TELEMETRY", "true"),))
+    spec = ClusterSpec(
+        prefill=0,
+        decode=0,
+        both=1,
+        router_port=router_port,
+        node_base_port=node_base_port,
+        redis_url=redis_url,
+        workdir=workdir,
+        router_env=(("TANDEM_ROUTER_TELEMETRY", "true"),),
+    )
     off_port = router_port + 1
     source = f"router-{router_port}"
     ttft: dict[str, list[float]] = {"on": [], "off": []}
@@ -190,18 +223,25 @@ def run_ttft_on_off(redis_url: str, *, concurrency: int = 32, rounds: int = 12, 
     pairs = [100 * (round_p50["on"][i] - round_p50["off"][i]) / round_p50["off"][i] for i in range(rounds)]
     return {
         "design": "mixed rounds: concurrency streams at once, half per router, alternating in launch order, "
-                  "adjacent pairs with the same prompt",
-        "concurrency": concurrency, "rounds": rounds, "order": sequence,
-        "warm_up_rounds_per_router": 1, "requests_per_mode": len(ttft["on"]),
-        "ttft_on_ms": round(on_ms, 1), "ttft_off_ms": round(off_ms, 1),
+        "adjacent pairs with the same prompt",
+        "concurrency": concurrency,
+        "rounds": rounds,
+        "order": sequence,
+        "warm_up_rounds_per_router": 1,
+        "requests_per_mode": len(ttft["on"]),
+        "ttft_on_ms": round(on_ms, 1),
+        "ttft_off_ms": round(off_ms, 1),
         "overhead_pct": round(100 * (on_ms - off_ms) / off_ms, 2),
         "round_p50_ms": {m: [round(v, 1) for v in vs] for m, vs in round_p50.items()},
         "pair_overhead_pct": [round(p, 2) for p in pairs],
         "pair_overhead_pct_median": round(statistics.median(pairs), 2),
         "telemetry": {
-            "on_router_requests": on_requests, "lake_request_rows": rows,
-            "lake_rows_when_rounds_ended": rows_at_end, "every_request_in_lake": rows == on_requests,
-            "dropped_events": dropped, "writer_cpu_s_during_rounds": round(writer_cpu, 2),
+            "on_router_requests": on_requests,
+            "lake_request_rows": rows,
+            "lake_rows_when_rounds_ended": rows_at_end,
+            "every_request_in_lake": rows == on_requests,
+            "dropped_events": dropped,
+            "writer_cpu_s_during_rounds": round(writer_cpu, 2),
             "writer_scheduling_policy": writer_policy,
         },
     }

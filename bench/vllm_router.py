@@ -41,8 +41,10 @@ def vllm_router_executable() -> str | None:
 def require_vllm_router() -> str:
     exe = vllm_router_executable()
     if exe is None:
-        raise ConfigError(f"vllm-router is not installed: `pip install vllm-router=={VLLM_ROUTER_VERSION}` (or "
-                          "`make install`, which installs the dev extra), or pass --no-peer to skip the comparison")
+        raise ConfigError(
+            f"vllm-router is not installed: `pip install vllm-router=={VLLM_ROUTER_VERSION}` (or "
+            "`make install`, which installs the dev extra), or pass --no-peer to skip the comparison"
+        )
     return exe
 
 
@@ -116,14 +118,29 @@ class VllmRouter:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self, exe: str) -> list[str]:
-        cmd = [exe, "--host", "127.0.0.1", "--port", str(self.port), "--policy", self.policy,
-               "--worker-urls", *[w.url for w in self.workers], "--worker-startup-check-interval", "1"]
+        cmd = [
+            exe,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--policy",
+            self.policy,
+            "--worker-urls",
+            *[w.url for w in self.workers],
+            "--worker-startup-check-interval",
+            "1",
+        ]
         if self.metrics_port is not None:
             cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port)]
         if self.policy == "kv_aware":
             for w in self.workers:
-                cmd += ["--kv-event-source", f"{w.url}={w.kv_events}", "--kv-event-replay-source",
-                        f"{w.url}={w.kv_replay}"]
+                cmd += [
+                    "--kv-event-source",
+                    f"{w.url}={w.kv_events}",
+                    "--kv-event-replay-source",
+                    f"{w.url}={w.kv_replay}",
+                ]
             cmd += ["--kv-event-block-size", str(self.block_size), "--kv-event-model", self.model]
         return cmd
 
@@ -132,8 +149,14 @@ class VllmRouter:
         if self.metrics_port is None:
             return {}
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
-        keep = ("vllm_router_kv_", "vllm_router_prefix_routing", "vllm_router_policy_decisions",
-                "vllm_router_cache_hits", "vllm_router_cache_misses", "vllm_router_processed_requests")
+        keep = (
+            "vllm_router_kv_",
+            "vllm_router_prefix_routing",
+            "vllm_router_policy_decisions",
+            "vllm_router_cache_hits",
+            "vllm_router_cache_misses",
+            "vllm_router_processed_requests",
+        )
         out = {}
         for line in text.splitlines():
             if line.startswith(keep):
@@ -149,8 +172,9 @@ class VllmRouter:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ConfigError(f"vllm-router --policy {self.policy} exited with status {self.proc.returncode}; "
-                                  f"see {self.log}")
+                raise ConfigError(
+                    f"vllm-router --policy {self.policy} exited with status {self.proc.returncode}; see {self.log}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return self

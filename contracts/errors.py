@@ -165,8 +165,10 @@ class VersionMismatch(TandemError):
     error_type = "upstream_error"
 
     def __init__(self, contract: str, *, theirs: object, ours: object) -> None:
-        super().__init__(f"{contract} version {theirs!r} is not ours ({ours!r}): the two sides run different "
-                         "Tandem releases; upgrade them together")
+        super().__init__(
+            f"{contract} version {theirs!r} is not ours ({ours!r}): the two sides run different "
+            "Tandem releases; upgrade them together"
+        )
         self.contract = contract
         self.theirs = theirs
         self.ours = ours

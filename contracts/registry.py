@@ -229,8 +229,11 @@ class NodeRegistry:
             raw = cast("list[bytes | None]", await self._redis.mget(keys) if keys else [])
         except RedisError as exc:
             raise StoreError(f"node status read failed: {exc}") from exc
-        found = [st for k, r in zip(keys, raw, strict=True) if r is not None
-                 and (st := self._decode(_id_of(k, "status"), r, _status_decoder)) is not None]
+        found = [
+            st
+            for k, r in zip(keys, raw, strict=True)
+            if r is not None and (st := self._decode(_id_of(k, "status"), r, _status_decoder)) is not None
+        ]
         return sorted(found, key=lambda st: st.node_id)
 
     async def live_nodes(self) -> list[LiveNode]:

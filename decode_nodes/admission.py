@@ -65,8 +65,9 @@ class RemoteKvAdmission:
         except TandemError as exc:
             params["do_remote_prefill"] = False
             self.refused_params += 1
-            log.error("request %s: kv_transfer_params refused, prefilling here instead: %s", request.request_id,
-                      exc.message)
+            log.error(
+                "request %s: kv_transfer_params refused, prefilling here instead: %s", request.request_id, exc.message
+            )
             return None
 
     def match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -103,11 +104,26 @@ class RemoteKvAdmission:
         local = list(blocks.get_block_ids()[0][first:n_prompt])
         remote = params.remote_block_ids[first:n_prompt]
         if len(remote) != len(local):
-            log.warning("request %s: prefill node leased %d prompt blocks, %d needed; the pull will fail and "
-                        "the prompt be recomputed", request.request_id, len(remote), len(local))
+            log.warning(
+                "request %s: prefill node leased %d prompt blocks, %d needed; the pull will fail and "
+                "the prompt be recomputed",
+                request.request_id,
+                len(remote),
+                len(local),
+            )
         self._inflight.add(request.request_id)
-        self.recvs.append(RecvSpec(request.request_id, params.transfer_id, params.remote_endpoints,
-                                   params.remote_host_id, remote, local, params.lease_deadline, params.transport))
+        self.recvs.append(
+            RecvSpec(
+                request.request_id,
+                params.transfer_id,
+                params.remote_endpoints,
+                params.remote_host_id,
+                remote,
+                local,
+                params.lease_deadline,
+                params.transport,
+            )
+        )
 
     def outputs(self, finished_recving: set[str], reports: dict[str, TransferReport] | None) -> None:
         """``update_connector_output``: pulls that ended, and how they went."""
@@ -145,8 +161,7 @@ class RemoteKvAdmission:
 
     def _release(self, request: Request, params: TransferParams, reason: str, *, forget: bool = True) -> None:
         log.info("request %s: releasing transfer %s (%s)", request.request_id, params.transfer_id, reason)
-        self.releases.append(ReleaseSpec(params.remote_endpoints, params.remote_host_id, params.transfer_id,
-                                         reason))
+        self.releases.append(ReleaseSpec(params.remote_endpoints, params.remote_host_id, params.transfer_id, reason))
         if forget:
             _flags(request)["do_remote_prefill"] = False
 

@@ -60,13 +60,28 @@ class PullOutcome:
     """Wall clock."""
 
     def report(self) -> TransferReport:
-        return TransferReport(ok=self.ok, bytes=self.nbytes, seconds=round(self.seconds, 6), transport=self.transport,
-                              reason=self.reason, start=self.started, end=self.started + self.seconds)
+        return TransferReport(
+            ok=self.ok,
+            bytes=self.nbytes,
+            seconds=round(self.seconds, 6),
+            transport=self.transport,
+            reason=self.reason,
+            start=self.started,
+            end=self.started + self.seconds,
+        )
 
 
 class Puller:
-    def __init__(self, layout: KVLayout, stats: TransferStats, codec: wire.Codec, *, threads: int = 4,
-                 on_outcome: Callable[[], None] | None = None, shm_split: bool = True) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        stats: TransferStats,
+        codec: wire.Codec,
+        *,
+        threads: int = 4,
+        on_outcome: Callable[[], None] | None = None,
+        shm_split: bool = True,
+    ) -> None:
         self.layout = layout
         self.codec = codec
         self.shm_split = shm_split
@@ -153,8 +168,9 @@ class Puller:
             sock.send(self.codec.encode(wire.Done(job.transfer_id, True)))
             seconds = time.perf_counter() - t0
             self.stats.record_recv(nbytes, sum(s.count for s in job.segments), seconds)
-            self._finish(PullOutcome(job.request_id, True, job.local_block_ids, nbytes, seconds, "", job.transport,
-                                     wall0))
+            self._finish(
+                PullOutcome(job.request_id, True, job.local_block_ids, nbytes, seconds, "", job.transport, wall0)
+            )
         except TransferFailed as exc:
             self._fail(job, sock, exc.reason, refused=exc.refused, started=wall0)
         except Exception as exc:  # never lose an outcome: the engine waits for it
@@ -172,8 +188,9 @@ class Puller:
                     raise TransferFailed(f"ucx unavailable: {exc}") from exc
             return self._ucx
 
-    def _fail(self, job: PullJob, sock: zmq.Socket[bytes] | None, reason: str, *, refused: bool,
-              started: float) -> None:
+    def _fail(
+        self, job: PullJob, sock: zmq.Socket[bytes] | None, reason: str, *, refused: bool, started: float
+    ) -> None:
         log.warning("pull %s for %s failed: %s", job.transfer_id, job.request_id, reason)
         with self.stats.lock:
             self.stats.recv_failed += 1
@@ -182,8 +199,17 @@ class Puller:
             self._discard(job.endpoint)
         if not refused:  # tell the prefill node, on a fresh socket, so it frees the lease now
             self._send_done(job.endpoint, job.transfer_id, reason)
-        self._finish(PullOutcome(job.request_id, False, job.local_block_ids, reason=reason, transport=job.transport,
-                                 started=started, seconds=time.time() - started))
+        self._finish(
+            PullOutcome(
+                job.request_id,
+                False,
+                job.local_block_ids,
+                reason=reason,
+                transport=job.transport,
+                started=started,
+                seconds=time.time() - started,
+            )
+        )
 
     def _send_done(self, endpoint: str, transfer_id: str, reason: str) -> None:
         try:

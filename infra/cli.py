@@ -41,28 +41,51 @@ def up(
     model: Annotated[str | None, typer.Option(help="Model folder (default: prepared SmolLM2-135M-Instruct).")] = None,
     port: Annotated[int, typer.Option(help="Router port.")] = 8000,
     node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 8100,
-    redis_url: Annotated[str | None, typer.Option(help="Use this Redis (default: $TANDEM_REDIS_URL if it "
-                         "answers, else start an embedded one).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="Engine dtype of every node (default: the node's own "
-                                                   "setting, TANDEM_NODE_DTYPE, else bfloat16).")] = None,
-    kv_cache_gib: Annotated[int | None, typer.Option(help="KV cache per node, GiB (default: the node's own "
-                                                          "setting, else 1).")] = None,
-    connector: Annotated[ConnectorKind | None, typer.Option(
-        help="KV connector: tandem (ours, default) or nixl (baseline).")] = None,
-    workdir: Annotated[Path, typer.Option(help="Logs, the telemetry lake and embedded Redis data.")] = Path(
-        ".tandem"),
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Use this Redis (default: $TANDEM_REDIS_URL if it answers, else start an embedded one)."),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="Engine dtype of every node (default: the node's own setting, TANDEM_NODE_DTYPE, else bfloat16)."
+        ),
+    ] = None,
+    kv_cache_gib: Annotated[
+        int | None, typer.Option(help="KV cache per node, GiB (default: the node's own setting, else 1).")
+    ] = None,
+    connector: Annotated[
+        ConnectorKind | None, typer.Option(help="KV connector: tandem (ours, default) or nixl (baseline).")
+    ] = None,
+    workdir: Annotated[Path, typer.Option(help="Logs, the telemetry lake and embedded Redis data.")] = Path(".tandem"),
     lake: Annotated[Path | None, typer.Option(help="Parquet lake for telemetry (default: <workdir>/lake).")] = None,
-    policy: Annotated[str | None, typer.Option(help="Routing policy: cache_aware (default), least_loaded or "
-                                                    "round_robin (default: TANDEM_ROUTER_POLICY).")] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            help="Routing policy: cache_aware (default), least_loaded or round_robin (default: TANDEM_ROUTER_POLICY)."
+        ),
+    ] = None,
 ) -> None:
     """Start a local cluster (Redis if needed, nodes, router) and run it until Ctrl-C or SIGTERM."""
     from infra.launcher import Cluster, ClusterSpec
 
     if colocated:
         prefill, decode, both = 0, 0, max(both, 1)
-    spec = ClusterSpec(prefill=prefill, decode=decode, both=both, model=model, router_port=port,
-                       node_base_port=node_base_port, redis_url=redis_url, dtype=dtype, kv_cache_gib=kv_cache_gib,
-                       connector=connector.value if connector else None, workdir=workdir, lake=lake, policy=policy)
+    spec = ClusterSpec(
+        prefill=prefill,
+        decode=decode,
+        both=both,
+        model=model,
+        router_port=port,
+        node_base_port=node_base_port,
+        redis_url=redis_url,
+        dtype=dtype,
+        kv_cache_gib=kv_cache_gib,
+        connector=connector.value if connector else None,
+        workdir=workdir,
+        lake=lake,
+        policy=policy,
+    )
     cluster = Cluster(spec)
     # Ctrl-C and SIGTERM unwind from wherever the launcher is (start-up included) into the `finally`,
     # which stops every child; further signals are ignored so that stop itself is not interrupted.
@@ -73,8 +96,10 @@ def up(
             cluster.start()
             with console.status("starting cluster…") as status:
                 cluster.wait_ready(on_progress=lambda msg: status.update(f"starting cluster… {msg}"))
-        console.print(f"Tandem is up: {cluster.url}/v1 ({prefill}P + {decode}D + {both} colocated; "
-                      f"logs in {cluster.logs}, telemetry lake in {cluster.lake})")
+        console.print(
+            f"Tandem is up: {cluster.url}/v1 ({prefill}P + {decode}D + {both} colocated; "
+            f"logs in {cluster.logs}, telemetry lake in {cluster.lake})"
+        )
         print(f"READY {cluster.url}", flush=True)
         while True:
             # One dead child is restarted with backoff; it never stops the others (infra/launcher.py).
@@ -96,8 +121,10 @@ cluster_app = typer.Typer(help="Inspect a running cluster.", no_args_is_help=Tru
 @cluster_app.command("status")
 def cluster_status(
     url: Annotated[str, typer.Option(envvar="TANDEM_URL", help="Router base URL.")] = "http://127.0.0.1:8000",
-    redis_url: Annotated[str | None, typer.Option(help="Registry Redis (node agents' and launchers' states; "
-                                                  "default: $TANDEM_REDIS_URL).")] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Registry Redis (node agents' and launchers' states; default: $TANDEM_REDIS_URL)."),
+    ] = None,
 ) -> None:
     """Nodes, roles, load, KV usage and cached blocks, as the router sees them (GET /cluster); node agents
     (state, engine epoch, restarts, last failure) and the processes of `tandem up` (state, restarts)
@@ -118,9 +145,16 @@ def cluster_status(
             table.add_column(col, no_wrap=(col == "node"))
         for n in data["nodes"]:
             ev = n["kv_events"]
-            table.add_row(n["node_id"], n["role"], str(n["running"]), str(n["waiting"]), f"{n['kv_usage']:.0%}",
-                          str(n["cached_blocks"]), str(n["num_kv_blocks"]),
-                          "-" if ev is None else ("yes" if not (ev["lost"] or ev["key_mismatches"]) else "NO"))
+            table.add_row(
+                n["node_id"],
+                n["role"],
+                str(n["running"]),
+                str(n["waiting"]),
+                f"{n['kv_usage']:.0%}",
+                str(n["cached_blocks"]),
+                str(n["num_kv_blocks"]),
+                "-" if ev is None else ("yes" if not (ev["lost"] or ev["key_mismatches"]) else "NO"),
+            )
         out.print(table)
     try:
         statuses, launchers = asyncio.run(_supervision_state(redis_url or configured_redis_url()))
@@ -168,4 +202,3 @@ async def _supervision_state(redis_url: str) -> tuple[list, dict[str, dict[str, 
         raise StoreError(f"Redis at {redis_url} unreadable: {exc}") from exc
     finally:
         await client.aclose()
-

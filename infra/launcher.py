@@ -78,8 +78,13 @@ class Child:
     def state(self) -> dict[str, object]:
         alive = self.proc.poll() is None
         state = "running" if alive else ("unhealthy" if self.gave_up else "restarting")
-        return {"state": state, "pid": self.proc.pid if alive else None, "restarts": self.restarts,
-                "last_exit": self.last_exit, "updated_at": time.time()}
+        return {
+            "state": state,
+            "pid": self.proc.pid if alive else None,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+            "updated_at": time.time(),
+        }
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,7 @@ def assign_cores(role: Role, has_pd: bool, slot: int = 0, slots: int = 1) -> str
         if slots >= len(cores):
             return str(cores[slot % len(cores)])
         share = len(cores) // slots
-        return _span(cores[slot * share:(slot + 1) * share])
+        return _span(cores[slot * share : (slot + 1) * share])
     if len(cores) < 2:
         return _span(cores)
     half = len(cores) // 2
@@ -174,9 +179,14 @@ class Cluster:
 
         def start() -> subprocess.Popen[bytes]:
             with open(self.logs / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
-                return subprocess.Popen([sys.executable, "-m", "tandem", *args], stdout=log,
-                                        stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                        start_new_session=True, preexec_fn=die_with_parent())
+                return subprocess.Popen(
+                    [sys.executable, "-m", "tandem", *args],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **(env or {})},
+                    start_new_session=True,
+                    preexec_fn=die_with_parent(),
+                )
 
         self.children.append(Child(name, start, start(), is_node=args[0] == "node"))
 
@@ -184,6 +194,7 @@ class Cluster:
         spec = self.spec
         if spec.embedded_redis or (spec.redis_url is None and not reachable(self.redis_url)):
             self.redis_url = f"redis://127.0.0.1:{spec.redis_port}/0"
+
             def start_redis() -> subprocess.Popen[bytes]:
                 return start_embedded(spec.redis_port, spec.workdir / "redis")
 
@@ -197,11 +208,27 @@ class Cluster:
             node_id = f"{role.value}-{i}-{port}"
             self.node_urls[node_id] = f"http://127.0.0.1:{port}"
             self.node_ids[node_id] = role
-            args = ["node", "--role", role.value, "--port", str(port), "--node-id", node_id,
-                    "--redis-url", self.redis_url, "--cores", assign_cores(role, has_pd, both_slot, spec.both),
-                    "--log-dir", str(self.logs)]
-            for flag, value in (("--dtype", spec.dtype), ("--kv-cache-gib", spec.kv_cache_gib),
-                                ("--connector", spec.connector), ("--max-model-len", spec.max_model_len)):
+            args = [
+                "node",
+                "--role",
+                role.value,
+                "--port",
+                str(port),
+                "--node-id",
+                node_id,
+                "--redis-url",
+                self.redis_url,
+                "--cores",
+                assign_cores(role, has_pd, both_slot, spec.both),
+                "--log-dir",
+                str(self.logs),
+            ]
+            for flag, value in (
+                ("--dtype", spec.dtype),
+                ("--kv-cache-gib", spec.kv_cache_gib),
+                ("--connector", spec.connector),
+                ("--max-model-len", spec.max_model_len),
+            ):
                 if value is not None:
                     args += [flag, str(value)]
             if spec.model:
@@ -215,8 +242,21 @@ class Cluster:
         self.add_router(spec.router_port, spec.policy, name="router")
         # The slow path never takes CPU from the fast path: the writer runs SCHED_IDLE on any core
         # (every core belongs to an engine here), only where an engine would leave it idle.
-        self._spawn("lake-writer", ["telemetry", "consume", "--redis-url", self.redis_url, "--lake", str(self.lake),
-                                    "--consumer", f"tandem-up-{spec.router_port}", "--cpu-priority", "idle"])
+        self._spawn(
+            "lake-writer",
+            [
+                "telemetry",
+                "consume",
+                "--redis-url",
+                self.redis_url,
+                "--lake",
+                str(self.lake),
+                "--consumer",
+                f"tandem-up-{spec.router_port}",
+                "--cpu-priority",
+                "idle",
+            ],
+        )
 
     def add_router(self, port: int, policy: str | None, name: str | None = None) -> str:
         """Start a router process over this cluster's registry (the cluster's own, or another replica
@@ -225,8 +265,11 @@ class Cluster:
         args = ["router", "--port", str(port), "--redis-url", self.redis_url]
         if policy is not None:
             args += ["--policy", policy]
-        self._spawn(name or f"router-{port}", args,
-                    {"TANDEM_SQLITE_PATH": str(self.spec.workdir / "tandem.db"), **dict(self.spec.router_env)})
+        self._spawn(
+            name or f"router-{port}",
+            args,
+            {"TANDEM_SQLITE_PATH": str(self.spec.workdir / "tandem.db"), **dict(self.spec.router_env)},
+        )
         return f"http://127.0.0.1:{port}"
 
     def live_node_ids(self) -> set[str]:
@@ -257,8 +300,9 @@ class Cluster:
                 c.last_exit = describe_exit(code)
                 if c.is_node and code == EXIT_UNHEALTHY:
                     c.gave_up = True
-                    events.append(f"{c.name} gave up on its engine ({c.last_exit}): unhealthy, left down "
-                                  f"(logs in {self.logs})")
+                    events.append(
+                        f"{c.name} gave up on its engine ({c.last_exit}): unhealthy, left down (logs in {self.logs})"
+                    )
                     continue
                 c.exits.append(now)
                 while c.exits and now - c.exits[0] > CHILD_FAILURE_WINDOW_S:
@@ -347,14 +391,18 @@ class Cluster:
         one-off costs (the router loading the tokenizer, the first NIXL handshake between P and D)."""
         url = url or self.url
         routes = (["disaggregated"] if self.spec.prefill and self.spec.decode else []) + (
-            ["colocated"] if self.spec.both else [])
+            ["colocated"] if self.spec.both else []
+        )
         if not routes:  # no node to warm (a router and writer alone, or prefill-only)
             return
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         for route in routes:
-            resp = httpx.post(f"{url}/v1/chat/completions", timeout=self.spec.startup_timeout_s,
-                              headers={"x-tandem-route": route, "x-session-id": "tandem-warm-up"},
-                              json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            resp = httpx.post(
+                f"{url}/v1/chat/completions",
+                timeout=self.spec.startup_timeout_s,
+                headers={"x-tandem-route": route, "x-session-id": "tandem-warm-up"},
+                json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+            )
             if resp.status_code != 200:
                 raise ConfigError(f"warm-up request ({route}) failed: {resp.status_code} {resp.text[:300]}")
 
@@ -384,8 +432,9 @@ class Cluster:
         _kill_all(descendants)
         self.children.clear()
         with contextlib.suppress(redis.RedisError):  # an embedded Redis is gone already: nothing to clean
-            client = self._state_client or redis.Redis.from_url(self.redis_url, socket_timeout=1,
-                                                                socket_connect_timeout=1)
+            client = self._state_client or redis.Redis.from_url(
+                self.redis_url, socket_timeout=1, socket_connect_timeout=1
+            )
             try:
                 client.delete(launcher_key(self.spec.router_port))
             finally:

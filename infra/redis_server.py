@@ -51,10 +51,26 @@ def start_embedded(port: int, workdir: Path, timeout_s: float = 15.0) -> subproc
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        [_redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
+        [
+            _redis_binary(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--logfile",
+            str(workdir / "redis.log"),
+        ],
         # Its own session, like every cluster child (stopped with killpg); dies with its starter.
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_parent(),
     )
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + timeout_s

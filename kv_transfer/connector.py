@@ -78,8 +78,7 @@ class TandemConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         sending, recving, failed = self._worker.transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
@@ -125,8 +124,9 @@ class TandemConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
         meta = connector_output.kv_connector_worker_meta
-        self._scheduler.update_connector_output(set(connector_output.finished_recving or ()),
-                                                meta.reports if isinstance(meta, TransferReports) else None)
+        self._scheduler.update_connector_output(
+            set(connector_output.finished_recving or ()), meta.reports if isinstance(meta, TransferReports) else None
+        )
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -139,6 +139,7 @@ class TandemConnector(KVConnectorBase_V1):
         return TandemKVStats(data=data) if data is not None else TandemKVStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> TandemPromMetrics:
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ) -> TandemPromMetrics:
         return TandemPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

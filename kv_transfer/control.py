@@ -112,7 +112,14 @@ async def lease_report(params: dict[str, Any], *, timeout_s: float = 2.0) -> dic
     if not isinstance(answer, wire.LeaseReport):
         return None
     ended = answer.end > 0 and answer.start > 0
-    return TransferReport(ok=answer.state == "done", bytes=answer.nbytes or None, transport=answer.transport or None,
-                          seconds=round(answer.end - answer.start, 6) if ended else None, reason=answer.reason,
-                          start=answer.start or None, end=answer.end if ended else None, state=answer.state,
-                          source="prefill").to_dict()
+    return TransferReport(
+        ok=answer.state == "done",
+        bytes=answer.nbytes or None,
+        transport=answer.transport or None,
+        seconds=round(answer.end - answer.start, 6) if ended else None,
+        reason=answer.reason,
+        start=answer.start or None,
+        end=answer.end if ended else None,
+        state=answer.state,
+        source="prefill",
+    ).to_dict()

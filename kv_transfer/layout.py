@@ -42,11 +42,15 @@ class KVLayout:
         first = next(iter(caches.values()))
         for name, t in caches.items():
             if t.device.type != "cpu":
-                raise ValueError(f"layer {name}: the tandem connector moves host-memory KV caches only "
-                                 f"(got {t.device}); use the nixl connector on accelerators")
+                raise ValueError(
+                    f"layer {name}: the tandem connector moves host-memory KV caches only "
+                    f"(got {t.device}); use the nixl connector on accelerators"
+                )
             if t.shape[0] != num_blocks or not t.is_contiguous():
-                raise ValueError(f"layer {name}: expected a contiguous cache with {num_blocks} blocks on "
-                                 f"axis 0, got shape {tuple(t.shape)}")
+                raise ValueError(
+                    f"layer {name}: expected a contiguous cache with {num_blocks} blocks on "
+                    f"axis 0, got shape {tuple(t.shape)}"
+                )
             arrays.append(t.view(torch.uint8).numpy().reshape(num_blocks, -1))
         return cls(arrays, str(first.dtype).removeprefix("torch."), list(first.shape[1:]))
 
@@ -60,7 +64,7 @@ class KVLayout:
 
     def span(self, layer: int, start: int, count: int) -> np.ndarray:
         """The bytes of blocks [start, start + count) of one layer, as a writable view (no copy)."""
-        return self.layers[layer][start:start + count].reshape(-1)
+        return self.layers[layer][start : start + count].reshape(-1)
 
     def address(self, layer: int) -> int:
         return self.layers[layer].ctypes.data

@@ -18,8 +18,7 @@ class TandemKVStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {**{k: [] for k in LISTS}, **{k: 0 for k in COUNTS}, "lease_outcomes": {},
-                     **{k: 0 for k in GAUGES}}
+        self.data = {**{k: [] for k in LISTS}, **{k: 0 for k in COUNTS}, "lease_outcomes": {}, **{k: 0 for k in GAUGES}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         o = other.data
@@ -38,11 +37,15 @@ class TandemKVStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         secs, nbytes = self.data["recv_seconds"], self.data["recv_bytes"]
-        return {"transfers": len(secs), "bytes": sum(nbytes), "blocks": self.data["recv_blocks"],
-                "avg_seconds": round(sum(secs) / len(secs), 4) if secs else 0.0,
-                "GB/s": round(sum(nbytes) / sum(secs) / 1e9, 3) if secs and sum(secs) else 0.0,
-                "failed": self.data["failed_transfers"] + self.data["recv_failed"],
-                "leases_active": self.data["leases_active"]}
+        return {
+            "transfers": len(secs),
+            "bytes": sum(nbytes),
+            "blocks": self.data["recv_blocks"],
+            "avg_seconds": round(sum(secs) / len(secs), 4) if secs else 0.0,
+            "GB/s": round(sum(nbytes) / sum(secs) / 1e9, 3) if secs and sum(secs) else 0.0,
+            "failed": self.data["failed_transfers"] + self.data["recv_failed"],
+            "leases_active": self.data["leases_active"],
+        }
 
     def is_empty(self) -> bool:
         d = self.data
@@ -54,8 +57,13 @@ class TandemKVStats(KVConnectorStats):
 class TandemPromMetrics(KVConnectorPromMetrics):
     """``tandem_kv_*`` metrics in the engine's API-server process."""
 
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         from vllm.v1.metrics.utils import create_metric_per_engine
 
@@ -67,34 +75,75 @@ class TandemPromMetrics(KVConnectorPromMetrics):
         c: Any = self._counter_cls
         g: Any = self._gauge_cls
         buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
-        self.recv_seconds = per_engine(h(name="tandem_kv_transfer_seconds", buckets=buckets,
-                                         documentation="Time to pull one request's KV (decode side).",
-                                         labelnames=labelnames))
-        self.recv_bytes = per_engine(c(name="tandem_kv_transfer_bytes",
-                                       documentation="KV bytes received (decode side).", labelnames=labelnames))
-        self.recv_blocks = per_engine(c(name="tandem_kv_transfer_blocks",
-                                        documentation="KV blocks received (decode side).", labelnames=labelnames))
-        self.failed = per_engine(c(name="tandem_kv_transfer_failures",
-                                   documentation="Pulls that failed (refused, timed out, bad checksum).",
-                                   labelnames=labelnames))
-        self.unauthenticated = per_engine(c(name="tandem_kv_unauthenticated",
-                                            documentation="KV control frames refused for a bad or missing MAC "
-                                                          "(prefill side).", labelnames=labelnames))
-        self.peer_refused = per_engine(c(name="tandem_kv_peer_refused",
-                                         documentation="Pulls refused: an shm pull over tcp, or from a peer whose "
-                                                       "socket credentials differ from what it claims.",
-                                         labelnames=labelnames))
-        self.leases_active = per_engine(g(name="tandem_kv_leases_active", multiprocess_mode="mostrecent",
-                                          documentation="Leases held now (prefill side).",
-                                          labelnames=labelnames))
-        self.leased_blocks = per_engine(g(name="tandem_kv_leased_blocks", multiprocess_mode="mostrecent",
-                                          documentation="KV blocks held under leases now (prefill side).",
-                                          labelnames=labelnames))
-        self.leases_sending = per_engine(g(name="tandem_kv_leases_sending", multiprocess_mode="mostrecent",
-                                           documentation="Leases whose transfer is under way (prefill side).",
-                                           labelnames=labelnames))
-        self._outcome_counter = c(name="tandem_kv_lease_outcomes", documentation="Leases ended, by outcome.",
-                                  labelnames=[*labelnames, "outcome"])
+        self.recv_seconds = per_engine(
+            h(
+                name="tandem_kv_transfer_seconds",
+                buckets=buckets,
+                documentation="Time to pull one request's KV (decode side).",
+                labelnames=labelnames,
+            )
+        )
+        self.recv_bytes = per_engine(
+            c(name="tandem_kv_transfer_bytes", documentation="KV bytes received (decode side).", labelnames=labelnames)
+        )
+        self.recv_blocks = per_engine(
+            c(
+                name="tandem_kv_transfer_blocks",
+                documentation="KV blocks received (decode side).",
+                labelnames=labelnames,
+            )
+        )
+        self.failed = per_engine(
+            c(
+                name="tandem_kv_transfer_failures",
+                documentation="Pulls that failed (refused, timed out, bad checksum).",
+                labelnames=labelnames,
+            )
+        )
+        self.unauthenticated = per_engine(
+            c(
+                name="tandem_kv_unauthenticated",
+                documentation="KV control frames refused for a bad or missing MAC (prefill side).",
+                labelnames=labelnames,
+            )
+        )
+        self.peer_refused = per_engine(
+            c(
+                name="tandem_kv_peer_refused",
+                documentation="Pulls refused: an shm pull over tcp, or from a peer whose "
+                "socket credentials differ from what it claims.",
+                labelnames=labelnames,
+            )
+        )
+        self.leases_active = per_engine(
+            g(
+                name="tandem_kv_leases_active",
+                multiprocess_mode="mostrecent",
+                documentation="Leases held now (prefill side).",
+                labelnames=labelnames,
+            )
+        )
+        self.leased_blocks = per_engine(
+            g(
+                name="tandem_kv_leased_blocks",
+                multiprocess_mode="mostrecent",
+                documentation="KV blocks held under leases now (prefill side).",
+                labelnames=labelnames,
+            )
+        )
+        self.leases_sending = per_engine(
+            g(
+                name="tandem_kv_leases_sending",
+                multiprocess_mode="mostrecent",
+                documentation="Leases whose transfer is under way (prefill side).",
+                labelnames=labelnames,
+            )
+        )
+        self._outcome_counter = c(
+            name="tandem_kv_lease_outcomes",
+            documentation="Leases ended, by outcome.",
+            labelnames=[*labelnames, "outcome"],
+        )
         self._labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

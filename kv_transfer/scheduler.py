@@ -50,8 +50,7 @@ class TandemScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.admission.allocated(request, blocks, num_external_tokens)
 
-    def update_connector_output(self, finished_recving: set[str],
-                                reports: dict[str, TransferReport] | None) -> None:
+    def update_connector_output(self, finished_recving: set[str], reports: dict[str, TransferReport] | None) -> None:
         self.admission.outputs(finished_recving, reports)
 
     # -- both ------------------------------------------------------------------------------------------
@@ -71,8 +70,10 @@ class TandemScheduler:
             return decode_side
         if not params.get("do_remote_decode"):
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) \
-                or not block_ids:
+        if (
+            request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            or not block_ids
+        ):
             return False, None  # aborted or failed prefill: nothing to hand over, free now
         deadline = time.time() + self.settings.lease_s
         self._leases.append(LeaseSpec(request.request_id, list(block_ids), deadline))

@@ -79,14 +79,18 @@ class ConnectorSettings(BaseModel):
     @property
     def binds_loopback_only(self) -> bool:
         """Every address the block server binds is a loopback one (ipc is a local file)."""
-        return all(is_loopback(ep.removeprefix("tcp://").rsplit(":", 1)[0])
-                   for ep in self.bind_endpoints if ep.startswith("tcp://"))
+        return all(
+            is_loopback(ep.removeprefix("tcp://").rsplit(":", 1)[0])
+            for ep in self.bind_endpoints
+            if ep.startswith("tcp://")
+        )
 
     def codec(self) -> wire.Codec:
         """The signer of this node's KV messages; ``ConfigError`` when no usable secret is set (see
         ``auth.py``: a node binding a real interface must be given one)."""
-        return wire.Codec(load_cluster_secret(secret_file=self.cluster_secret_file,
-                                              loopback_only=self.binds_loopback_only))
+        return wire.Codec(
+            load_cluster_secret(secret_file=self.cluster_secret_file, loopback_only=self.binds_loopback_only)
+        )
 
     def choose_transport(self, remote_host_id: str, requested: str | None = None) -> str:
         """``requested``: a per-request choice from kv_transfer_params (benchmarks), else the setting."""

@@ -43,8 +43,9 @@ class Transport(Protocol):
         """The Pull message that asks the prefill node for ``segments`` over this transport."""
         ...
 
-    def receive(self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *,
-                codec: wire.Codec) -> int:
+    def receive(
+        self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *, codec: wire.Codec
+    ) -> int:
         """Receive every segment of ``pull`` into ``layout``; returns the bytes moved. ``codec``
         verifies every control frame from the prefill node."""
         ...
@@ -56,8 +57,9 @@ def verify_answer(codec: wire.Codec, data: bytes | memoryview) -> wire.Message:
     try:
         return codec.decode(data)
     except PeerUnauthenticated as exc:
-        raise TransferFailed(f"answer failed authentication (is the cluster secret the same on both nodes?): "
-                             f"{exc.message}", refused=True) from exc
+        raise TransferFailed(
+            f"answer failed authentication (is the cluster secret the same on both nodes?): {exc.message}", refused=True
+        ) from exc
     except VersionMismatch as exc:  # the prefill node runs another release: it would not take our Done
         raise TransferFailed(exc.message, refused=True) from exc
     except UpstreamError as exc:
@@ -93,8 +95,9 @@ class FrameTransport:
     def pull(self, transfer_id: str, segments: list[wire.Segment], checksum: bool, layout: KVLayout) -> wire.Pull:
         return wire.Pull(transfer_id, segments, self.name, checksum)
 
-    def receive(self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *,
-                codec: wire.Codec) -> int:
+    def receive(
+        self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *, codec: wire.Codec
+    ) -> int:
         total = 0
         seen = 0
         while True:
@@ -110,8 +113,9 @@ class FrameTransport:
                 continue
             if msg.dtype != layout.dtype or msg.shape != layout.block_shape:
                 _drain(sock)
-                raise TransferFailed(f"layout mismatch: remote {msg.dtype}{msg.shape}, "
-                                     f"local {layout.dtype}{layout.block_shape}")
+                raise TransferFailed(
+                    f"layout mismatch: remote {msg.dtype}{msg.shape}, local {layout.dtype}{layout.block_shape}"
+                )
             for i, seg in enumerate(pull.segments):
                 if not sock.getsockopt(zmq.RCVMORE):
                     raise TransferFailed(f"layer {msg.layer}: {i} of {len(pull.segments)} segments")
@@ -149,7 +153,7 @@ def process_vm_writev(pid: int, pairs: list[tuple[int, int, int]]) -> None:
 def _cma(call: Callable[..., int], name: str, pid: int, pairs: list[tuple[int, int, int]]) -> None:
     # ctypes releases the GIL around the call: the copy runs beside the engine's Python threads.
     for i in range(0, len(pairs), _IOV_MAX):
-        chunk = pairs[i:i + _IOV_MAX]
+        chunk = pairs[i : i + _IOV_MAX]
         local = (_IoVec * len(chunk))(*[_IoVec(la, n) for la, _, n in chunk])
         remote = (_IoVec * len(chunk))(*[_IoVec(ra, n) for _, ra, n in chunk])
         want = sum(n for _, _, n in chunk)
@@ -161,16 +165,24 @@ def _cma(call: Callable[..., int], name: str, pid: int, pairs: list[tuple[int, i
             raise TransferFailed(f"{name} copied {got} of {want} bytes")
 
 
-def cma_pairs(pull: wire.Pull, layers: list[int], here: list[int], there: list[int], block_nbytes: int, *,
-              local_is_remote_side: bool) -> list[tuple[int, int, int]]:
+def cma_pairs(
+    pull: wire.Pull,
+    layers: list[int],
+    here: list[int],
+    there: list[int],
+    block_nbytes: int,
+    *,
+    local_is_remote_side: bool,
+) -> list[tuple[int, int, int]]:
     """(address here, address there, nbytes) of ``layers`` of a pull's segments. ``here``/``there``:
     block-0 addresses per layer; the prefill process sees segments' ``remote`` ids as its own."""
     out = []
     for layer in layers:
         for s in pull.segments:
             mine, theirs = (s.remote, s.local) if local_is_remote_side else (s.local, s.remote)
-            out.append((here[layer] + mine * block_nbytes, there[layer] + theirs * block_nbytes,
-                        s.count * block_nbytes))
+            out.append(
+                (here[layer] + mine * block_nbytes, there[layer] + theirs * block_nbytes, s.count * block_nbytes)
+            )
     return out
 
 
@@ -190,11 +202,17 @@ class CmaTransport:
 
     def target(self, layout: KVLayout) -> wire.CmaTarget:
         n = layout.num_layers
-        return wire.CmaTarget(os.getpid(), [layout.address(i) for i in range(n)], layout.block_nbytes,
-                              layout.layers[0].shape[0], list(range(n // 2)) if self.split else [])
+        return wire.CmaTarget(
+            os.getpid(),
+            [layout.address(i) for i in range(n)],
+            layout.block_nbytes,
+            layout.layers[0].shape[0],
+            list(range(n // 2)) if self.split else [],
+        )
 
-    def receive(self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *,
-                codec: wire.Codec) -> int:
+    def receive(
+        self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *, codec: wire.Codec
+    ) -> int:
         msg, frame = _recv_frame(sock, deadline, codec)
         if not isinstance(msg, wire.Grant) or msg.transfer_id != pull.transfer_id:
             raise TransferFailed(f"expected a Grant, got {type(msg).__name__}")
@@ -202,8 +220,10 @@ class CmaTransport:
         # which), whatever pid the Grant names: never from a process that a message alone names.
         peer = peer_credentials(frame)
         if peer is None or peer.pid != msg.pid:
-            raise TransferFailed(f"Grant names pid {msg.pid}, but the socket's proven peer is "
-                                 f"{'pid ' + str(peer.pid) if peer else 'unknown (not an ipc socket)'}")
+            raise TransferFailed(
+                f"Grant names pid {msg.pid}, but the socket's proven peer is "
+                f"{'pid ' + str(peer.pid) if peer else 'unknown (not an ipc socket)'}"
+            )
         if len(msg.layer_addresses) != layout.num_layers or any(b != layout.block_nbytes for b in msg.block_nbytes):
             raise TransferFailed("layout mismatch between prefill and decode caches")
         bn = layout.block_nbytes
@@ -216,8 +236,9 @@ class CmaTransport:
             if not isinstance(done, wire.Pushed) or done.transfer_id != pull.transfer_id:
                 raise TransferFailed(f"expected Pushed, got {type(done).__name__}")
             if not done.ok:  # the prefill node could not write: copy its share from here
-                process_vm_readv(msg.pid, cma_pairs(pull, sorted(pushing), here, msg.layer_addresses, bn,
-                                                    local_is_remote_side=False))
+                process_vm_readv(
+                    msg.pid, cma_pairs(pull, sorted(pushing), here, msg.layer_addresses, bn, local_is_remote_side=False)
+                )
         if msg.checksums:
             for layer in range(layout.num_layers):
                 for i, s in enumerate(pull.segments):

@@ -48,8 +48,16 @@ from kv_transfer.wire import UcxPosted, UcxTarget
 
 log = logging.getLogger("tandem.kv.ucx")
 
-__all__ = ["UcxError", "UcxOptions", "UcxPosted", "UcxReceiver", "UcxSendFailed", "UcxSender", "UcxTarget",
-           "UcxUnavailable"]
+__all__ = [
+    "UcxError",
+    "UcxOptions",
+    "UcxPosted",
+    "UcxReceiver",
+    "UcxSendFailed",
+    "UcxSender",
+    "UcxTarget",
+    "UcxUnavailable",
+]
 
 _TAG_BITS = 32
 _MAX_ENDPOINTS = 256
@@ -60,6 +68,7 @@ closed (a Done can overtake the sender's own completion of the last send)."""
 
 
 # -- errors and options ------------------------------------------------------------------------------
+
 
 class UcxError(Exception):
     """Base of this module's errors (besides ``TransferFailed`` on the decode side)."""
@@ -113,6 +122,7 @@ def _tag(u: Any, pull_tag: int, index: int) -> Any:  # noqa: ANN401
 
 # -- prefill side ------------------------------------------------------------------------------------
 
+
 @dataclass
 class _Sends:
     peer: bytes
@@ -155,8 +165,9 @@ class UcxSender:
         flips a byte of a copy of the first segment (the ``corrupt`` fault)."""
         lay = self.layout
         if target.block_nbytes != lay.block_nbytes:
-            raise UcxSendFailed(f"layout mismatch: decode blocks of {target.block_nbytes} bytes, "
-                                f"prefill blocks of {lay.block_nbytes}")
+            raise UcxSendFailed(
+                f"layout mismatch: decode blocks of {target.block_nbytes} bytes, prefill blocks of {lay.block_nbytes}"
+            )
         if not 0 <= target.tag < 1 << _TAG_BITS or lay.num_layers * len(pull.segments) >= 1 << _TAG_BITS:
             raise UcxSendFailed(f"tag {target.tag} or segment count out of range")
         if pull.transfer_id in self._inflight:
@@ -232,8 +243,9 @@ class UcxSender:
             ep = None
         if ep is None:
             u = self._u
-            ep = u.UCXEndpoint.create_from_worker_address(self._worker, u.UCXAddress.create_from_buffer(peer),
-                                                          self.options.error_handling)
+            ep = u.UCXEndpoint.create_from_worker_address(
+                self._worker, u.UCXAddress.create_from_buffer(peer), self.options.error_handling
+            )
             self._endpoints[peer] = ep
             while len(self._endpoints) > _MAX_ENDPOINTS:
                 self._drop_endpoint(next(iter(self._endpoints)))
@@ -251,6 +263,7 @@ class UcxSender:
 
 
 # -- decode side -------------------------------------------------------------------------------------
+
 
 @dataclass
 class _ThreadWorker:
@@ -279,8 +292,9 @@ class UcxReceiver:
         tw.pending = UcxTarget(tw.address, next(tw.tags) % (1 << _TAG_BITS), layout.block_nbytes)
         return tw.pending
 
-    def receive(self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *,
-                codec: wire.Codec) -> int:
+    def receive(
+        self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *, codec: wire.Codec
+    ) -> int:
         tw = self._thread_worker()
         target, tw.pending = tw.pending, None
         if target is None:
@@ -298,8 +312,9 @@ class UcxReceiver:
             except u.UCXError as exc:
                 raise TransferFailed(f"ucx: {exc}") from exc
             if posted.dtype != layout.dtype or posted.shape != layout.block_shape:
-                raise TransferFailed(f"layout mismatch: remote {posted.dtype}{posted.shape}, "
-                                     f"local {layout.dtype}{layout.block_shape}")
+                raise TransferFailed(
+                    f"layout mismatch: remote {posted.dtype}{posted.shape}, local {layout.dtype}{layout.block_shape}"
+                )
             if posted.checksums:
                 for layer in range(layout.num_layers):
                     for i, s in enumerate(pull.segments):
@@ -318,8 +333,15 @@ class UcxReceiver:
         if tw is not None:
             self._drop(tw)
 
-    def _wait(self, tw: _ThreadWorker, sock: zmq.Socket[bytes], pull: wire.Pull, requests: list[Any],
-              deadline: float, codec: wire.Codec) -> UcxPosted:
+    def _wait(
+        self,
+        tw: _ThreadWorker,
+        sock: zmq.Socket[bytes],
+        pull: wire.Pull,
+        requests: list[Any],
+        deadline: float,
+        codec: wire.Codec,
+    ) -> UcxPosted:
         """Until every receive completed and the prefill node's UcxPosted came, or the deadline."""
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -341,8 +363,10 @@ class UcxReceiver:
                 return posted
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                raise TransferFailed(f"timed out: {len(requests) - len(left)} of {len(requests)} segments "
-                                     f"arrived, {'with' if posted else 'no'} answer from the prefill node")
+                raise TransferFailed(
+                    f"timed out: {len(requests) - len(left)} of {len(requests)} segments "
+                    f"arrived, {'with' if posted else 'no'} answer from the prefill node"
+                )
             if tw.worker.arm():  # nothing left to progress: sleep until UCX or the socket has news
                 poller.poll(left_ms)
 
@@ -365,8 +389,7 @@ class UcxReceiver:
             try:
                 worker = u.UCXWorker(self._ctx)
                 worker.init_blocking_progress_mode()
-                tw = _ThreadWorker(worker, worker.epoll_file_descriptor, worker.address.tobytes(),
-                                   itertools.count(1))
+                tw = _ThreadWorker(worker, worker.epoll_file_descriptor, worker.address.tobytes(), itertools.count(1))
             except u.UCXError as exc:
                 raise TransferFailed(f"ucx: worker did not start: {exc}") from exc
             self._local.tw = tw

@@ -238,8 +238,9 @@ class Ack(msgspec.Struct, tag="kv.ack.v1", frozen=True):
     ok: bool = True
 
 
-Message = (Pull | LayerHeader | End | Grant | Pushed | UcxPosted | Done | Release | Reject | Query | LeaseReport
-           | Fault | Ack)
+Message = (
+    Pull | LayerHeader | End | Grant | Pushed | UcxPosted | Done | Release | Reject | Query | LeaseReport | Fault | Ack
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -266,21 +267,21 @@ class Codec:
         an unverified frame is parsed, msgpack included); ``UpstreamError`` for a verified frame that is
         no message of this version."""
         view = memoryview(data)
-        if len(view) >= len(MAGIC) and view[:len(_MARKER)] == _MARKER and view[:len(MAGIC)] != MAGIC:
-            marker = bytes(view[len(_MARKER):len(MAGIC)]).decode("ascii", "replace")
-            raise VersionMismatch("KV wire protocol", theirs=int(marker) if marker.isdigit() else marker,
-                                  ours=PROTOCOL)
-        if len(view) < _HEAD or view[:len(MAGIC)] != MAGIC:
+        if len(view) >= len(MAGIC) and view[: len(_MARKER)] == _MARKER and view[: len(MAGIC)] != MAGIC:
+            marker = bytes(view[len(_MARKER) : len(MAGIC)]).decode("ascii", "replace")
+            raise VersionMismatch("KV wire protocol", theirs=int(marker) if marker.isdigit() else marker, ours=PROTOCOL)
+        if len(view) < _HEAD or view[: len(MAGIC)] != MAGIC:
             raise PeerUnauthenticated("no signed envelope (an unauthenticated or protocol-1 peer)")
-        stamp = view[len(MAGIC):len(MAGIC) + _TS.size]
-        mac = view[len(MAGIC) + _TS.size:_HEAD]
+        stamp = view[len(MAGIC) : len(MAGIC) + _TS.size]
+        mac = view[len(MAGIC) + _TS.size : _HEAD]
         body = view[_HEAD:]
         if not hmac.compare_digest(mac, self._mac(stamp, body)):
             raise PeerUnauthenticated("bad MAC (the peer holds another cluster secret, or the frame was altered)")
         skew = time.time() - _TS.unpack(stamp)[0] / 1e6
         if abs(skew) > self._max_skew_s:
-            raise PeerUnauthenticated(f"frame timestamp {skew:+.0f} s off this host's clock (replayed, or clocks "
-                                      "out of step)")
+            raise PeerUnauthenticated(
+                f"frame timestamp {skew:+.0f} s off this host's clock (replayed, or clocks out of step)"
+            )
         try:
             return _decoder.decode(body)
         except msgspec.DecodeError as exc:  # authenticated, yet not a message this version knows
@@ -302,8 +303,7 @@ def segments_of(remote_ids: list[int], local_ids: list[int]) -> list[Segment]:
     i = 0
     while i < len(remote_ids):
         j = i + 1
-        while (j < len(remote_ids) and remote_ids[j] == remote_ids[j - 1] + 1
-               and local_ids[j] == local_ids[j - 1] + 1):
+        while j < len(remote_ids) and remote_ids[j] == remote_ids[j - 1] + 1 and local_ids[j] == local_ids[j - 1] + 1:
             j += 1
         out.append(Segment(remote_ids[i], local_ids[i], j - i))
         i = j

@@ -49,13 +49,25 @@ class TandemWorker:
             outcomes = {advise_huge_pages(layout.address(i), layout.layers[i].nbytes) for i in range(layout.num_layers)}
             log.info("KV cache huge pages: %s", ", ".join(sorted(outcomes)))
         codec = self.settings.codec()  # ConfigError here stops the engine: no unauthenticated server
-        self.server = BlockServer(layout, self.leases, self.settings.bind_endpoints, self.stats, codec,
-                                  faults=self.settings.faults)
+        self.server = BlockServer(
+            layout, self.leases, self.settings.bind_endpoints, self.stats, codec, faults=self.settings.faults
+        )
         self.server.start()
-        self.puller = Puller(layout, self.stats, codec, threads=self.settings.pull_threads,
-                             on_outcome=self._activity.set, shm_split=self.settings.shm_split)
-        log.info("tandem connector: %d layers, %d blocks of %d bytes; block server on %s",
-                 layout.num_layers, layout.layers[0].shape[0], layout.block_nbytes, self.settings.bind_endpoints)
+        self.puller = Puller(
+            layout,
+            self.stats,
+            codec,
+            threads=self.settings.pull_threads,
+            on_outcome=self._activity.set,
+            shm_split=self.settings.shm_split,
+        )
+        log.info(
+            "tandem connector: %d layers, %d blocks of %d bytes; block server on %s",
+            layout.num_layers,
+            layout.layers[0].shape[0],
+            layout.block_nbytes,
+            self.settings.bind_endpoints,
+        )
 
     def start(self, meta: TandemMetadata) -> None:
         """Act on one step's metadata; never blocks on the network."""
@@ -64,12 +76,16 @@ class TandemWorker:
         for lease in meta.leases:
             self.server.offer(lease.transfer_id, lease.block_ids, lease.deadline)
         for release in meta.releases:
-            self.puller.release(self._endpoint(release.endpoints, self.settings.choose_transport(release.host_id)),
-                                release.transfer_id, release.reason)
+            self.puller.release(
+                self._endpoint(release.endpoints, self.settings.choose_transport(release.host_id)),
+                release.transfer_id,
+                release.reason,
+            )
         for recv in meta.recvs:
             transport = self.settings.choose_transport(recv.host_id, recv.transport)
-            deadline = time.monotonic() + min(self.settings.transfer_timeout_s,
-                                              max(0.0, recv.lease_deadline - time.time()))
+            deadline = time.monotonic() + min(
+                self.settings.transfer_timeout_s, max(0.0, recv.lease_deadline - time.time())
+            )
             try:
                 segments = wire.segments_of(recv.remote_block_ids, recv.local_block_ids)
             except ValueError as exc:  # the prefill node holds fewer blocks than we need: recompute
@@ -77,9 +93,18 @@ class TandemWorker:
                 self.puller.outcomes.put(PullOutcome(recv.request_id, False, recv.local_block_ids, reason=str(exc)))
                 self.puller.release(self._endpoint(recv.endpoints, transport), recv.transfer_id, str(exc))
                 continue
-            self.puller.submit(PullJob(recv.request_id, recv.transfer_id, self._endpoint(recv.endpoints, transport),
-                                       transport, segments, recv.local_block_ids, deadline,
-                                       checksum=self.settings.checksum_for(transport)))
+            self.puller.submit(
+                PullJob(
+                    recv.request_id,
+                    recv.transfer_id,
+                    self._endpoint(recv.endpoints, transport),
+                    transport,
+                    segments,
+                    recv.local_block_ids,
+                    deadline,
+                    checksum=self.settings.checksum_for(transport),
+                )
+            )
         for request_id in meta.cancels:
             self.puller.cancel(request_id)
 

@@ -17,26 +17,44 @@ from kv_transfer import ConnectorKind
 
 
 def node(
-    role: Annotated[Role | None, typer.Option(help="prefill: computes prompts and ships their KV; decode: loads "
-                                                   "KV and generates; both (default): colocated, no transfer.")] = None,
-    model: Annotated[str | None, typer.Option(help="Hugging Face model folder (default: the prepared "
-                                                   "SmolLM2-135M-Instruct).")] = None,
-    port: Annotated[int | None, typer.Option(help="Engine HTTP port (default 8100); port+1..port+3 are its "
-                                                  "KV-event, event-replay and NIXL side-channel ports.")] = None,
+    role: Annotated[
+        Role | None,
+        typer.Option(
+            help="prefill: computes prompts and ships their KV; decode: loads "
+            "KV and generates; both (default): colocated, no transfer."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Hugging Face model folder (default: the prepared SmolLM2-135M-Instruct).")
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            help="Engine HTTP port (default 8100); port+1..port+3 are its "
+            "KV-event, event-replay and NIXL side-channel ports."
+        ),
+    ] = None,
     node_id: Annotated[str | None, typer.Option(help="Registry id (default: host name + random suffix).")] = None,
     redis_url: Annotated[str | None, typer.Option(help="Registry Redis (default: $TANDEM_REDIS_URL).")] = None,
-    connector: Annotated[ConnectorKind | None, typer.Option(
-        help="KV connector (prefill/decode roles): tandem (ours, default), nixl (vLLM's NixlConnector, the "
-             "baseline) or none.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="bfloat16 (default), or float32 for bit-stable greedy "
-                                                   "output.")] = None,
-    kv_cache_gib: Annotated[int | None, typer.Option(help="KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE; "
-                                                          "default 1).")] = None,
+    connector: Annotated[
+        ConnectorKind | None,
+        typer.Option(
+            help="KV connector (prefill/decode roles): tandem (ours, default), nixl (vLLM's NixlConnector, the "
+            "baseline) or none."
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="bfloat16 (default), or float32 for bit-stable greedy output.")
+    ] = None,
+    kv_cache_gib: Annotated[
+        int | None, typer.Option(help="KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE; default 1).")
+    ] = None,
     cores: Annotated[str | None, typer.Option(help="CPU cores for the engine, e.g. 0 or 0-1.")] = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context window in tokens (default 8192).")] = None,
     block_size: Annotated[int | None, typer.Option(help="KV block size (default: the engine's).")] = None,
-    tool_call_parser: Annotated[str | None, typer.Option(help="vLLM tool-call parser (default pythonic; '' turns "
-                                                              "tools off).")] = None,
+    tool_call_parser: Annotated[
+        str | None, typer.Option(help="vLLM tool-call parser (default pythonic; '' turns tools off).")
+    ] = None,
     engine_arg: Annotated[list[str] | None, typer.Option(help="Extra `vllm serve` argument (repeatable).")] = None,
     log_dir: Annotated[Path | None, typer.Option(help="Write the engine's log here.")] = None,
     log_level: str = "info",
@@ -46,10 +64,21 @@ def node(
     from node_agent.settings import NodeSettings
 
     setup_logging(log_level)
-    given: dict[str, Any] = dict(role=role, model=model, port=port, node_id=node_id, redis_url=redis_url,
-                                 connector=connector, dtype=dtype, kv_cache_gib=kv_cache_gib, cores=cores,
-                                 max_model_len=max_model_len, block_size=block_size, extra_engine_args=engine_arg,
-                                 log_dir=log_dir)
+    given: dict[str, Any] = dict(
+        role=role,
+        model=model,
+        port=port,
+        node_id=node_id,
+        redis_url=redis_url,
+        connector=connector,
+        dtype=dtype,
+        kv_cache_gib=kv_cache_gib,
+        cores=cores,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        extra_engine_args=engine_arg,
+        log_dir=log_dir,
+    )
     kwargs = {k: v for k, v in given.items() if v is not None}
     if tool_call_parser is not None:
         kwargs["tool_call_parser"] = tool_call_parser or None

@@ -22,10 +22,16 @@ class EngineSnapshot:
     generation_tokens: float
 
 
-_WANTED = frozenset({
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prompt_tokens_by_source_total", "vllm:cache_config_info", "vllm:generation_tokens_total",
-})
+_WANTED = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_by_source_total",
+        "vllm:cache_config_info",
+        "vllm:generation_tokens_total",
+    }
+)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -55,7 +61,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
         if rest.startswith("{"):
             close = line.rfind("}")
             labels = dict(_LABEL.findall(line, end, close))
-            rest = line[close + 1:]
+            rest = line[close + 1 :]
         fields = rest.split()
         try:
             value = float(fields[0])

@@ -43,25 +43,39 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
     """The ``vllm serve`` command line for this node."""
     name = settings.served_model_name or model_path.name
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_path),
-        "--host", settings.host, "--port", str(settings.port),
-        "--served-model-name", name,
-        "--dtype", settings.dtype,
-        "--max-model-len", str(settings.max_model_len),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model_path),
+        "--host",
+        settings.host,
+        "--port",
+        str(settings.port),
+        "--served-model-name",
+        name,
+        "--dtype",
+        settings.dtype,
+        "--max-model-len",
+        str(settings.max_model_len),
         "--enable-prefix-caching",
         # Routing keys are these block hashes, recomputed by the router (router/kv_index/block_keys.py):
         # sha256 of canonical CBOR does not depend on the node's Python/pickle, so router and node agree.
-        "--prefix-caching-hash-algo", "sha256_cbor",
+        "--prefix-caching-hash-algo",
+        "sha256_cbor",
         # usage.prompt_tokens_details.cached_tokens: the engine-confirmed part of the hit-rate breakdown.
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
-        "--kv-events-config", json.dumps({
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": settings.kv_events_bind,
-            "replay_endpoint": settings.kv_replay_endpoint,
-            "topic": "kv-events",
-        }),
+        "--kv-events-config",
+        json.dumps(
+            {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": settings.kv_events_bind,
+                "replay_endpoint": settings.kv_replay_endpoint,
+                "topic": "kv-events",
+            }
+        ),
     ]
     if settings.enforce_eager:
         cmd.append("--enforce-eager")
@@ -70,8 +84,9 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
     if settings.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_call_parser]
     if settings.role is not Role.BOTH:
-        kv_config = kv_transfer_config(settings.connector, extra=settings.kv_connector_extra,
-                                       load_failure_policy=settings.kv_load_failure_policy)
+        kv_config = kv_transfer_config(
+            settings.connector, extra=settings.kv_connector_extra, load_failure_policy=settings.kv_load_failure_policy
+        )
         if kv_config:
             cmd += ["--kv-transfer-config", kv_config]
     if settings.role is Role.PREFILL:
@@ -83,7 +98,7 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
 
 def engine_env(settings: NodeSettings) -> dict[str, str]:
     if settings.kv_events_endpoint.startswith("ipc://"):
-        Path(settings.kv_events_endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+        Path(settings.kv_events_endpoint[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = settings.host
@@ -104,8 +119,9 @@ class EngineProcess:
     holds never outlive the agent that registered it. ``command`` replaces the ``vllm serve`` line
     (tests run a small stand-in process under the same supervision)."""
 
-    def __init__(self, settings: NodeSettings, command: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, settings: NodeSettings, command: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.settings = settings
         self.command = command
         self.env = env
@@ -128,8 +144,11 @@ class EngineProcess:
             out = open(self.settings.log_dir / f"engine-{self.settings.node_id}.log", "ab")  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                command, env=self.env or engine_env(self.settings),
-                stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                command,
+                env=self.env or engine_env(self.settings),
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
                 preexec_fn=die_with_parent(),
             )
         finally:
@@ -198,12 +217,19 @@ async def describe(settings: NodeSettings, client: httpx.AsyncClient, model_path
     models = (await client.get(f"{settings.url}/v1/models", timeout=5.0)).json()["data"]
     snap = await read_snapshot(client, settings.url)
     return NodeInfo(
-        node_id=settings.node_id, role=settings.role, model=models[0]["id"], url=settings.url,
+        node_id=settings.node_id,
+        role=settings.role,
+        model=models[0]["id"],
+        url=settings.url,
         block_size=snap.block_size or (settings.block_size or 0),
         max_model_len=int(models[0].get("max_model_len") or settings.max_model_len),
         kv_connector=settings.connector.value if settings.role is not Role.BOTH else "none",
-        kv_events_endpoint=settings.kv_events_endpoint, kv_replay_endpoint=settings.kv_replay_endpoint,
-        model_path=str(model_path), num_kv_blocks=snap.num_kv_blocks, started_at=time.time(), epoch=epoch,
+        kv_events_endpoint=settings.kv_events_endpoint,
+        kv_replay_endpoint=settings.kv_replay_endpoint,
+        model_path=str(model_path),
+        num_kv_blocks=snap.num_kv_blocks,
+        started_at=time.time(),
+        epoch=epoch,
     )
 
 
@@ -231,8 +257,9 @@ async def run_node(settings: NodeSettings, *, ready: asyncio.Event | None = None
     async def describe_engine(client: httpx.AsyncClient, epoch: int) -> NodeInfo:
         return await describe(settings, client, model_path, epoch)
 
-    supervisor = EngineSupervisor(settings, registry, lambda: EngineProcess(settings), describe_engine,
-                                  on_healthy=on_healthy, on_ready=on_ready)
+    supervisor = EngineSupervisor(
+        settings, registry, lambda: EngineProcess(settings), describe_engine, on_healthy=on_healthy, on_ready=on_ready
+    )
     try:
         return await supervisor.run(stop)
     finally:

@@ -73,6 +73,9 @@ def check_ports_free(host: str, ports: dict[int, str]) -> None:
     for port, purpose in sorted(ports.items()):
         if not port_free(host, port):
             holder = port_holder(port)
-            raise PortInUse(f"port {port} ({purpose}) on {host} is already in use by {holder.describe()}; "
-                            f"stop that process or give this node another --port",
-                            port=port, holder_pid=holder.pid)
+            raise PortInUse(
+                f"port {port} ({purpose}) on {host} is already in use by {holder.describe()}; "
+                f"stop that process or give this node another --port",
+                port=port,
+                holder_pid=holder.pid,
+            )

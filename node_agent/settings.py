@@ -20,8 +20,9 @@ class NodeSettings(BaseSettings):
     """Every field can also come from the environment as ``TANDEM_NODE_<FIELD>``, but the Redis URL,
     which is every process's ``TANDEM_REDIS_URL`` (``contracts.config``)."""
 
-    model_config = SettingsConfigDict(env_prefix="TANDEM_NODE_", frozen=True, validate_by_name=True,
-                                      validate_by_alias=True)
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_NODE_", frozen=True, validate_by_name=True, validate_by_alias=True
+    )
 
     role: Role = Role.BOTH
     """prefill: computes prompts and hands their KV to a decode node. decode: loads KV and generates.
@@ -134,13 +135,17 @@ class NodeSettings(BaseSettings):
         if not self.is_loopback:
             ports[self.port + 1] = "KV events"
         if self.role is not Role.BOTH and self.connector is not ConnectorKind.NONE:
-            ports[self.nixl_port] = ("NIXL side channel" if self.connector is ConnectorKind.NIXL
-                                     else "KV block server")
+            ports[self.nixl_port] = "NIXL side channel" if self.connector is ConnectorKind.NIXL else "KV block server"
         return ports
 
     @property
     def kv_connector_extra(self) -> dict[str, object]:
         """The tandem connector's ``kv_connector_extra_config`` (kv_transfer.settings.ConnectorSettings)."""
-        return {"host": self.host, "port": self.nixl_port, "transport": self.kv_transport,
-                "checksum": self.kv_checksum, "lease_s": self.kv_lease_s,
-                "transfer_timeout_s": self.kv_transfer_timeout_s}
+        return {
+            "host": self.host,
+            "port": self.nixl_port,
+            "transport": self.kv_transport,
+            "checksum": self.kv_checksum,
+            "lease_s": self.kv_lease_s,
+            "transfer_timeout_s": self.kv_transfer_timeout_s,
+        }

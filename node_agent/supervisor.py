@@ -104,9 +104,16 @@ def describe_exit(code: int) -> str:
 class EngineSupervisor:
     """Runs engines for one node until stopped or unhealthy; see the module docstring."""
 
-    def __init__(self, settings: NodeSettings, registry: NodeRegistry, new_engine: Callable[[], Engine],
-                 describe: Describe, *, on_healthy: Callable[[Engine], None] | None = None,
-                 on_ready: Callable[[NodeInfo], None] | None = None) -> None:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        registry: NodeRegistry,
+        new_engine: Callable[[], Engine],
+        describe: Describe,
+        *,
+        on_healthy: Callable[[Engine], None] | None = None,
+        on_ready: Callable[[NodeInfo], None] | None = None,
+    ) -> None:
         """``on_healthy(engine)`` runs once an engine answers /health, before it is registered (the node
         pins its threads there); ``on_ready(info)`` after it is registered."""
         self.settings = settings
@@ -145,12 +152,22 @@ class EngineSupervisor:
                     break
                 delay = self._record_failure(outcome.reason)
                 if delay is None:
-                    log.error("node %s: %d engine failures within %.0f s (last: %s); giving up: unhealthy",
-                              s.node_id, len(self._failures), s.failure_window_s, outcome.reason)
+                    log.error(
+                        "node %s: %d engine failures within %.0f s (last: %s); giving up: unhealthy",
+                        s.node_id,
+                        len(self._failures),
+                        s.failure_window_s,
+                        outcome.reason,
+                    )
                     await self._set_status(NodeState.UNHEALTHY)
                     return EXIT_UNHEALTHY
-                log.warning("node %s: engine failed (%s); restart %d in %.1f s",
-                            s.node_id, outcome.reason, self.restarts + 1, delay)
+                log.warning(
+                    "node %s: engine failed (%s); restart %d in %.1f s",
+                    s.node_id,
+                    outcome.reason,
+                    self.restarts + 1,
+                    delay,
+                )
                 print(f"RESTARTING node {s.node_id} in {delay:.1f}s: {outcome.reason}", flush=True)
                 await self._set_status(NodeState.RESTARTING)
                 with contextlib.suppress(TimeoutError):
@@ -244,8 +261,7 @@ class EngineSupervisor:
                 await asyncio.wait_for(stop.wait(), 0.5)
         return Outcome(Ending.STOP)
 
-    async def _serve(self, engine: Engine, info: NodeInfo, client: httpx.AsyncClient,
-                     stop: asyncio.Event) -> Outcome:
+    async def _serve(self, engine: Engine, info: NodeInfo, client: httpx.AsyncClient, stop: asyncio.Event) -> Outcome:
         """Heartbeat and probe until the engine exits, hangs, or stop."""
         s = self.settings
         failed_probes = 0
@@ -264,8 +280,13 @@ class EngineSupervisor:
                 snap = await asyncio.wait_for(read_snapshot(client, s.url), s.health_timeout_s)
             except (httpx.HTTPError, UpstreamError, TimeoutError) as exc:
                 failed_probes += 1
-                log.warning("node %s: probe %d/%d failed: %s", s.node_id, failed_probes, s.health_failures,
-                            exc or type(exc).__name__)
+                log.warning(
+                    "node %s: probe %d/%d failed: %s",
+                    s.node_id,
+                    failed_probes,
+                    s.health_failures,
+                    exc or type(exc).__name__,
+                )
                 if failed_probes >= s.health_failures:
                     return Outcome(Ending.FAILED, f"hung: {failed_probes} probes in a row failed", hung=True)
             else:
@@ -275,10 +296,15 @@ class EngineSupervisor:
                 if not busy or tokens != progress[0]:
                     progress = (tokens, now)
                 elif now - progress[1] > s.stall_timeout_s:
-                    return Outcome(Ending.FAILED, f"hung: {snap.running} running, {snap.waiting} waiting and no "
-                                   f"token for {now - progress[1]:.0f} s", hung=True)
-                load = NodeLoad(running=snap.running, waiting=snap.waiting, kv_usage=snap.kv_usage,
-                                updated_at=time.time())
+                    return Outcome(
+                        Ending.FAILED,
+                        f"hung: {snap.running} running, {snap.waiting} waiting and no "
+                        f"token for {now - progress[1]:.0f} s",
+                        hung=True,
+                    )
+                load = NodeLoad(
+                    running=snap.running, waiting=snap.waiting, kv_usage=snap.kv_usage, updated_at=time.time()
+                )
                 try:
                     await self.registry.heartbeat(info, load)
                 except StoreError as exc:
@@ -289,8 +315,9 @@ class EngineSupervisor:
             if stopped:
                 stopped_since = stopped_since or now
                 if now - stopped_since > s.stall_timeout_s:
-                    return Outcome(Ending.FAILED, f"hung: engine process stopped for {now - stopped_since:.0f} s",
-                                   hung=True)
+                    return Outcome(
+                        Ending.FAILED, f"hung: engine process stopped for {now - stopped_since:.0f} s", hung=True
+                    )
             else:
                 stopped_since = None
             with contextlib.suppress(TimeoutError):
@@ -299,8 +326,14 @@ class EngineSupervisor:
 
     async def _set_status(self, state: NodeState, *, last_exit: str | None = None) -> None:
         self.state = state
-        status = NodeStatus(node_id=self.settings.node_id, state=state, epoch=self.epoch, restarts=self.restarts,
-                            last_exit=last_exit or self.last_exit, updated_at=time.time())
+        status = NodeStatus(
+            node_id=self.settings.node_id,
+            state=state,
+            epoch=self.epoch,
+            restarts=self.restarts,
+            last_exit=last_exit or self.last_exit,
+            updated_at=time.time(),
+        )
         try:
             await self.registry.set_status(status)
         except StoreError as exc:

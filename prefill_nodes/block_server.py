@@ -56,8 +56,16 @@ class _Parked:
 
 
 class BlockServer:
-    def __init__(self, layout: KVLayout, leases: LeaseTable, endpoints: list[str], stats: TransferStats,
-                 codec: wire.Codec, *, faults: bool = False) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        leases: LeaseTable,
+        endpoints: list[str],
+        stats: TransferStats,
+        codec: wire.Codec,
+        *,
+        faults: bool = False,
+    ) -> None:
         self.layout = layout
         self.leases = leases
         self.endpoints = endpoints
@@ -92,9 +100,12 @@ class BlockServer:
     # -- engine thread side ----------------------------------------------------------------------------
     def start(self) -> None:
         if self.faults_enabled:
-            log.warning("FAULT INJECTION IS ON for the KV block server on %s (TANDEM_KV_FAULTS=1): any holder "
-                        "of the cluster secret can corrupt, stall, hold or expire this node's transfers. "
-                        "Tests only, never in production.", self.endpoints)
+            log.warning(
+                "FAULT INJECTION IS ON for the KV block server on %s (TANDEM_KV_FAULTS=1): any holder "
+                "of the cluster secret can corrupt, stall, hold or expire this node's transfers. "
+                "Tests only, never in production.",
+                self.endpoints,
+            )
         self._thread.start()
         self._ready.wait(10)
         if self._error is not None:
@@ -136,7 +147,7 @@ class BlockServer:
                 sock.setsockopt(zmq.SNDHWM, 0)
                 sock.setsockopt(zmq.RCVHWM, 0)
                 if ep.startswith("ipc://"):
-                    path = ep[len("ipc://"):]
+                    path = ep[len("ipc://") :]
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     if os.path.exists(path):
                         os.unlink(path)
@@ -222,8 +233,9 @@ class BlockServer:
             self._refused_since_log += 1
             now = time.monotonic()
             if now - self._refused_logged_at >= REFUSAL_LOG_S:  # a flood must not flood the log too
-                log.warning("refused %d unauthenticated KV message(s), the last: %s", self._refused_since_log,
-                            exc.message)
+                log.warning(
+                    "refused %d unauthenticated KV message(s), the last: %s", self._refused_since_log, exc.message
+                )
                 self._refused_logged_at, self._refused_since_log = now, 0
             self._reply(sock, ident, wire.Reject("", f"unauthenticated: {exc.message}"))
             return
@@ -246,8 +258,10 @@ class BlockServer:
                 return
             ended = self.leases.ended_state(msg.transfer_id)
             if "hold" in self._armed and ended is None:
-                self._held[msg.transfer_id] = (_Parked(sock, ident, msg, time.monotonic()),
-                                               time.monotonic() + self._armed.pop("hold"))
+                self._held[msg.transfer_id] = (
+                    _Parked(sock, ident, msg, time.monotonic()),
+                    time.monotonic() + self._armed.pop("hold"),
+                )
                 log.warning("fault injection: holding pull %s", msg.transfer_id)
                 return
             if ended is not None:
@@ -317,8 +331,7 @@ class BlockServer:
     def _finish(self, msg: wire.Done) -> None:
         self._forget(msg.transfer_id)
         try:
-            lease = self.leases.move(msg.transfer_id, LeaseState.DONE if msg.ok else LeaseState.FAILED,
-                                     msg.reason)
+            lease = self.leases.move(msg.transfer_id, LeaseState.DONE if msg.ok else LeaseState.FAILED, msg.reason)
         except LeaseError as exc:
             log.info("Done for %s ignored: %s", msg.transfer_id, exc)
             return
@@ -337,13 +350,21 @@ class BlockServer:
         nblocks = self.layout.layers[0].shape[0]
         leased = set(lease.block_ids)
         for s in pull.segments:
-            if s.count <= 0 or s.remote < 0 or s.remote + s.count > nblocks or \
-                    any(b not in leased for b in range(s.remote, s.remote + s.count)):
+            if (
+                s.count <= 0
+                or s.remote < 0
+                or s.remote + s.count > nblocks
+                or any(b not in leased for b in range(s.remote, s.remote + s.count))
+            ):
                 self._reply(sock, ident, wire.Reject(tid, f"segment {s} is outside the lease"))
                 return
         self.leases.move(tid, LeaseState.SENDING)
-        self._served[tid] = (pull.transport, self.layout.nbytes(pull.segments), sum(s.count for s in pull.segments),
-                             time.time())
+        self._served[tid] = (
+            pull.transport,
+            self.layout.nbytes(pull.segments),
+            sum(s.count for s in pull.segments),
+            time.time(),
+        )
         if len(self._served) > SERVED_KEPT:
             del self._served[next(iter(self._served))]
         try:
@@ -371,8 +392,15 @@ class BlockServer:
                 bad = spans[0].copy()
                 bad[len(bad) // 2] ^= 0xFF
                 spans[0] = bad
-            header = wire.LayerHeader(pull.transfer_id, layer, [s.remote for s in pull.segments], lay.dtype,
-                                      lay.block_shape, [v.nbytes for v in spans], sums)
+            header = wire.LayerHeader(
+                pull.transfer_id,
+                layer,
+                [s.remote for s in pull.segments],
+                lay.dtype,
+                lay.block_shape,
+                [v.nbytes for v in spans],
+                sums,
+            )
             sock.send_multipart([ident, self.codec.encode(header), *cast(list[Any], spans)], copy=False)
             if layer == 0 and "stall" in self._armed:
                 self._stall(self._armed.pop("stall"))
@@ -406,24 +434,35 @@ class BlockServer:
 
     def _grant(self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull) -> None:
         lay = self.layout
-        sums = [[checksum(lay.span(layer, s.remote, s.count)) for s in pull.segments]
-                for layer in range(lay.num_layers)] if pull.checksum else []
+        sums = (
+            [[checksum(lay.span(layer, s.remote, s.count)) for s in pull.segments] for layer in range(lay.num_layers)]
+            if pull.checksum
+            else []
+        )
         here = [lay.address(i) for i in range(lay.num_layers)]
         target = pull.cma
         push: list[int] = []
-        if target is not None and target.block_nbytes == lay.block_nbytes and \
-                len(target.layer_addresses) == lay.num_layers and \
-                all(s.local >= 0 and s.local + s.count <= target.num_blocks for s in pull.segments):
+        if (
+            target is not None
+            and target.block_nbytes == lay.block_nbytes
+            and len(target.layer_addresses) == lay.num_layers
+            and all(s.local >= 0 and s.local + s.count <= target.num_blocks for s in pull.segments)
+        ):
             push = sorted({i for i in target.push_layers if 0 <= i < lay.num_layers})
-        self._reply(sock, ident, wire.Grant(pull.transfer_id, os.getpid(), here, [lay.block_nbytes] * lay.num_layers,
-                                            sums, push))
+        self._reply(
+            sock,
+            ident,
+            wire.Grant(pull.transfer_id, os.getpid(), here, [lay.block_nbytes] * lay.num_layers, sums, push),
+        )
         if not push:
             return
         # The decode node is copying its share already; write ours into it meanwhile (on this core).
         assert target is not None
         try:
-            process_vm_writev(target.pid, cma_pairs(pull, push, here, target.layer_addresses, lay.block_nbytes,
-                                                    local_is_remote_side=True))
+            process_vm_writev(
+                target.pid,
+                cma_pairs(pull, push, here, target.layer_addresses, lay.block_nbytes, local_is_remote_side=True),
+            )
         except TransferFailed as exc:
             log.warning("shm push of %s failed, the decode node copies it: %s", pull.transfer_id, exc.reason)
             self._reply(sock, ident, wire.Pushed(pull.transfer_id, False, exc.reason))

@@ -58,8 +58,13 @@ _TERMINAL = {LeaseState.DONE, LeaseState.FAILED, LeaseState.RELEASED, LeaseState
 
 _ALLOWED: dict[LeaseState, set[LeaseState]] = {
     LeaseState.HELD: {LeaseState.SENDING, LeaseState.RELEASED, LeaseState.EXPIRED},
-    LeaseState.SENDING: {LeaseState.AWAIT_ACK, LeaseState.HELD, LeaseState.RELEASED, LeaseState.EXPIRED,
-                         LeaseState.FAILED},
+    LeaseState.SENDING: {
+        LeaseState.AWAIT_ACK,
+        LeaseState.HELD,
+        LeaseState.RELEASED,
+        LeaseState.EXPIRED,
+        LeaseState.FAILED,
+    },
     LeaseState.AWAIT_ACK: {LeaseState.DONE, LeaseState.FAILED, LeaseState.RELEASED, LeaseState.EXPIRED},
 }
 

@@ -24,32 +24,48 @@ from telemetry import Emitter
 
 
 class Accounting:
-    def __init__(self, metrics: RouterMetrics, emitter: Emitter | None, responses: ResponseIndex | None,
-                 turns: TurnRecorder | None = None,
-                 spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        emitter: Emitter | None,
+        responses: ResponseIndex | None,
+        turns: TurnRecorder | None = None,
+        spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None,
+    ) -> None:
         self.metrics = metrics
         self.emitter = emitter
         self.responses = responses
         self.turns = turns
         self.spawn = spawn
 
-    def finish(self, trace: RequestTrace, endpoint: str, status: str, *, http_status: int,
-               exc: TandemError | None = None, admission: Admission | None = None,
-               messages: list[dict[str, Any]] | None = None) -> None:
+    def finish(
+        self,
+        trace: RequestTrace,
+        endpoint: str,
+        status: str,
+        *,
+        http_status: int,
+        exc: TandemError | None = None,
+        admission: Admission | None = None,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> None:
         trace.finish = trace.finish or time.time()
         trace.status = status
         if exc is not None:
             trace.error = exc.message
             self.metrics.errors.labels(type(exc).__name__).inc()
         error_type = type(exc).__name__ if exc else None
-        if trace.transfer is None and trace.mode == "disaggregated" and is_tandem_params(trace.kv_params) \
-                and self.spawn is not None:
+        if (
+            trace.transfer is None
+            and trace.mode == "disaggregated"
+            and is_tandem_params(trace.kv_params)
+            and self.spawn is not None
+        ):
             self.spawn(self._record_after_report(trace, endpoint, http_status, error_type))
         else:
             self._record(trace, endpoint, http_status, error_type)
         if status == "ok" and self.responses is not None:
-            self.responses.remember(trace.request_id, ResponseRef(trace.request_id, trace.session_id,
-                                                                   trace.tenant_id))
+            self.responses.remember(trace.request_id, ResponseRef(trace.request_id, trace.session_id, trace.tenant_id))
         if self.turns is not None and admission is not None:
             self.turns.after(trace, admission, messages)
 
@@ -61,8 +77,9 @@ class Accounting:
             for row in tool_call_records(trace):
                 self.emitter.emit("tool_calls", row)
 
-    async def _record_after_report(self, trace: RequestTrace, endpoint: str, http_status: int,
-                                   error_type: str | None) -> None:
+    async def _record_after_report(
+        self, trace: RequestTrace, endpoint: str, http_status: int, error_type: str | None
+    ) -> None:
         try:
             trace.transfer = await lease_report(trace.kv_params or {})
         finally:  # the record is emitted whatever the prefill node says, or if it says nothing

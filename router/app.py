@@ -99,12 +99,15 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = aioredis.from_url(settings.redis_url)
-        client = NodeClient(connect_timeout_s=settings.connect_timeout_s,
-                            request_timeout_s=settings.request_timeout_s)
+        client = NodeClient(connect_timeout_s=settings.connect_timeout_s, request_timeout_s=settings.request_timeout_s)
         emitter = activity = None
         if settings.telemetry:
-            emitter = Emitter(EmitterConfig(redis_url=settings.telemetry_redis_url or settings.redis_url,
-                                            source=f"router-{settings.port}"), metrics=metrics.common)
+            emitter = Emitter(
+                EmitterConfig(
+                    redis_url=settings.telemetry_redis_url or settings.redis_url, source=f"router-{settings.port}"
+                ),
+                metrics=metrics.common,
+            )
             activity = KVActivity(emitter, lambda node_id: fleet.role_and_usage(node_id))
         subscribers = KVEventSubscribers(index, on_event=activity.observe if activity else None)
         fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
@@ -112,8 +115,10 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         admission = await AdmissionContext.create(settings.admission or AdmissionSettings(redis_url=settings.redis_url))
         if admission.settings.auth == "required" and not await _any_key(admission):
             await admission.close()
-            raise ConfigError("TANDEM_AUTH=required but the key store holds no API key (create one with "
-                              "`tandem keys create`, against the same TANDEM_DATABASE_URL / TANDEM_SQLITE_PATH)")
+            raise ConfigError(
+                "TANDEM_AUTH=required but the key store holds no API key (create one with "
+                "`tandem keys create`, against the same TANDEM_DATABASE_URL / TANDEM_SQLITE_PATH)"
+            )
         turns = TurnRecorder(admission)
         app.include_router(sessions_router(admission.sessions, AdmissionDependencies(admission)))
         await fleet.start()
@@ -125,8 +130,9 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         app.state.admission = admission
         app.state.kv_tasks = kv_tasks = TaskSet()
         app.state.accounting = Accounting(metrics, emitter, responses, turns, spawn=kv_tasks.spawn)
-        app.state.orchestrator = Orchestrator(settings, fleet, client, policy, PromptTokenizer(), metrics, index,
-                                              slots=admission.controller)
+        app.state.orchestrator = Orchestrator(
+            settings, fleet, client, policy, PromptTokenizer(), metrics, index, slots=admission.controller
+        )
         metrics.admission.source = admission.controller.snapshot
         app.state.index, app.state.subscribers = index, subscribers
         try:
@@ -167,7 +173,8 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = document_generation_routes(
-                get_openapi(title=app.title, version=app.version, routes=app.routes))
+                get_openapi(title=app.title, version=app.version, routes=app.routes)
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -182,18 +189,36 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             raise NotFound(f"No response with id `{fb.response_id}`.", param="response_id")
         emitter: Emitter | None = request.app.state.emitter
         if emitter is not None:
-            emitter.emit("feedback", {"response_id": fb.response_id, "request_id": ref.request_id,
-                                      "session_id": ref.session_id, "tenant_id": ref.tenant_id,
-                                      "rating": fb.rating, "comment": fb.comment, "labels": fb.labels})
-        return JSONResponse({"object": "feedback", "response_id": fb.response_id, "status": "recorded"},
-                            status_code=202)
+            emitter.emit(
+                "feedback",
+                {
+                    "response_id": fb.response_id,
+                    "request_id": ref.request_id,
+                    "session_id": ref.session_id,
+                    "tenant_id": ref.tenant_id,
+                    "rating": fb.rating,
+                    "comment": fb.comment,
+                    "labels": fb.labels,
+                },
+            )
+        return JSONResponse(
+            {"object": "feedback", "response_id": fb.response_id, "status": "recorded"}, status_code=202
+        )
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         await tenant_of(request)
         fleet: Fleet = request.app.state.fleet
-        data = [{"id": name, "object": "model", "created": int(n.info.started_at), "owned_by": "tandem",
-                 "max_model_len": n.info.max_model_len} for name, n in sorted(fleet.models().items())]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(n.info.started_at),
+                "owned_by": "tandem",
+                "max_model_len": n.info.max_model_len,
+            }
+            for name, n in sorted(fleet.models().items())
+        ]
         return {"object": "list", "data": data}
 
     @app.get("/health")
@@ -201,8 +226,9 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         fleet: Fleet = request.app.state.fleet
         roles = {r.value: sum(1 for n in fleet.nodes if n.info.role is r) for r in Role}
         serving = roles["both"] > 0 or roles["decode"] > 0
-        return JSONResponse({"status": "ok" if serving else "no_nodes", "nodes": roles},
-                            status_code=200 if serving else 503)
+        return JSONResponse(
+            {"status": "ok" if serving else "no_nodes", "nodes": roles}, status_code=200 if serving else 503
+        )
 
     @app.get("/cluster")
     async def cluster(request: Request) -> dict[str, Any]:
@@ -210,20 +236,36 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         index and its KV-event stream health."""
         await tenant_of(request, admin=True)
         fleet: Fleet = request.app.state.fleet
-        blocks = {node: n for per_model in request.app.state.index.block_counts().values()
-                  for node, n in per_model.items()}
+        blocks = {
+            node: n for per_model in request.app.state.index.block_counts().values() for node, n in per_model.items()
+        }
         events = request.app.state.subscribers.stats()
         nodes = []
         for n in sorted(fleet.nodes, key=lambda n: (n.info.role.value, n.info.node_id)):
             st = events.get(n.info.node_id)
-            nodes.append({
-                "node_id": n.info.node_id, "role": n.info.role.value, "model": n.info.model, "url": n.info.url,
-                "running": n.load.running, "waiting": n.load.waiting, "kv_usage": n.load.kv_usage,
-                "num_kv_blocks": n.info.num_kv_blocks, "block_size": n.info.block_size,
-                "cached_blocks": blocks.get(n.info.node_id, 0), "router_inflight": fleet.inflight(n.info.node_id),
-                "kv_events": {"applied_batches": st.applied_batches, "gaps": st.gaps, "lost": st.lost,
-                              "key_mismatches": st.key_mismatches} if st else None,
-            })
+            nodes.append(
+                {
+                    "node_id": n.info.node_id,
+                    "role": n.info.role.value,
+                    "model": n.info.model,
+                    "url": n.info.url,
+                    "running": n.load.running,
+                    "waiting": n.load.waiting,
+                    "kv_usage": n.load.kv_usage,
+                    "num_kv_blocks": n.info.num_kv_blocks,
+                    "block_size": n.info.block_size,
+                    "cached_blocks": blocks.get(n.info.node_id, 0),
+                    "router_inflight": fleet.inflight(n.info.node_id),
+                    "kv_events": {
+                        "applied_batches": st.applied_batches,
+                        "gaps": st.gaps,
+                        "lost": st.lost,
+                        "key_mismatches": st.key_mismatches,
+                    }
+                    if st
+                    else None,
+                }
+            )
         return {"object": "cluster", "policy": settings.policy, "nodes": nodes}
 
     @app.get("/metrics")

@@ -71,15 +71,24 @@ class BodyLimit:
         await self.app(scope, bounded, send)
 
     def _too_large(self) -> PayloadTooLarge:
-        return PayloadTooLarge(f"request body is larger than this router's limit of {self.max_bytes} bytes "
-                               "(TANDEM_ROUTER_MAX_BODY_BYTES)")
+        return PayloadTooLarge(
+            f"request body is larger than this router's limit of {self.max_bytes} bytes (TANDEM_ROUTER_MAX_BODY_BYTES)"
+        )
 
 
 async def _send_error(send: Send, exc: PayloadTooLarge) -> None:
     body = json.dumps(error_from_exception(exc)).encode()
-    await send({"type": "http.response.start", "status": exc.status_code,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": exc.status_code,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -115,8 +124,9 @@ def check_depth(data: Any, max_depth: int) -> None:
 
 
 def _too_deep(max_depth: int) -> InvalidRequest:
-    return InvalidRequest(f"request body is nested deeper than {max_depth} levels (TANDEM_ROUTER_MAX_JSON_DEPTH)",
-                          code="json_too_deep")
+    return InvalidRequest(
+        f"request body is nested deeper than {max_depth} levels (TANDEM_ROUTER_MAX_JSON_DEPTH)", code="json_too_deep"
+    )
 
 
 def message_chars(message: dict[str, Any]) -> int:
@@ -138,37 +148,61 @@ def message_chars(message: dict[str, Any]) -> int:
     return 0
 
 
-def check_chat(messages: list[dict[str, Any]], extra: dict[str, Any], *, max_messages: int,
-               max_message_chars: int, trust_request_chat_template: bool,
-               allowed_template_kwargs: frozenset[str]) -> None:
+def check_chat(
+    messages: list[dict[str, Any]],
+    extra: dict[str, Any],
+    *,
+    max_messages: int,
+    max_message_chars: int,
+    trust_request_chat_template: bool,
+    allowed_template_kwargs: frozenset[str],
+) -> None:
     """Limits on a chat request's messages and on what it may ask of the chat template."""
     if len(messages) > max_messages:
-        raise InvalidRequest(f"{len(messages)} messages is more than this router's limit of {max_messages} "
-                             "(TANDEM_ROUTER_MAX_MESSAGES)", param="messages", code="too_many_messages")
+        raise InvalidRequest(
+            f"{len(messages)} messages is more than this router's limit of {max_messages} (TANDEM_ROUTER_MAX_MESSAGES)",
+            param="messages",
+            code="too_many_messages",
+        )
     for i, m in enumerate(messages):
         n = message_chars(m)
         if n > max_message_chars:
-            raise InvalidRequest(f"messages[{i}] has {n} characters, more than this router's limit of "
-                                 f"{max_message_chars} (TANDEM_ROUTER_MAX_MESSAGE_CHARS)",
-                                 param=f"messages.{i}.content", code="message_too_large")
+            raise InvalidRequest(
+                f"messages[{i}] has {n} characters, more than this router's limit of "
+                f"{max_message_chars} (TANDEM_ROUTER_MAX_MESSAGE_CHARS)",
+                param=f"messages.{i}.content",
+                code="message_too_large",
+            )
     if extra.get("chat_template") is not None and not trust_request_chat_template:
         # The router renders the template itself (to count and route by tokens): an untrusted template
         # is code the router would run, with no time limit a thread can enforce.
-        raise InvalidRequest("chat_template is not allowed: this cluster does not trust request chat templates "
-                             "(TANDEM_ROUTER_TRUST_REQUEST_CHAT_TEMPLATE)", param="chat_template",
-                             code="chat_template_not_allowed")
+        raise InvalidRequest(
+            "chat_template is not allowed: this cluster does not trust request chat templates "
+            "(TANDEM_ROUTER_TRUST_REQUEST_CHAT_TEMPLATE)",
+            param="chat_template",
+            code="chat_template_not_allowed",
+        )
     kwargs = extra.get("chat_template_kwargs")
     if kwargs is None:
         return
     if not isinstance(kwargs, dict):
-        raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs",
-                             code="chat_template_kwargs_not_allowed")
+        raise InvalidRequest(
+            "chat_template_kwargs must be an object",
+            param="chat_template_kwargs",
+            code="chat_template_kwargs_not_allowed",
+        )
     for name, value in kwargs.items():
         if name not in allowed_template_kwargs:
-            raise InvalidRequest(f"chat_template_kwargs.{name} is not allowed; allowed: "
-                                 f"{', '.join(sorted(allowed_template_kwargs))} "
-                                 "(TANDEM_ROUTER_CHAT_TEMPLATE_KWARGS)", param=f"chat_template_kwargs.{name}",
-                                 code="chat_template_kwargs_not_allowed")
+            raise InvalidRequest(
+                f"chat_template_kwargs.{name} is not allowed; allowed: "
+                f"{', '.join(sorted(allowed_template_kwargs))} "
+                "(TANDEM_ROUTER_CHAT_TEMPLATE_KWARGS)",
+                param=f"chat_template_kwargs.{name}",
+                code="chat_template_kwargs_not_allowed",
+            )
         if value is not None and not isinstance(value, bool | int | float | str):
-            raise InvalidRequest(f"chat_template_kwargs.{name} must be a boolean, number or string",
-                                 param=f"chat_template_kwargs.{name}", code="chat_template_kwargs_not_allowed")
+            raise InvalidRequest(
+                f"chat_template_kwargs.{name} must be a boolean, number or string",
+                param=f"chat_template_kwargs.{name}",
+                code="chat_template_kwargs_not_allowed",
+            )

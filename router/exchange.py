@@ -92,8 +92,7 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
-        raise ValidationFailed(f"{loc or 'body'}: {first.get('msg')}", param=loc or None,
-                               code="invalid_value") from exc
+        raise ValidationFailed(f"{loc or 'body'}: {first.get('msg')}", param=loc or None, code="invalid_value") from exc
 
 
 def route_preference(request: Request, tenant: Tenant, settings: RouterSettings) -> str | None:
@@ -105,8 +104,9 @@ def route_preference(request: Request, tenant: Tenant, settings: RouterSettings)
     allowed = settings.route_header == "always" or (settings.route_header == "auto" and tenant.may_administer)
     if not allowed:
         # Forcing the path overrides the policy's placement (and P/D load balance): operators only.
-        raise PermissionDenied("x-tandem-route needs an admin key (or TANDEM_ROUTER_ROUTE_HEADER=always)",
-                               param="x-tandem-route")
+        raise PermissionDenied(
+            "x-tandem-route needs an admin key (or TANDEM_ROUTER_ROUTE_HEADER=always)", param="x-tandem-route"
+        )
     return prefer
 
 
@@ -170,31 +170,43 @@ class Exchange:
         # Authentication and the request-rate limit come first: an unauthenticated client learns
         # nothing else about the request (401/429 before any 400).
         admission = self.admission = await ctx.gate.admit(
-            request.headers.get("authorization"), priority_header=request.headers.get("x-tandem-priority"))
+            request.headers.get("authorization"), priority_header=request.headers.get("x-tandem-priority")
+        )
         req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
         prefer = route_preference(request, admission.tenant, self.settings)
-        deadline = request_deadline(request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s,
-                                    arrival=arrival)
+        deadline = request_deadline(
+            request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s, arrival=arrival
+        )
         session = await session_params(request.headers.get(SESSION_HEADER), request.headers.get(HISTORY_HEADER))
         # A request that names no session is sessionless, as with OpenAI or vLLM: storing a session and
         # a turn for each such request cost a Redis read and four writes plus a database row every time,
         # for ids that no client ever sent back. In server-history mode the router keeps the history,
         # so there a session is created and its id returned.
         session_id = session.session_id if not session.created or session.mode is HistoryMode.SERVER else None
-        trace = RequestTrace(request_id=new_request_id(self.kind), kind=self.kind, model=req.model,
-                             stream=req.stream, session_id=session_id, tenant_id=admission.tenant.tenant_id,
-                             priority=admission.priority, deadline=deadline)
+        trace = RequestTrace(
+            request_id=new_request_id(self.kind),
+            kind=self.kind,
+            model=req.model,
+            stream=req.stream,
+            session_id=session_id,
+            tenant_id=admission.tenant.tenant_id,
+            priority=admission.priority,
+            deadline=deadline,
+        )
         messages = [m.model_dump(exclude_none=True) for m in req.messages] if self.kind == "chat" else None
         if messages is not None:
             s = self.settings
-            check_chat(messages, req.model_extra or {}, max_messages=s.max_messages,
-                       max_message_chars=s.max_message_chars,
-                       trust_request_chat_template=s.trust_request_chat_template,
-                       allowed_template_kwargs=frozenset(s.chat_template_kwargs))
+            check_chat(
+                messages,
+                req.model_extra or {},
+                max_messages=s.max_messages,
+                max_message_chars=s.max_message_chars,
+                trust_request_chat_template=s.trust_request_chat_template,
+                allowed_template_kwargs=frozenset(s.chat_template_kwargs),
+            )
         if session.mode is HistoryMode.SERVER:
             if messages is None or session_id is None:
-                raise InvalidRequest(f"{HISTORY_HEADER}: server applies to chat completions only",
-                                     param=HISTORY_HEADER)
+                raise InvalidRequest(f"{HISTORY_HEADER}: server applies to chat completions only", param=HISTORY_HEADER)
             messages = await prepend_history(ctx.sessions, admission.tenant.tenant_id, session_id, messages)
             req.messages = [Message.model_validate(m) for m in messages]
         # From here on the request has a record: whatever way it ends, ``_exit`` writes it.
@@ -214,8 +226,13 @@ class Exchange:
             return JSONResponse(answer, headers=headers)
         stream = await cancel_on_disconnect(request, self.orch.open_stream(leg, trace, self.holds, self.spawn))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return RelayResponse(stream, trace, include_usage, self._relayed,
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        return RelayResponse(
+            stream,
+            trace,
+            include_usage,
+            self._relayed,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+        )
 
     def _relayed(self, status: str, error: TandemError | None) -> None:
         """The relay's verdict: a stream that started is a 200 whatever happened after."""
@@ -236,32 +253,69 @@ class Exchange:
             return  # refused before it was read: nothing held, nothing to record
         trace.finish = trace.finish or time.time()
         status, http_status, error = self.outcome
-        self.accounting.finish(trace, self.endpoint, status, http_status=http_status, exc=error,
-                               admission=self.admission, messages=self.messages)
+        self.accounting.finish(
+            trace,
+            self.endpoint,
+            status,
+            http_status=http_status,
+            exc=error,
+            admission=self.admission,
+            messages=self.messages,
+        )
 
 
 def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
     """Add the generation routes, which are plain ASGI apps FastAPI cannot see, to an OpenAPI
     document: their request models (``router.schemas``) and the OpenAI-shaped error answers."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    error = {"description": "OpenAI-format error", "content": {"application/json": {"schema": {
-        "type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["message", "type", "param", "code"],
-            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}}}
+    error = {
+        "description": "OpenAI-format error",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["message", "type", "param", "code"],
+                            "properties": {
+                                "message": {"type": "string"},
+                                "type": {"type": "string"},
+                                "param": {"type": ["string", "null"]},
+                                "code": {"type": ["string", "null"]},
+                            },
+                        }
+                    },
+                }
+            }
+        },
+    }
     for path, model, summary in (
-            ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion (SSE when stream is true)"),
-            ("/v1/completions", CompletionRequest, "Create a completion (SSE when stream is true)")):
+        ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion (SSE when stream is true)"),
+        ("/v1/completions", CompletionRequest, "Create a completion (SSE when stream is true)"),
+    ):
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(body.pop("$defs", {}))
         components[model.__name__] = body
-        schema.setdefault("paths", {})[path] = {"post": {
-            "summary": summary, "operationId": model.__name__.replace("Request", "").lower(),
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
-            "responses": {
-                "200": {"description": "The answer: JSON, or an SSE stream of chunks ending with [DONE]",
-                        "content": {"application/json": {"schema": {"type": "object"}},
-                                    "text/event-stream": {"schema": {"type": "string"}}}},
-                **{str(code): error for code in (400, 401, 403, 404, 413, 422, 429, 502, 503)}}}}
+        schema.setdefault("paths", {})[path] = {
+            "post": {
+                "summary": summary,
+                "operationId": model.__name__.replace("Request", "").lower(),
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "The answer: JSON, or an SSE stream of chunks ending with [DONE]",
+                        "content": {
+                            "application/json": {"schema": {"type": "object"}},
+                            "text/event-stream": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **{str(code): error for code in (400, 401, 403, 404, 413, 422, 429, 502, 503)},
+                },
+            }
+        }
     return schema

@@ -46,9 +46,14 @@ class Pools:
 
 
 class Fleet:
-    def __init__(self, registry: NodeRegistry, *, refresh_s: float = 0.5,
-                 on_refresh: Callable[[list[LiveNode]], Awaitable[None]] | None = None,
-                 down_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        *,
+        refresh_s: float = 0.5,
+        on_refresh: Callable[[list[LiveNode]], Awaitable[None]] | None = None,
+        down_s: float = 5.0,
+    ) -> None:
         self._registry = registry
         self._down_s = down_s
         self._down: dict[str, float] = {}
@@ -93,8 +98,12 @@ class Fleet:
             if last is not None and epoch != last:
                 self.restarts[node_id] += 1
                 self._down.pop(node_id, None)  # a new engine: worth trying at once
-                log.warning("node %s is a new incarnation (epoch %d -> %d): dropping what the old one held",
-                            node_id, last, epoch)
+                log.warning(
+                    "node %s is a new incarnation (epoch %d -> %d): dropping what the old one held",
+                    node_id,
+                    last,
+                    epoch,
+                )
             self._epochs[node_id] = epoch
 
     def epoch(self, node_id: str) -> int | None:

@@ -23,8 +23,9 @@ class _Counts:
 
 
 class KVActivity:
-    def __init__(self, emitter: Emitter, node_info: Callable[[str], tuple[str, float] | None],
-                 interval_s: float = 10.0) -> None:
+    def __init__(
+        self, emitter: Emitter, node_info: Callable[[str], tuple[str, float] | None], interval_s: float = 10.0
+    ) -> None:
         """``node_info(node_id)`` gives (role, kv_usage) of a live node, or None."""
         self._emitter = emitter
         self._node_info = node_info
@@ -49,10 +50,20 @@ class KVActivity:
         counts, self._counts, self._since = self._counts, {}, now
         for node_id, c in counts.items():
             role, usage = self._node_info(node_id) or (None, None)
-            self._emitter.emit("kv_events", {
-                "node_id": node_id, "role": role, "interval_start": since, "interval_end": now,
-                "blocks_stored": c.stored, "blocks_removed": c.removed, "all_blocks_cleared": c.cleared,
-                "num_events": c.events, "kv_usage": usage})
+            self._emitter.emit(
+                "kv_events",
+                {
+                    "node_id": node_id,
+                    "role": role,
+                    "interval_start": since,
+                    "interval_end": now,
+                    "blocks_stored": c.stored,
+                    "blocks_removed": c.removed,
+                    "all_blocks_cleared": c.cleared,
+                    "num_events": c.events,
+                    "kv_usage": usage,
+                },
+            )
         return len(counts)
 
     def start(self) -> None:

@@ -39,15 +39,20 @@ class AdmissionCollector(Collector):
 
     @staticmethod
     def _families(stats: Mapping[str, NodeQueueStats]) -> list[Metric]:
-        queued = GaugeMetricFamily("tandem_admission_queue_depth",
-                                   "Requests queued in this router for a slot on a node, by class",
-                                   labels=["node", "priority"])
-        running = GaugeMetricFamily("tandem_admission_slots_in_use", "Slots this router holds on a node",
-                                    labels=["node"])
-        shed = CounterMetricFamily("tandem_admission_shed", "Requests refused or evicted (503) by a node's "
-                                   "admission queue", labels=["node"])
-        expired = CounterMetricFamily("tandem_admission_expired", "Requests dropped unserved at their deadline",
-                                      labels=["node"])
+        queued = GaugeMetricFamily(
+            "tandem_admission_queue_depth",
+            "Requests queued in this router for a slot on a node, by class",
+            labels=["node", "priority"],
+        )
+        running = GaugeMetricFamily(
+            "tandem_admission_slots_in_use", "Slots this router holds on a node", labels=["node"]
+        )
+        shed = CounterMetricFamily(
+            "tandem_admission_shed", "Requests refused or evicted (503) by a node's admission queue", labels=["node"]
+        )
+        expired = CounterMetricFamily(
+            "tandem_admission_expired", "Requests dropped unserved at their deadline", labels=["node"]
+        )
         for node, st in sorted(stats.items()):
             queued.add_metric([node, "interactive"], st.queued_interactive)
             queued.add_metric([node, "batch"], st.queued_batch)
@@ -63,15 +68,21 @@ class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.common = TandemMetrics(r)
-        self.prefill_leg = Histogram("tandem_prefill_leg_seconds", "Prefill leg duration (P/D only)",
-                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_leg = Histogram(
+            "tandem_prefill_leg_seconds", "Prefill leg duration (P/D only)", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.errors = Counter("tandem_errors_total", "Errors by type", ["type"], registry=r)
-        self.fallbacks = Counter("tandem_prefill_fallbacks_total", "P/D requests prefilled on the decode node "
-                                 "because the prefill leg failed", registry=r)
-        self.inflight = Gauge("tandem_node_inflight_requests", "Requests this router has in flight per node",
-                              ["node", "role"], registry=r)
-        self.kv_usage = Gauge("tandem_node_kv_usage_ratio", "KV cache usage per node (last heartbeat)",
-                              ["node", "role"], registry=r)
+        self.fallbacks = Counter(
+            "tandem_prefill_fallbacks_total",
+            "P/D requests prefilled on the decode node because the prefill leg failed",
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "tandem_node_inflight_requests", "Requests this router has in flight per node", ["node", "role"], registry=r
+        )
+        self.kv_usage = Gauge(
+            "tandem_node_kv_usage_ratio", "KV cache usage per node (last heartbeat)", ["node", "role"], registry=r
+        )
         self.live_nodes = Gauge("tandem_live_nodes", "Live nodes by role", ["role"], registry=r)
         self.admission = AdmissionCollector()
         r.register(self.admission)

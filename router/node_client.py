@@ -37,12 +37,15 @@ class NodeClient:
         # Made on first use: an aiohttp session belongs to the running loop.
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=60,
-                                               enable_cleanup_closed=True),
+                connector=aiohttp.TCPConnector(
+                    limit=1024, limit_per_host=0, keepalive_timeout=60, enable_cleanup_closed=True
+                ),
                 # sock_read bounds the wait for a whole non-streamed answer.
-                timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s,
-                                              sock_read=self._request_timeout_s),
-                auto_decompress=False, skip_auto_headers=("User-Agent",),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=self._connect_timeout_s, sock_read=self._request_timeout_s
+                ),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
             )
         return self._session
 
@@ -73,8 +76,9 @@ class NodeClient:
         pushed with ``attach``); leaving the block closes it (aborting the engine's request unless the
         stream was read to its end)."""
         if self._streams is None:  # made on first use: it belongs to the running loop
-            self._streams = StreamPool(connect_timeout_s=self._connect_timeout_s,
-                                       request_timeout_s=self._request_timeout_s)
+            self._streams = StreamPool(
+                connect_timeout_s=self._connect_timeout_s, request_timeout_s=self._request_timeout_s
+            )
         stream = await self._streams.open(url, _encode(body), headers)
         try:
             yield stream

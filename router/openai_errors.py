@@ -45,8 +45,9 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(error_body(msg, "invalid_request_error", param=".".join(loc) or None,
-                                       code="invalid_value"), status_code=422)
+        return JSONResponse(
+            error_body(msg, "invalid_request_error", param=".".join(loc) or None, code="invalid_value"), status_code=422
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

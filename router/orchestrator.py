@@ -139,9 +139,17 @@ def new_request_id(kind: Kind) -> str:
 
 
 class Orchestrator:
-    def __init__(self, settings: RouterSettings, fleet: Fleet, client: NodeClient, policy: RoutingPolicy,
-                 tokenizer: PromptTokenizer, metrics: RouterMetrics, index: FleetIndex | None = None,
-                 slots: AdmissionController | None = None) -> None:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        fleet: Fleet,
+        client: NodeClient,
+        policy: RoutingPolicy,
+        tokenizer: PromptTokenizer,
+        metrics: RouterMetrics,
+        index: FleetIndex | None = None,
+        slots: AdmissionController | None = None,
+    ) -> None:
         self.index = index
         self.slots = slots
         self._hashers: dict[tuple[str, int], BlockHasher] = {}
@@ -166,11 +174,14 @@ class Orchestrator:
             return self.policy.select(rr, [], pools.colocated)
         if pools.decode:  # decode nodes can prefill for themselves; slower, but serves
             return self.policy.select(rr, [], pools.decode)
-        raise Unavailable(f"no node can serve `{rr.model}` now (no decode or colocated node is live)",
-                          retry_after=self.settings.retry_after_s)
+        raise Unavailable(
+            f"no node can serve `{rr.model}` now (no decode or colocated node is live)",
+            retry_after=self.settings.retry_after_s,
+        )
 
-    async def _prompt_ids(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any],
-                          node: NodeInfo, trace: RequestTrace) -> list[int] | None:
+    async def _prompt_ids(
+        self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any], node: NodeInfo, trace: RequestTrace
+    ) -> list[int] | None:
         """The prompt's token ids, after checking that prompt and completion fit the context window."""
         limit = node.max_model_len
         max_tokens = self._check_max_tokens(req, node)
@@ -181,7 +192,9 @@ class Orchestrator:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{n + (max_tokens or 1)} tokens ({n} in the messages, {max_tokens or 1} in the completion). "
                 "Please reduce the length of the messages or completion.",
-                param="messages" if "messages" in body else "prompt", code="context_length_exceeded")
+                param="messages" if "messages" in body else "prompt",
+                code="context_length_exceeded",
+            )
         return ids
 
     def _check_max_tokens(self, req: ChatCompletionRequest | CompletionRequest, node: NodeInfo) -> int | None:
@@ -191,7 +204,9 @@ class Orchestrator:
         if max_tokens is not None and max_tokens >= limit:
             raise InvalidRequest(
                 f"max_tokens={max_tokens} does not fit this model's context window of {limit} tokens",
-                param="max_tokens", code="context_length_exceeded")
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return max_tokens
 
     def _choice(self, pools: Pools) -> bool:
@@ -225,8 +240,14 @@ class Orchestrator:
         return tuple(hasher.keys(ids))
 
     # -- legs ---------------------------------------------------------------------------------------
-    async def plan(self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, trace: RequestTrace,
-                   prefer: RouteMode | None = None, charge: TokenCharge | None = None) -> Leg:
+    async def plan(
+        self,
+        kind: Kind,
+        req: ChatCompletionRequest | CompletionRequest,
+        trace: RequestTrace,
+        prefer: RouteMode | None = None,
+        charge: TokenCharge | None = None,
+    ) -> Leg:
         """Validate, route and run the prefill leg. Returns the decode leg to run. ``charge`` is called
         with (prompt tokens, max_tokens) once they are known, before any node works (token limits)."""
         req.check_supported()
@@ -242,8 +263,13 @@ class Orchestrator:
             ids = None
         if charge is not None:
             await charge(trace.prompt_tokens or 0, req.requested_max_tokens())
-        rr = RoutingRequest(request_id=trace.request_id, model=trace.model, prompt_token_ids=tuple(ids or ()),
-                            session_id=trace.session_id, block_keys=self._keys(reference, ids))
+        rr = RoutingRequest(
+            request_id=trace.request_id,
+            model=trace.model,
+            prompt_token_ids=tuple(ids or ()),
+            session_id=trace.session_id,
+            block_keys=self._keys(reference, ids),
+        )
         decision = self._select(rr, pools, prefer)
         trace.routed = time.time()
         trace.policy, trace.reason = decision.policy, decision.reason
@@ -308,8 +334,9 @@ class Orchestrator:
         trace.engine_cached_tokens = details.get("cached_tokens")
         params = resp.get("kv_transfer_params")
         if not params:
-            raise UpstreamError(f"prefill node {node.node_id} returned no kv_transfer_params "
-                                "(is its KV connector configured?)")
+            raise UpstreamError(
+                f"prefill node {node.node_id} returned no kv_transfer_params (is its KV connector configured?)"
+            )
         return params
 
     def _fallback(self, exc: TandemError, trace: RequestTrace) -> None:
@@ -348,7 +375,7 @@ class Orchestrator:
         failed = leg.decision.decode
         self._node_failed(failed, exc)
         prefill = leg.decision.prefill
-        path = leg.url[len(failed.node.info.url):]
+        path = leg.url[len(failed.node.info.url) :]
         body = {k: v for k, v in leg.body.items() if k != "kv_transfer_params"}
         if prefill is not None and "kv_transfer_params" in leg.body:
             target, why = prefill, "served by the prefill node"
@@ -376,8 +403,9 @@ class Orchestrator:
                 return min(options, key=lambda c: c.inflight)
         return None
 
-    async def complete(self, leg: Leg, trace: RequestTrace,
-                       background: Callable[[Awaitable[Any]], None] | None = None) -> dict[str, Any]:
+    async def complete(
+        self, leg: Leg, trace: RequestTrace, background: Callable[[Awaitable[Any]], None] | None = None
+    ) -> dict[str, Any]:
         try:
             try:
                 with self.fleet.track(leg.decision.decode):
@@ -402,8 +430,13 @@ class Orchestrator:
                 trace.add_tool_call_delta({**call, "index": i})
         return resp
 
-    async def open_stream(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack,
-                          background: Callable[[Awaitable[Any]], None] | None = None) -> SseStream:
+    async def open_stream(
+        self,
+        leg: Leg,
+        trace: RequestTrace,
+        stack: AsyncExitStack,
+        background: Callable[[Awaitable[Any]], None] | None = None,
+    ) -> SseStream:
         """Open the decode stream and wait for its first batch of chunks, so that refusals and a decode node that
         dies before the first token raise here (and can be retried, or answered with a proper HTTP
         status); the stream's lifetime is bound to ``stack``."""
@@ -445,9 +478,11 @@ def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
         trace.engine_cached_tokens = details.get("cached_tokens")
     trace.cached_tokens = trace.engine_cached_tokens
     usage["prompt_tokens_details"] = {**details, "cached_tokens": trace.engine_cached_tokens or 0}
-    usage["tandem"] = {"fleet_cached_tokens": trace.fleet_cached_tokens,
-                       "routed_cached_tokens": trace.routed_cached_tokens,
-                       "engine_cached_tokens": trace.engine_cached_tokens,
-                       "policy": trace.policy, "mode": trace.mode, "reason": trace.reason}
-
-
+    usage["tandem"] = {
+        "fleet_cached_tokens": trace.fleet_cached_tokens,
+        "routed_cached_tokens": trace.routed_cached_tokens,
+        "engine_cached_tokens": trace.engine_cached_tokens,
+        "policy": trace.policy,
+        "mode": trace.mode,
+        "reason": trace.reason,
+    }

@@ -9,8 +9,9 @@ from typing import Any
 from router.orchestrator import RequestTrace
 
 
-def request_record(trace: RequestTrace, *, endpoint: str, http_status: int,
-                   error_type: str | None = None) -> dict[str, Any]:
+def request_record(
+    trace: RequestTrace, *, endpoint: str, http_status: int, error_type: str | None = None
+) -> dict[str, Any]:
     gaps = [b - a for a, b in zip(trace.token_times, trace.token_times[1:], strict=False)]
     decision = None
     if trace.mode == "disaggregated":
@@ -19,25 +20,45 @@ def request_record(trace: RequestTrace, *, endpoint: str, http_status: int,
         decision = "decode_only" if trace.decode_role == "decode" else "colocated"
     xfer = trace.transfer or {}
     return {
-        "request_id": trace.request_id, "response_id": trace.request_id, "session_id": trace.session_id,
-        "tenant_id": trace.tenant_id, "model": trace.model, "endpoint": endpoint, "stream": trace.stream,
+        "request_id": trace.request_id,
+        "response_id": trace.request_id,
+        "session_id": trace.session_id,
+        "tenant_id": trace.tenant_id,
+        "model": trace.model,
+        "endpoint": endpoint,
+        "stream": trace.stream,
         "prefill_node": trace.prefill_node if trace.mode == "disaggregated" else None,
         "decode_node": trace.decode_node,
-        "t_arrival": trace.arrival, "t_routed": trace.routed, "t_prefill_start": trace.prefill_start,
-        "t_prefill_end": trace.prefill_end, "t_first_token": trace.first_token, "t_finish": trace.finish,
+        "t_arrival": trace.arrival,
+        "t_routed": trace.routed,
+        "t_prefill_start": trace.prefill_start,
+        "t_prefill_end": trace.prefill_end,
+        "t_first_token": trace.first_token,
+        "t_finish": trace.finish,
         "ttft_s": trace.first_token - trace.arrival if trace.first_token else None,
         "itl_mean_s": statistics.fmean(gaps) if gaps else None,
         "itl_p99_s": statistics.quantiles(gaps, n=100, method="inclusive")[98] if len(gaps) > 1 else None,
         "e2e_s": trace.finish - trace.arrival if trace.finish else None,
-        "prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.completion_tokens,
-        "cached_tokens": trace.cached_tokens, "fleet_cached_tokens": trace.fleet_cached_tokens,
-        "routed_cached_tokens": trace.routed_cached_tokens, "engine_cached_tokens": trace.engine_cached_tokens,
-        "routing_policy": trace.policy, "routing_decision": decision, "routing_reason": trace.reason,
-        "kv_connector": trace.kv_connector, "num_tool_calls": len(trace.tool_calls),
-        "t_transfer_start": xfer.get("start"), "t_transfer_end": xfer.get("end"),
-        "transfer_bytes": xfer.get("bytes"), "transfer_s": xfer.get("seconds"),
-        "finish_reason": trace.finish_reason, "status": trace.status, "http_status": http_status,
-        "error_type": error_type, "error_message": trace.error,
+        "prompt_tokens": trace.prompt_tokens,
+        "completion_tokens": trace.completion_tokens,
+        "cached_tokens": trace.cached_tokens,
+        "fleet_cached_tokens": trace.fleet_cached_tokens,
+        "routed_cached_tokens": trace.routed_cached_tokens,
+        "engine_cached_tokens": trace.engine_cached_tokens,
+        "routing_policy": trace.policy,
+        "routing_decision": decision,
+        "routing_reason": trace.reason,
+        "kv_connector": trace.kv_connector,
+        "num_tool_calls": len(trace.tool_calls),
+        "t_transfer_start": xfer.get("start"),
+        "t_transfer_end": xfer.get("end"),
+        "transfer_bytes": xfer.get("bytes"),
+        "transfer_s": xfer.get("seconds"),
+        "finish_reason": trace.finish_reason,
+        "status": trace.status,
+        "http_status": http_status,
+        "error_type": error_type,
+        "error_message": trace.error,
     }
 
 
@@ -49,8 +70,18 @@ def tool_call_records(trace: RequestTrace) -> list[dict[str, Any]]:
             valid = True
         except ValueError:
             valid = False
-        rows.append({"request_id": trace.request_id, "response_id": trace.request_id,
-                     "session_id": trace.session_id, "tenant_id": trace.tenant_id, "model": trace.model,
-                     "call_index": index, "tool_call_id": call["id"], "tool_name": call["name"],
-                     "arguments": call["arguments"], "arguments_valid_json": valid})
+        rows.append(
+            {
+                "request_id": trace.request_id,
+                "response_id": trace.request_id,
+                "session_id": trace.session_id,
+                "tenant_id": trace.tenant_id,
+                "model": trace.model,
+                "call_index": index,
+                "tool_call_id": call["id"],
+                "tool_name": call["name"],
+                "arguments": call["arguments"],
+                "arguments_valid_json": valid,
+            }
+        )
     return rows

@@ -43,6 +43,5 @@ class RouterServer(uvicorn.Server):
 
 def serve(app: Any, *, host: str, port: int, log_level: str) -> None:
     """Run ``app`` until SIGINT or SIGTERM."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            proxy_headers=False)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, proxy_headers=False)
     RouterServer(config).run()

@@ -25,8 +25,9 @@ class RouterSettings(BaseSettings):
     """Every field can also come from the environment as ``TANDEM_ROUTER_<FIELD>``, but the Redis URL,
     which is every process's ``TANDEM_REDIS_URL`` (``contracts.config``)."""
 
-    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", frozen=True, validate_by_name=True,
-                                      validate_by_alias=True)
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_ROUTER_", frozen=True, validate_by_name=True, validate_by_alias=True
+    )
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -75,7 +76,8 @@ class RouterSettings(BaseSettings):
     """Accept a client's ``chat_template`` (as vLLM's ``--trust-request-chat-template``; the engine
     must be started with it too). Off: such a request is a 400 before the router renders anything."""
     chat_template_kwargs: frozenset[str] = frozenset(
-        {"add_generation_prompt", "continue_final_message", "enable_thinking", "thinking", "reasoning_effort"})
+        {"add_generation_prompt", "continue_final_message", "enable_thinking", "thinking", "reasoning_effort"}
+    )
     """Names a client may give in ``chat_template_kwargs`` (scalar values only); any other is a 400.
     In the environment, a JSON list."""
     route_header: Literal["auto", "always", "never"] = "auto"

@@ -149,8 +149,14 @@ class RelayResponse(StreamingResponse):
     the request's owner (``router.exchange``) then closes the upstream stream.
     """
 
-    def __init__(self, batches: SseStream | AsyncIterator[list[bytes]], trace: RequestTrace,
-                 include_usage: bool, on_finish: OnFinish, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        batches: SseStream | AsyncIterator[list[bytes]],
+        trace: RequestTrace,
+        include_usage: bool,
+        on_finish: OnFinish,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.batches = batches
         self.state = _Relay(trace, include_usage)
         self.on_finish = on_finish

@@ -384,8 +384,8 @@ class StreamPool:
     async def _connect(self, key: tuple[str, int], url: str) -> _Connection:
         try:
             _, conn = await asyncio.wait_for(
-                self.loop.create_connection(lambda: _Connection(self, key), key[0], key[1]),
-                self.connect_timeout_s)
+                self.loop.create_connection(lambda: _Connection(self, key), key[0], key[1]), self.connect_timeout_s
+            )
         except (OSError, TimeoutError) as exc:
             raise UpstreamError(f"node {url} unreachable: {type(exc).__name__}: {exc}") from exc
         return conn
@@ -397,8 +397,10 @@ class StreamPool:
             if parts.scheme != "http" or not parts.hostname:
                 raise UpstreamError(f"node url {url} is not http://host:port/…")
             port = parts.port or 80
-            head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.hostname}:{port}\r\n"
-                    "Content-Type: application/json\r\nAccept: text/event-stream\r\n").encode()
+            head = (
+                f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.hostname}:{port}\r\n"
+                "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+            ).encode()
             target = self._targets[url] = ((parts.hostname, port), head)
         return target
 

@@ -57,9 +57,11 @@ class PromptTokenizer:
             # The engine renders the same template and would refuse it too; serving it uncounted would
             # skip the context check and charge 0 tokens against the tenant's limits.
             log.info("cannot render prompt for %s: %s", node.model, exc)
-            raise InvalidRequest(f"the prompt cannot be rendered with the model's chat template: {exc}",
-                                 param="messages" if "messages" in body else "prompt",
-                                 code="invalid_prompt") from exc
+            raise InvalidRequest(
+                f"the prompt cannot be rendered with the model's chat template: {exc}",
+                param="messages" if "messages" in body else "prompt",
+                code="invalid_prompt",
+            ) from exc
 
 
 INLINE_CHARS = 16_384
@@ -72,9 +74,15 @@ so that no stream waits on them."""
 def _prompt_chars(body: dict[str, Any]) -> int:
     messages = body.get("messages")
     if isinstance(messages, list):
-        return sum(len(c) if isinstance(c := m.get("content"), str) else
-                   sum(len(str(p.get("text", ""))) for p in c if isinstance(p, dict)) if isinstance(c, list)
-                   else INLINE_CHARS for m in messages if isinstance(m, dict)) + len(str(body.get("tools") or ""))
+        return sum(
+            len(c)
+            if isinstance(c := m.get("content"), str)
+            else sum(len(str(p.get("text", ""))) for p in c if isinstance(p, dict))
+            if isinstance(c, list)
+            else INLINE_CHARS
+            for m in messages
+            if isinstance(m, dict)
+        ) + len(str(body.get("tools") or ""))
     prompt = body.get("prompt")
     return len(prompt) if isinstance(prompt, str) else INLINE_CHARS + 1
 
@@ -121,8 +129,7 @@ def _token_ids(tok: Any, body: dict[str, Any]) -> list[int]:
             # Render, then encode with the Rust tokenizer directly: what apply_chat_template(tokenize=True)
             # does (no special tokens added to a rendered chat, as vLLM), without the BatchEncoding and
             # padding machinery around it, which cost as much as the encoding on every request.
-            text = tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=False,
-                                           **template_kwargs(body))
+            text = tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=False, **template_kwargs(body))
             return list(rust.encode(text, add_special_tokens=False).ids)
         ids = tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=True, **template_kwargs(body))
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping)

@@ -32,12 +32,16 @@ class TurnRecorder:
         if admission is None:
             return
         # Most requests have neither a token charge to settle nor a session turn to store: no task then.
-        if admission.tokens_charged and not admission.settled or (
-                messages is not None and trace.session_id and trace.status == "ok"):
+        if (
+            admission.tokens_charged
+            and not admission.settled
+            or (messages is not None and trace.session_id and trace.status == "ok")
+        ):
             self._tasks.spawn(self._after(trace, admission, messages))
 
-    async def _after(self, trace: RequestTrace, admission: Admission | None,
-                     messages: list[dict[str, Any]] | None) -> None:
+    async def _after(
+        self, trace: RequestTrace, admission: Admission | None, messages: list[dict[str, Any]] | None
+    ) -> None:
         try:
             if admission is not None:
                 await self.ctx.gate.settle(admission, trace.completion_tokens or 0)
@@ -45,17 +49,31 @@ class TurnRecorder:
                 tenant = admission.tenant.tenant_id
                 request_messages = msgspec.convert(messages, list[Message], strict=False)
                 history = conversation(await self.ctx.sessions.get_history(tenant, trace.session_id))
-                calls = [{"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
-                         for _, c in sorted(trace.tool_calls.items())]
-                response = Message(role="assistant", content="".join(trace.content) or None,
-                                   tool_calls=msgspec.convert(calls, list[ToolCall]) or None)
-                self.ctx.sessions.record_turn(Turn(
-                    turn_id=trace.request_id, session_id=trace.session_id, tenant_id=tenant,
-                    created_at=trace.finish or time.time(), messages=new_messages(history, request_messages),
-                    response=response, model=trace.model,
-                    usage=Usage(prompt_tokens=trace.prompt_tokens or 0,
-                                completion_tokens=trace.completion_tokens or 0,
-                                total_tokens=(trace.prompt_tokens or 0) + (trace.completion_tokens or 0))))
+                calls = [
+                    {"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+                    for _, c in sorted(trace.tool_calls.items())
+                ]
+                response = Message(
+                    role="assistant",
+                    content="".join(trace.content) or None,
+                    tool_calls=msgspec.convert(calls, list[ToolCall]) or None,
+                )
+                self.ctx.sessions.record_turn(
+                    Turn(
+                        turn_id=trace.request_id,
+                        session_id=trace.session_id,
+                        tenant_id=tenant,
+                        created_at=trace.finish or time.time(),
+                        messages=new_messages(history, request_messages),
+                        response=response,
+                        model=trace.model,
+                        usage=Usage(
+                            prompt_tokens=trace.prompt_tokens or 0,
+                            completion_tokens=trace.completion_tokens or 0,
+                            total_tokens=(trace.prompt_tokens or 0) + (trace.completion_tokens or 0),
+                        ),
+                    )
+                )
         except (TandemError, msgspec.ValidationError) as exc:
             log.warning("after-request work for %s failed: %s", trace.request_id, exc)
 

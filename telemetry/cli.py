@@ -33,9 +33,7 @@ from telemetry.lake_writer import LakeWriter, WriterConfig
 from telemetry.priority import CpuPriority, apply_cpu_priority
 from telemetry.schemas import TABLE_NAMES, describe
 
-telemetry_app = typer.Typer(
-    help="Slow-path telemetry: the lake writer and its maintenance.", no_args_is_help=True
-)
+telemetry_app = typer.Typer(help="Slow-path telemetry: the lake writer and its maintenance.", no_args_is_help=True)
 lake_app = typer.Typer(help="Query the Parquet data lake and render reports.", no_args_is_help=True)
 
 _console = Console(stderr=True)
@@ -43,15 +41,9 @@ _console = Console(stderr=True)
 RedisUrl = Annotated[
     str | None, typer.Option("--redis-url", help="Redis holding the telemetry streams (default: $TANDEM_REDIS_URL).")
 ]
-LakeDir = Annotated[
-    Path, typer.Option("--lake", envvar="TANDEM_LAKE", help="Root folder of the Parquet lake.")
-]
-Prefix = Annotated[
-    str, typer.Option("--stream-prefix", help="Stream name prefix; streams are <prefix>:<table>.")
-]
-Group = Annotated[
-    str, typer.Option("--group", help="Redis consumer group shared by all writers of this lake.")
-]
+LakeDir = Annotated[Path, typer.Option("--lake", envvar="TANDEM_LAKE", help="Root folder of the Parquet lake.")]
+Prefix = Annotated[str, typer.Option("--stream-prefix", help="Stream name prefix; streams are <prefix>:<table>.")]
+Group = Annotated[str, typer.Option("--group", help="Redis consumer group shared by all writers of this lake.")]
 
 
 def _parse_tables(tables: str) -> tuple[str, ...]:
@@ -76,15 +68,11 @@ def consume(
         ),
     ] = socket.gethostname(),
     stream_prefix: Prefix = DEFAULT_STREAM_PREFIX,
-    tables: Annotated[str, typer.Option("--tables", help="Comma-separated tables to consume.")] = ",".join(
-        TABLE_NAMES
-    ),
+    tables: Annotated[str, typer.Option("--tables", help="Comma-separated tables to consume.")] = ",".join(TABLE_NAMES),
     batch_entries: Annotated[
         int, typer.Option("--batch-entries", min=1, help="Stream entries (emitter batches) per Parquet part.")
     ] = 64,
-    block_ms: Annotated[
-        int, typer.Option("--block-ms", min=1, help="How long one read waits for entries.")
-    ] = 1000,
+    block_ms: Annotated[int, typer.Option("--block-ms", min=1, help="How long one read waits for entries.")] = 1000,
     claim_idle_s: Annotated[
         float, typer.Option("--claim-idle-s", help="Take over other consumers' entries pending this long.")
     ] = 60.0,
@@ -97,8 +85,7 @@ def consume(
         int,
         typer.Option(
             "--metrics-port",
-            help="Serve Prometheus /metrics on 127.0.0.1:PORT (written, dead-lettered entries; disk full); "
-            "0: off.",
+            help="Serve Prometheus /metrics on 127.0.0.1:PORT (written, dead-lettered entries; disk full); 0: off.",
         ),
     ] = 0,
     cpu_priority: Annotated[
@@ -158,15 +145,11 @@ def compact(
     lake: LakeDir = Path("lake"),
     group: Group = "lake",
     stream_prefix: Prefix = DEFAULT_STREAM_PREFIX,
-    min_age_s: Annotated[
-        float, typer.Option("--min-age-s", help="Only merge part files at least this old.")
-    ] = 600.0,
+    min_age_s: Annotated[float, typer.Option("--min-age-s", help="Only merge part files at least this old.")] = 600.0,
 ) -> None:
     """Merge each partition's small part files into one (atomic, de-duplicated on event_id)."""
     redis_url = redis_url or configured_redis_url()
-    writer = LakeWriter(
-        WriterConfig(lake=lake, redis_url=redis_url, stream_prefix=stream_prefix, group=group)
-    )
+    writer = LakeWriter(WriterConfig(lake=lake, redis_url=redis_url, stream_prefix=stream_prefix, group=group))
     try:
         n = sum(1 for t in TABLE_NAMES if (lake / t).is_dir() for _ in (lake / t).glob("date=*/hour=*"))
         with Progress(console=_console, transient=True) as progress:

@@ -232,8 +232,9 @@ def decode_entry(table: str, payload: bytes) -> pa.Table:
     return t
 
 
-def decode_entries(table: str, data: Iterable[bytes | None],
-                   on_bad: Callable[[int, bytes, Exception], None] | None = None) -> pa.Table:
+def decode_entries(
+    table: str, data: Iterable[bytes | None], on_bad: Callable[[int, bytes, Exception], None] | None = None
+) -> pa.Table:
     """Arrow IPC payloads of ``table`` -> one table in the current schema. A payload that does not decode
     raises, or, with ``on_bad``, is reported as ``on_bad(position, payload, error)`` and left out."""
     schema = SCHEMAS[table]
@@ -258,11 +259,7 @@ def dedupe(table: pa.Table) -> pa.Table:
     if pc.count_distinct(ids).as_py() == table.num_rows:
         return table
     idx = pa.array(range(table.num_rows), type=pa.int64())
-    keep = (
-        pa.table({"event_id": ids, "i": idx})
-        .group_by("event_id", use_threads=False)
-        .aggregate([("i", "min")])
-    )
+    keep = pa.table({"event_id": ids, "i": idx}).group_by("event_id", use_threads=False).aggregate([("i", "min")])
     return table.take(pc.sort(keep.column("i_min")))
 
 
@@ -477,8 +474,9 @@ class LakeWriter:
                 write_parquet_atomic(rows_h.replace_schema_metadata(meta), final, self.config.compression)
             except OSError as exc:
                 full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                raise LakeUnwritable(f"lake writer: cannot write {final}: {'disk full: ' if full else ''}{exc}",
-                                     disk_full=full) from exc
+                raise LakeUnwritable(
+                    f"lake writer: cannot write {final}: {'disk full: ' if full else ''}{exc}", disk_full=full
+                ) from exc
             paths.append(final)
         return paths, rows.num_rows
 
@@ -490,9 +488,18 @@ class LakeWriter:
         def tx() -> None:
             pipe = self._redis.pipeline(transaction=True)
             for d in part.dead:
-                pipe.xadd(f"{stream}:dead", {"a": d.payload, "entry_id": d.entry_id, "table": part.table,
-                                             "reason": d.reason, "at": str(time.time())},
-                          maxlen=self.config.dead_letter_maxlen, approximate=True)
+                pipe.xadd(
+                    f"{stream}:dead",
+                    {
+                        "a": d.payload,
+                        "entry_id": d.entry_id,
+                        "table": part.table,
+                        "reason": d.reason,
+                        "at": str(time.time()),
+                    },
+                    maxlen=self.config.dead_letter_maxlen,
+                    approximate=True,
+                )
             pipe.xack(stream, self.config.group, *part.entry_ids)
             if self.config.delete_acked:
                 pipe.xdel(stream, *part.entry_ids)
@@ -511,8 +518,14 @@ class LakeWriter:
             paths, rows = self.write_part(part)
             self.commit(part)
             if part.dead:
-                log.error("lake writer: %d entries of %s moved to %s:dead (first: %s %s)", len(part.dead),
-                          table, self._streams[table], part.dead[0].entry_id, part.dead[0].reason)
+                log.error(
+                    "lake writer: %d entries of %s moved to %s:dead (first: %s %s)",
+                    len(part.dead),
+                    table,
+                    self._streams[table],
+                    part.dead[0].entry_id,
+                    part.dead[0].reason,
+                )
                 self._metrics.lake_dead_letter_entries.labels(table).inc(len(part.dead))
             stats.dead_letters += len(part.dead)
             stats.entries += len(part.entry_ids)
@@ -579,8 +592,12 @@ class LakeWriter:
                 unwritable = True
                 self._metrics.lake_unwritable.set(1)
                 backoff = min(self.config.unwritable_backoff_max_s, max(0.5, backoff * 2))
-                log.error("%s; %s, backing off %.1f s (nothing is lost: the entries stay pending)", exc,
-                          "disk full" if exc.disk_full else "lake unwritable", backoff)
+                log.error(
+                    "%s; %s, backing off %.1f s (nothing is lost: the entries stay pending)",
+                    exc,
+                    "disk full" if exc.disk_full else "lake unwritable",
+                    backoff,
+                )
                 next_recover = 0.0
                 stop.wait(backoff)
                 continue

@@ -59,21 +59,15 @@ class TandemMetrics:
         self.ttft = Histogram(
             "tandem_ttft_seconds", "Time to first token", ["model"], buckets=LATENCY_BUCKETS, registry=r
         )
-        self.itl = Histogram(
-            "tandem_itl_seconds", "Inter-token latency", ["model"], buckets=ITL_BUCKETS, registry=r
-        )
+        self.itl = Histogram("tandem_itl_seconds", "Inter-token latency", ["model"], buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(
             "tandem_e2e_seconds", "End-to-end request latency", ["model"], buckets=LATENCY_BUCKETS, registry=r
         )
-        self.requests = Counter(
-            "tandem_requests", "Finished requests by status", ["model", "status"], registry=r
-        )
+        self.requests = Counter("tandem_requests", "Finished requests by status", ["model", "status"], registry=r)
         self.queue_depth = Gauge(
             "tandem_node_queue_depth", "Requests waiting in a node's engine", ["node", "role"], registry=r
         )
-        self.running = Gauge(
-            "tandem_node_running", "Requests running in a node's engine", ["node", "role"], registry=r
-        )
+        self.running = Gauge("tandem_node_running", "Requests running in a node's engine", ["node", "role"], registry=r)
         self.tokens = Counter(
             "tandem_tokens", "Tokens by kind (prompt, completion, cached)", ["model", "kind"], registry=r
         )

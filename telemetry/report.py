@@ -63,9 +63,7 @@ def _hit_rate_over_time(con: duckdb.DuckDBPyConnection, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(9, 4))
     ts = [r[0] for r in rows]
     for i, label in enumerate(("fleet had it", "routed node had it", "engine reused")):
-        ax.plot(
-            ts, [r[i + 1] if r[i + 1] is not None else float("nan") for r in rows], marker="o", label=label
-        )
+        ax.plot(ts, [r[i + 1] if r[i + 1] is not None else float("nan") for r in rows], marker="o", label=label)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("cached / prompt tokens")
     ax.set_title(f"Hit-rate breakdown per {bucket}")
@@ -213,8 +211,7 @@ def render_report(lake: Path, out: Path, *, on_step: Callable[[str], None] | Non
         con.close()
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in summary)
     imgs = "".join(
-        f"<h2>{html.escape(p.stem.replace('_', ' '))}</h2><img src='{p.name}' alt='{p.stem}'>"
-        for p in rep.images
+        f"<h2>{html.escape(p.stem.replace('_', ' '))}</h2><img src='{p.name}' alt='{p.stem}'>" for p in rep.images
     )
     rep.index.write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>Tandem lake report</title>"

@@ -47,17 +47,16 @@ def _limit(n: int) -> str:
 
 @keys_app.command("create")
 def create(
-    tenant: Annotated[
-        str, typer.Option("--tenant", "-t", help="Tenant id ([A-Za-z0-9._-], created if new).")
-    ],
-    rpm: Annotated[
-        int | None, typer.Option(help="Requests per minute for the tenant (0 = unlimited).")
-    ] = None,
+    tenant: Annotated[str, typer.Option("--tenant", "-t", help="Tenant id ([A-Za-z0-9._-], created if new).")],
+    rpm: Annotated[int | None, typer.Option(help="Requests per minute for the tenant (0 = unlimited).")] = None,
     tpm: Annotated[int | None, typer.Option(help="Tokens per minute for the tenant (0 = unlimited).")] = None,
     priority: Annotated[
         Priority | None,
-        typer.Option(help="Priority class of the tenant's requests (a request's x-tandem-priority header may "
-                          "lower it to batch, never raise it).", case_sensitive=False),
+        typer.Option(
+            help="Priority class of the tenant's requests (a request's x-tandem-priority header may "
+            "lower it to batch, never raise it).",
+            case_sensitive=False,
+        ),
     ] = None,
     admin: Annotated[
         bool, typer.Option("--admin", help="An admin key: may read /metrics and /cluster and send x-tandem-route.")
@@ -72,7 +71,12 @@ def create(
     async def work(ctx: AdmissionContext) -> tuple[ApiKeyInfo, str]:
         s = ctx.settings
         return await ctx.keys.create_key(
-            tenant, rpm=rpm, tpm=tpm, priority=priority, default_rpm=s.default_rpm, default_tpm=s.default_tpm,
+            tenant,
+            rpm=rpm,
+            tpm=tpm,
+            priority=priority,
+            default_rpm=s.default_rpm,
+            default_tpm=s.default_tpm,
             admin=admin,
         )
 

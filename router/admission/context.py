@@ -114,22 +114,24 @@ class AdmissionContext:
         cls, settings: AdmissionSettings, *, clock_ms: ClockMs | None = None, start_writer: bool = True
     ) -> AdmissionContext:
         """Connect Redis and the store, create tables if missing, start the session writer."""
-        timeouts = {"socket_timeout": settings.redis_socket_timeout_s,
-                    "socket_connect_timeout": settings.redis_connect_timeout_s}
+        timeouts = {
+            "socket_timeout": settings.redis_socket_timeout_s,
+            "socket_connect_timeout": settings.redis_connect_timeout_s,
+        }
         redis = aioredis.Redis.from_url(settings.redis_url, **timeouts)
         caches = {name: aioredis.Redis.from_url(url, **timeouts) for name, url in settings.region_cache_urls.items()}
         home_redis = caches.get(settings.region, redis)
-        db = await open_database(settings.database_url or str(settings.sqlite_path),
-                                 command_timeout_s=settings.database_command_timeout_s,
-                                 connect_timeout_s=settings.database_connect_timeout_s)
+        db = await open_database(
+            settings.database_url or str(settings.sqlite_path),
+            command_timeout_s=settings.database_command_timeout_s,
+            connect_timeout_s=settings.database_connect_timeout_s,
+        )
         keys = KeyStore(
             redis,
             db,
             prefix=settings.key_prefix,
             require_auth=settings.auth == "required",
-            anonymous=Tenant(
-                tenant_id=ANONYMOUS_TENANT, rpm=settings.anonymous_rpm, tpm=settings.anonymous_tpm
-            ),
+            anonymous=Tenant(tenant_id=ANONYMOUS_TENANT, rpm=settings.anonymous_rpm, tpm=settings.anonymous_tpm),
             negative_ttl_s=settings.negative_key_ttl_s,
             outage_grace_s=settings.store_outage_grace_s,
         )

@@ -239,11 +239,15 @@ class KeyStore:
         now = time.monotonic()
         if now - self._outage_logged_at > 10:
             self._outage_logged_at = now
-            log.warning("key store unreachable (%s): serving keys confirmed in the last %g s, without limits",
-                        exc, self.outage_grace_s)
+            log.warning(
+                "key store unreachable (%s): serving keys confirmed in the last %g s, without limits",
+                exc,
+                self.outage_grace_s,
+            )
         if tenant is None:
-            raise Unavailable("the key store is unreachable and this request's key cannot be verified now",
-                              retry_after=5)
+            raise Unavailable(
+                "the key store is unreachable and this request's key cannot be verified now", retry_after=5
+            )
         self.outage_admissions += 1
         return tenant
 
@@ -266,9 +270,7 @@ class KeyStore:
             self._auth_off_at = time.monotonic()
             return self.anonymous
         if code == AuthCode.MISSING:
-            raise AuthenticationFailed(
-                "missing API key: send 'Authorization: Bearer tdm-...'", code="missing_api_key"
-            )
+            raise AuthenticationFailed("missing API key: send 'Authorization: Bearer tdm-...'", code="missing_api_key")
         if code == AuthCode.UNKNOWN_KEY:
             raise AuthenticationFailed("invalid API key")
         if code == AuthCode.REVOKED:
@@ -336,8 +338,9 @@ class KeyStore:
         try:
             if rows:
                 key_id, tenant_id, rpm, tpm, priority, revoked, admin = rows[0]
-                await self._write_record(rkey, key_id, tenant_id, rpm, tpm, priority, bool(revoked),
-                                         admin=admin is not None)
+                await self._write_record(
+                    rkey, key_id, tenant_id, rpm, tpm, priority, bool(revoked), admin=admin is not None
+                )
             else:
                 async with self._redis.pipeline(transaction=True) as pipe:
                     pipe.delete(rkey)
@@ -349,15 +352,30 @@ class KeyStore:
         return bool(rows)
 
     async def _write_record(
-        self, rkey: str, key_id: str, tenant_id: str, rpm: int, tpm: int, priority: str, revoked: bool,
-        *, admin: bool = False,
+        self,
+        rkey: str,
+        key_id: str,
+        tenant_id: str,
+        rpm: int,
+        tpm: int,
+        priority: str,
+        revoked: bool,
+        *,
+        admin: bool = False,
     ) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(rkey)
             pipe.hset(
                 rkey,
-                mapping={"t": tenant_id, "k": key_id, "r": rpm, "m": tpm, "p": priority, "x": int(revoked),
-                         "a": int(admin)},
+                mapping={
+                    "t": tenant_id,
+                    "k": key_id,
+                    "r": rpm,
+                    "m": tpm,
+                    "p": priority,
+                    "x": int(revoked),
+                    "a": int(admin),
+                },
             )
             await pipe.execute()
 
@@ -381,9 +399,7 @@ class KeyStore:
             if value is not None and value < 0:
                 raise InvalidRequest(f"{name} must be >= 0 (0 = unlimited)")
         now = time.time()
-        existing = await self._db.fetch(
-            "SELECT rpm, tpm, priority FROM tandem_tenants WHERE tenant_id = $1", tenant_id
-        )
+        existing = await self._db.fetch("SELECT rpm, tpm, priority FROM tandem_tenants WHERE tenant_id = $1", tenant_id)
         if existing:
             old_rpm, old_tpm, old_priority = existing[0]
             rpm = old_rpm if rpm is None else rpm
@@ -481,12 +497,8 @@ class KeyStore:
             try:
                 await self.refill(key_hash)
             except StoreError as exc:
-                raise StoreError(
-                    f"key {key_id} changed in the store but Redis was not updated: {exc}"
-                ) from exc
+                raise StoreError(f"key {key_id} changed in the store but Redis was not updated: {exc}") from exc
 
     async def _recache_tenant(self, tenant_id: str) -> None:
-        for (key_id,) in await self._db.fetch(
-            "SELECT key_id FROM tandem_api_keys WHERE tenant_id = $1", tenant_id
-        ):
+        for (key_id,) in await self._db.fetch("SELECT key_id FROM tandem_api_keys WHERE tenant_id = $1", tenant_id):
             await self._recache_key(key_id)

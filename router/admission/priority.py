@@ -173,9 +173,7 @@ class AdmissionController:
                     code="shed",
                 )
             )
-        w = _Waiter(
-            priority.rank, next(self._seq), deadline, priority, asyncio.get_running_loop().create_future()
-        )
+        w = _Waiter(priority.rank, next(self._seq), deadline, priority, asyncio.get_running_loop().create_future())
         q.push(w)
         try:
             await asyncio.wait_for(asyncio.shield(w.future), timeout=deadline - now)

@@ -265,8 +265,12 @@ class Gatekeeper:
             except (RedisError, StoreError) as exc:
                 # The store is down (a Redis restart): serve whom it confirmed lately, uncharged; or 503.
                 tenant = self.keys.vouch(authorization, exc)
-                return Admission(tenant=tenant, priority=resolve_priority(tenant.priority, priority_header),
-                                 settled=True, uncharged=True)
+                return Admission(
+                    tenant=tenant,
+                    priority=resolve_priority(tenant.priority, priority_header),
+                    settled=True,
+                    uncharged=True,
+                )
             if tenant is not None:
                 return Admission(
                     tenant=tenant,
@@ -343,6 +347,4 @@ class Gatekeeper:
 def _limited(reply: list) -> RateLimited:
     retry_s = int(reply[1]) / 1000.0
     which = reply[2].decode() if isinstance(reply[2], bytes) else reply[2]
-    return RateLimited(
-        f"rate limit exceeded: {which}; retry after {math.ceil(retry_s)} s", retry_after=retry_s
-    )
+    return RateLimited(f"rate limit exceeded: {which}; retry after {math.ceil(retry_s)} s", retry_after=retry_s)

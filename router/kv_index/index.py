@@ -201,9 +201,7 @@ def bench_longest_prefix(
     query = [BlockKey(k) for k in range(num_keys)]
     for n in range(num_nodes):
         idx.add_blocks(f"node-{n}", query)
-        idx.add_blocks(
-            f"node-{n}", [BlockKey(10**9 + n * cached_per_node + k) for k in range(cached_per_node)]
-        )
+        idx.add_blocks(f"node-{n}", [BlockKey(10**9 + n * cached_per_node + k) for k in range(cached_per_node)])
     best = float("inf")
     for _ in range(5):  # best of 5 rounds: the machine is shared, the minimum is the cost
         t0 = time.perf_counter()

@@ -165,9 +165,7 @@ class KVEventSubscriber:
                 self.stats.duplicates += 1
                 return
             self.stats.restarts += 1
-            log.info(
-                "node %s restarted its KV events (seq %d after %d)", self.node_id, seq, self.expected - 1
-            )
+            log.info("node %s restarted its KV events (seq %d after %d)", self.node_id, seq, self.expected - 1)
             self.index.clear_node(self.node_id)
             self.expected, self._window = 0, None
             if seq == 0:
@@ -275,8 +273,7 @@ class KVEventSubscriber:
 
 
 def _identity(info: NodeInfo) -> tuple[object, ...]:
-    return (info.model, info.block_size, info.kv_events_endpoint, info.kv_replay_endpoint, info.started_at,
-            info.epoch)
+    return (info.model, info.block_size, info.kv_events_endpoint, info.kv_replay_endpoint, info.started_at, info.epoch)
 
 
 class KVEventSubscribers:

@@ -97,17 +97,14 @@ class CacheAware:
         floor = min(_load(c) for c in pool)
         return [c for c in pool if _load(c) <= floor + self.config.imbalance_threshold]
 
-    def _score_pool(
-        self, pool: list[Candidate], matches: dict[str, int], prompt_tokens: int
-    ) -> tuple[Candidate, str]:
+    def _score_pool(self, pool: list[Candidate], matches: dict[str, int], prompt_tokens: int) -> tuple[Candidate, str]:
         loads = [_load(c) for c in pool]
         spread = max(loads) - min(loads)
         if spread > self.config.imbalance_threshold:
             best = min(pool, key=lambda c: (_load(c), c.node.load.kv_usage, c.node_id))
             return (
                 best,
-                f"load guard: spread {spread} > {self.config.imbalance_threshold}, "
-                f"least loaded {best.node_id}",
+                f"load guard: spread {spread} > {self.config.imbalance_threshold}, least loaded {best.node_id}",
             )
 
         def key(c: Candidate) -> tuple[float, int, str]:
@@ -137,14 +134,10 @@ class CacheAware:
                     return c, f"session affinity: {c.node_id}"
         if prompt_tokens > 0:
             local = [
-                c
-                for c in ok
-                if prompt_tokens - self._cached(c, matches, prompt_tokens) <= cfg.local_prefill_max_tokens
+                c for c in ok if prompt_tokens - self._cached(c, matches, prompt_tokens) <= cfg.local_prefill_max_tokens
             ]
             if local:
-                best = max(
-                    local, key=lambda c: (self._cached(c, matches, prompt_tokens), -self._decode_cost(c))
-                )
+                best = max(local, key=lambda c: (self._cached(c, matches, prompt_tokens), -self._decode_cost(c)))
                 left = prompt_tokens - self._cached(best, matches, prompt_tokens)
                 return best, f"decode {best.node_id} holds all but the last {left} tokens"
         best = min(decode, key=lambda c: (self._decode_cost(c), c.node_id))
@@ -156,16 +149,10 @@ class CacheAware:
         prompt_tokens = len(request.prompt_token_ids)
         matches = self.index.longest_prefix(request.model, request.block_keys) if request.block_keys else {}
         bs = decode[0].node.info.block_size
-        fleet_blocks = min(
-            max(matches.values(), default=0), (prompt_tokens - 1) // bs if prompt_tokens else 0
-        )
+        fleet_blocks = min(max(matches.values(), default=0), (prompt_tokens - 1) // bs if prompt_tokens else 0)
 
         if not prefill:  # colocated: the decode pool prefills, so its cache decides
-            prev = (
-                self._sessions.get(request.session_id)
-                if cfg.session_affinity and request.session_id
-                else None
-            )
+            prev = self._sessions.get(request.session_id) if cfg.session_affinity and request.session_id else None
             sticky = [c for c in self._within_guard(decode) if c.node_id == prev]
             if sticky:
                 d, reason = sticky[0], f"colocated, session affinity: {sticky[0].node_id}"
@@ -179,9 +166,7 @@ class CacheAware:
             min_p_load = min(_load(c) for c in prefill)
             if prompt_tokens > 0 and uncached_d <= cfg.local_prefill_max_tokens:
                 p = None
-                reason = (
-                    f"local prefill: {uncached_d} uncached tokens <= {cfg.local_prefill_max_tokens}; {reason}"
-                )
+                reason = f"local prefill: {uncached_d} uncached tokens <= {cfg.local_prefill_max_tokens}; {reason}"
             elif min_p_load >= cfg.prefill_saturation_load:
                 p = None
                 reason = f"local prefill: prefill pool saturated (min load {min_p_load}); {reason}"

@@ -63,16 +63,27 @@ class Database(Protocol):
 class PostgresDatabase:
     dialect = "postgresql"
 
-    def __init__(self, pool: asyncpg.Pool, *, command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
-                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
         self._pool = pool
         self._command_timeout_s = command_timeout_s
         self._connect_timeout_s = connect_timeout_s
 
     @classmethod
-    async def connect(cls, url: str, *, min_size: int = 1, max_size: int = 8,
-                      command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
-                      connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> PostgresDatabase:
+    async def connect(
+        cls,
+        url: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 8,
+        command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> PostgresDatabase:
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
         schema = query.pop("schema", None)
@@ -89,20 +100,27 @@ class PostgresDatabase:
                 finally:
                     await conn.close()
             pool = await asyncpg.create_pool(
-                dsn, min_size=min_size, max_size=max_size, server_settings=settings,
-                timeout=connect_timeout_s, command_timeout=command_timeout_s,
+                dsn,
+                min_size=min_size,
+                max_size=max_size,
+                server_settings=settings,
+                timeout=connect_timeout_s,
+                command_timeout=command_timeout_s,
             )
         # TimeoutError before OSError: it is one (Python >= 3.10), and deserves its own message.
         except TimeoutError as exc:
-            raise StoreTimeout(f"PostgreSQL at {where} did not answer within {connect_timeout_s:g} s "
-                               "(connect timeout)") from exc
+            raise StoreTimeout(
+                f"PostgreSQL at {where} did not answer within {connect_timeout_s:g} s (connect timeout)"
+            ) from exc
         except (OSError, asyncpg.PostgresError) as exc:
             raise StoreError(f"cannot connect to PostgreSQL at {where}: {exc}") from exc
         return cls(pool, command_timeout_s=command_timeout_s, connect_timeout_s=connect_timeout_s)
 
     def _timed_out(self, what: str) -> StoreTimeout:
-        return StoreTimeout(f"PostgreSQL {what} did not finish within its timeout ({self._command_timeout_s:g} s "
-                            f"per statement, {self._connect_timeout_s:g} s to get a connection)")
+        return StoreTimeout(
+            f"PostgreSQL {what} did not finish within its timeout ({self._command_timeout_s:g} s "
+            f"per statement, {self._connect_timeout_s:g} s to get a connection)"
+        )
 
     async def execute(self, sql: str, *args: Any) -> int:
         try:
@@ -193,14 +211,19 @@ class SqliteDatabase:
         await self._conn.close()
 
 
-async def open_database(url: str, *, command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
-                        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> Database:
+async def open_database(
+    url: str,
+    *,
+    command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+) -> Database:
     """``postgresql://`` / ``postgres://`` → PostgreSQL; ``sqlite:///path`` or a plain path → SQLite.
     The timeouts bound PostgreSQL (see the module docstring); SQLite is a local file with its own busy
     timeout."""
     if url.startswith(("postgresql://", "postgres://")):
-        return await PostgresDatabase.connect(url, command_timeout_s=command_timeout_s,
-                                              connect_timeout_s=connect_timeout_s)
+        return await PostgresDatabase.connect(
+            url, command_timeout_s=command_timeout_s, connect_timeout_s=connect_timeout_s
+        )
     if url.startswith("sqlite:///"):
         return await SqliteDatabase.connect(url.removeprefix("sqlite:///"))
     if "://" in url:

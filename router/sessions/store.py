@@ -182,9 +182,7 @@ class SessionStore:
             self._queue.put_nowait(turn)
         except asyncio.QueueFull:
             self.stats.dropped += 1
-            log.warning(
-                "session writer queue full: dropped turn %s of session %s", turn.turn_id, turn.session_id
-            )
+            log.warning("session writer queue full: dropped turn %s of session %s", turn.turn_id, turn.session_id)
             return False
         self.stats.enqueued += 1
         return True
@@ -204,9 +202,7 @@ class SessionStore:
                     self._queue.task_done()
 
     async def _write_batch(self, batch: list[Turn]) -> None:
-        rows = [
-            (t.tenant_id, t.session_id, t.turn_id, t.created_at, _json_enc.encode(t).decode()) for t in batch
-        ]
+        rows = [(t.tenant_id, t.session_id, t.turn_id, t.created_at, _json_enc.encode(t).decode()) for t in batch]
         for attempt in range(self._write_attempts):
             try:
                 await self._db.execute_many(_INSERT, rows)
@@ -214,9 +210,7 @@ class SessionStore:
             except StoreError as exc:
                 if attempt + 1 == self._write_attempts:
                     self.stats.failed += len(batch)
-                    log.error(
-                        "giving up on %d session turns after %d attempts: %s", len(batch), attempt + 1, exc
-                    )
+                    log.error("giving up on %d session turns after %d attempts: %s", len(batch), attempt + 1, exc)
                     return
                 await asyncio.sleep(self._retry_backoff_s * 2**attempt)
         for region in (self.home, *self.others):

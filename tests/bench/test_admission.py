@@ -19,9 +19,30 @@ REDIS_URL = "redis://127.0.0.1:6379/7"
 def test_bench_admission_writes_json_png_and_the_result_line(tmp_path: Path) -> None:
     out = tmp_path / "bench-admission.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "tandem", "bench", "admission", "--out", str(out), "-n", "200",
-         "--concurrency", "1", "--concurrency", "4", "--requests", "40", "--redis-url", REDIS_URL],
-        capture_output=True, text=True, timeout=600, check=False)
+        [
+            sys.executable,
+            "-m",
+            "tandem",
+            "bench",
+            "admission",
+            "--out",
+            str(out),
+            "-n",
+            "200",
+            "--concurrency",
+            "1",
+            "--concurrency",
+            "4",
+            "--requests",
+            "40",
+            "--redis-url",
+            REDIS_URL,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"RESULT admit_p50_us=([\d.]+) admit_p99_us=([\d.]+) router_rps=([\d.]+)", last)
@@ -33,8 +54,7 @@ def test_bench_admission_writes_json_png_and_the_result_line(tmp_path: Path) -> 
     assert "STAND-IN" in router["what"] and "stand-in" in router["engine"]
     assert [lv["concurrency"] for lv in router["levels"]] == [1, 4]
     assert all(lv["errors"] == 0 and lv["requests"] == 40 and lv["rps"] > 0 for lv in router["levels"])
-    assert doc["result"] == {"admit_p50_us": float(m[1]), "admit_p99_us": float(m[2]),
-                             "router_rps": float(m[3])}
+    assert doc["result"] == {"admit_p50_us": float(m[1]), "admit_p99_us": float(m[2]), "router_rps": float(m[3])}
     # Nothing of the run is left behind: its node left the registry, its keys are gone.
     r = redis.Redis.from_url(REDIS_URL)
     try:

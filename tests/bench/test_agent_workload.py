@@ -14,8 +14,7 @@ def _prompt(messages: list[dict[str, str]]) -> int:
     return sum(_count(m["content"]) + 4 for m in messages)
 
 
-CFG = AgentWorkloadConfig(repos=2, sessions_per_repo=3, turns_min=4, turns_max=7, repo_tokens=600,
-                          context_budget=2500)
+CFG = AgentWorkloadConfig(repos=2, sessions_per_repo=3, turns_min=4, turns_max=7, repo_tokens=600, context_budget=2500)
 
 
 def test_same_seed_and_salt_same_sessions() -> None:
@@ -30,7 +29,7 @@ def test_sessions_grow_by_prefix_and_share_repositories() -> None:
     for s in sessions:
         assert 1 <= len(s.turns) <= CFG.turns_max and len(s.think_s) == len(s.turns) - 1
         for prev, nxt in zip(s.turns, s.turns[1:], strict=False):
-            assert nxt[: len(prev)] == prev and [m["role"] for m in nxt[len(prev):]] == ["assistant", "user"]
+            assert nxt[: len(prev)] == prev and [m["role"] for m in nxt[len(prev) :]] == ["assistant", "user"]
         assert all(_prompt(t) <= CFG.context_budget for t in s.turns)
         assert s.turns[0][0]["content"].startswith("[a] ")
         repo_contexts.add(s.turns[0][1]["content"].split("Task ")[0])
@@ -43,5 +42,5 @@ def test_another_salt_changes_only_the_first_characters() -> None:
     for sa, sb in zip(a, b, strict=True):
         assert sa.start_s == sb.start_s and sa.think_s == sb.think_s and len(sa.turns) == len(sb.turns)
         sys_a, sys_b = sa.turns[-1][0]["content"], sb.turns[-1][0]["content"]
-        assert sys_a != sys_b and sys_a[len("[run-0]"):] == sys_b[len("[run-1]"):]
+        assert sys_a != sys_b and sys_a[len("[run-0]") :] == sys_b[len("[run-1]") :]
         assert sa.turns[-1][1:] == sb.turns[-1][1:]

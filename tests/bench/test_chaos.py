@@ -15,13 +15,17 @@ def _req(start: float, end: float, outcome: str, rid: str | None = None) -> Requ
 def test_timeline_bins_answers_and_failures_by_end_time() -> None:
     reqs = [_req(0, 1, "ok"), _req(0, 4.9, "ok"), _req(3, 6, "status 502"), _req(5, 7, "running")]
     tl = _timeline(reqs, t0=0.0, t_end=9.0, bin_s=5.0)
-    assert tl == [{"t_s": 0.0, "answers_per_s": 0.4, "failures_per_s": 0.0},
-                  {"t_s": 5.0, "answers_per_s": 0.0, "failures_per_s": 0.2}]
+    assert tl == [
+        {"t_s": 0.0, "answers_per_s": 0.4, "failures_per_s": 0.0},
+        {"t_s": 5.0, "answers_per_s": 0.0, "failures_per_s": 0.2},
+    ]
 
 
 def test_leased_blocks_are_summed_over_engines_samples() -> None:
-    text = ('# HELP tandem_kv_leased_blocks x\ntandem_kv_leased_blocks{engine="0"} 3.0\n'
-            'tandem_kv_leased_blocks{engine="1"} 2.0\ntandem_kv_leases_active 1.0\n')
+    text = (
+        '# HELP tandem_kv_leased_blocks x\ntandem_kv_leased_blocks{engine="0"} 3.0\n'
+        'tandem_kv_leased_blocks{engine="1"} 2.0\ntandem_kv_leases_active 1.0\n'
+    )
     assert _leased(text) == 5
 
 
@@ -29,18 +33,28 @@ def test_summary_counts_failures_inside_each_faults_window_and_the_result_line(t
     cfg = ChaosConfig(faults=("sigkill_router", "restart_redis"), recovery_timeout_s=100)
     chaos = Chaos.__new__(Chaos)  # bookkeeping only: no cluster
     chaos.t0, chaos.events = 1000.0, []
-    results = [FaultResult("sigkill_router", at_s=10, recovery_s=20, survived=True),
-               FaultResult("restart_redis", at_s=60, recovery_s=None, survived=False)]
-    reqs = [_req(1000, 1005, "ok", "a"), _req(1009, 1012, "cut"), _req(1012, 1034, "status 503"),
-            _req(1030, 1036, "hung"), _req(1061, 1070, "status 502"), _req(1050, 1055, "ok", "b")]
+    results = [
+        FaultResult("sigkill_router", at_s=10, recovery_s=20, survived=True),
+        FaultResult("restart_redis", at_s=60, recovery_s=None, survived=False),
+    ]
+    reqs = [
+        _req(1000, 1005, "ok", "a"),
+        _req(1009, 1012, "cut"),
+        _req(1012, 1034, "status 503"),
+        _req(1030, 1036, "hung"),
+        _req(1061, 1070, "status 502"),
+        _req(1050, 1055, "ok", "b"),
+    ]
     doc = chaos.summarise(cfg, results, reqs, t_end=1200.0, stranded=0, lost=1, answered=2)
     s = doc["summary"]
     assert [f["failed"] for f in doc["faults"]] == [2, 1]  # window: fault .. recovery + 5 s
     assert doc["faults"][0]["failed_outcomes"] == {"cut": 1, "status 503": 1}
     assert s["survived"] == 1 and s["hung_streams"] == 1 and s["failed_requests"] == 4
     assert s["recovery_p50_s"] == 20 and s["recovery_max_s"] == 20
-    assert result_line(s) == ("RESULT faults=2 survived=1 hung_streams=1 stranded_blocks=0 lost_lake_rows=1 "
-                              "failed_requests=4 recovery_p50_s=20 recovery_max_s=20")
+    assert result_line(s) == (
+        "RESULT faults=2 survived=1 hung_streams=1 stranded_blocks=0 lost_lake_rows=1 "
+        "failed_requests=4 recovery_p50_s=20 recovery_max_s=20"
+    )
     png = tmp_path / "chaos.png"
     plot(doc, png)
     assert png.stat().st_size > 10_000

@@ -10,10 +10,19 @@ from bench.routing import _summarize, _targets
 
 
 def _sent(session: str, turn: int, sent_s: float, prompt: int, cached: int, ttft_s: float) -> SentRequest:
-    usage = {"prompt_tokens": prompt, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": cached},
-             "tandem": {"mode": "disaggregated", "routed_cached_tokens": cached, "engine_cached_tokens": cached}}
-    return SentRequest(session, turn, sent_s, 0.0, RequestResult(ok=True, ttft_s=ttft_s, e2e_s=ttft_s + 1,
-                                                                 prompt_tokens=prompt, usage=usage))
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "tandem": {"mode": "disaggregated", "routed_cached_tokens": cached, "engine_cached_tokens": cached},
+    }
+    return SentRequest(
+        session,
+        turn,
+        sent_s,
+        0.0,
+        RequestResult(ok=True, ttft_s=ttft_s, e2e_s=ttft_s + 1, prompt_tokens=prompt, usage=usage),
+    )
 
 
 def test_summary_counts_engine_reuse_and_ideal_in_send_order() -> None:
@@ -29,8 +38,15 @@ def test_summary_counts_engine_reuse_and_ideal_in_send_order() -> None:
 
 
 def test_targets_follow_the_issue() -> None:
-    s = {"cache_hit": 0.80, "ideal_hit": 0.84, "rr_hit": 0.70, "cache_ttft_p50_ms": 900.0,
-         "rr_ttft_p50_ms": 1200.0, "colo_cache_hit": 0.78, "peer_hit": 0.79}
+    s = {
+        "cache_hit": 0.80,
+        "ideal_hit": 0.84,
+        "rr_hit": 0.70,
+        "cache_ttft_p50_ms": 900.0,
+        "rr_ttft_p50_ms": 1200.0,
+        "colo_cache_hit": 0.78,
+        "peer_hit": 0.79,
+    }
     t = _targets(s)
     assert t["cache_hit >= 0.95 * ideal_hit"]["held"]  # 0.80 >= 0.798
     assert t["1 - cache_hit <= 0.75 * (1 - rr_hit)"]["held"]  # 0.20 <= 0.225

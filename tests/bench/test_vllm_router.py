@@ -11,8 +11,10 @@ from bench.vllm_router import EventRelay, PeerWorker, VllmRouter
 
 
 def test_kv_aware_command_names_every_event_source() -> None:
-    workers = [PeerWorker(f"http://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 1}", f"tcp://127.0.0.1:{p + 2}")
-               for p in (9100, 9110)]
+    workers = [
+        PeerWorker(f"http://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 1}", f"tcp://127.0.0.1:{p + 2}")
+        for p in (9100, 9110)
+    ]
     cmd = VllmRouter(9000, "kv_aware", workers, 128, "m", Path("/dev/null")).command("vllm-router")
     assert cmd[cmd.index("--policy") + 1] == "kv_aware" and cmd[cmd.index("--kv-event-block-size") + 1] == "128"
     assert "http://127.0.0.1:9110=tcp://127.0.0.1:9111" in cmd and "http://127.0.0.1:9100=tcp://127.0.0.1:9102" in cmd

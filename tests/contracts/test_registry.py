@@ -13,8 +13,15 @@ from contracts.registry import NODES_SET, NodeInfo, NodeLoad, NodeRegistry, Role
 
 
 def _info(node_id: str, role: Role = Role.PREFILL) -> NodeInfo:
-    return NodeInfo(node_id=node_id, role=role, model="m", url="http://127.0.0.1:1", block_size=16,
-                    max_model_len=2048, kv_connector="nixl")
+    return NodeInfo(
+        node_id=node_id,
+        role=role,
+        model="m",
+        url="http://127.0.0.1:1",
+        block_size=16,
+        max_model_len=2048,
+        kv_connector="nixl",
+    )
 
 
 @pytest.fixture
@@ -75,8 +82,15 @@ async def test_a_v1_entry_without_epoch_still_decodes_with_epoch_0(registry: Nod
         kv_connector: str
         schema_version: int = 1
 
-    old = NodeInfoV1(node_id="v1", role="decode", model="m", url="http://127.0.0.1:1", block_size=16,
-                     max_model_len=2048, kv_connector="tandem")
+    old = NodeInfoV1(
+        node_id="v1",
+        role="decode",
+        model="m",
+        url="http://127.0.0.1:1",
+        block_size=16,
+        max_model_len=2048,
+        kv_connector="tandem",
+    )
     await registry._redis.set(node_key("v1"), msgspec.msgpack.encode(old))  # noqa: SLF001 - an old writer
     await registry._redis.sadd(NODES_SET, "v1")  # noqa: SLF001
     [node] = await registry.live_nodes()

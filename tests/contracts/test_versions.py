@@ -30,9 +30,15 @@ REDIS_URL = "redis://127.0.0.1:6379/12"
 
 
 def _params(**over: object) -> dict:
-    base = TransferParams(transfer_id="t1", remote_block_ids=[3, 4], remote_endpoints={"tcp": "tcp://127.0.0.1:1"},
-                          remote_host_id="h", remote_engine_id="e", remote_num_tokens=20,
-                          lease_deadline=1e10).to_dict()
+    base = TransferParams(
+        transfer_id="t1",
+        remote_block_ids=[3, 4],
+        remote_endpoints={"tcp": "tcp://127.0.0.1:1"},
+        remote_host_id="h",
+        remote_engine_id="e",
+        remote_num_tokens=20,
+        lease_deadline=1e10,
+    ).to_dict()
     return {**base, **over}
 
 
@@ -68,8 +74,16 @@ def test_a_report_of_another_version_is_a_clear_error_and_one_without_a_version_
 
 # -- the registry ----------------------------------------------------------------------------------------
 def _info(node_id: str, **over: object) -> NodeInfo:
-    return NodeInfo(node_id=node_id, role=Role.BOTH, model="m", url="http://127.0.0.1:1", block_size=16,
-                    max_model_len=2048, kv_connector="none", **over)  # type: ignore[arg-type]
+    return NodeInfo(
+        node_id=node_id,
+        role=Role.BOTH,
+        model="m",
+        url="http://127.0.0.1:1",
+        block_size=16,
+        max_model_len=2048,
+        kv_connector="none",
+        **over,
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -89,7 +103,8 @@ async def _put_raw(client: aioredis.Redis, node_id: str, info: bytes, load: byte
 
 
 async def test_a_newer_schema_entry_is_skipped_counted_and_named_and_the_others_still_listed(
-        redis12: aioredis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    redis12: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
     registry = NodeRegistry(redis12)
     await registry.register(_info("good"))
     newer = msgspec.msgpack.encode({**msgspec.to_builtins(_info("newer")), "schema_version": 99, "shape": [1]})

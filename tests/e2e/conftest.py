@@ -43,20 +43,47 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
     workdir = tmp_path_factory.mktemp("cluster")
     redis.Redis.from_url(REDIS_E2E_URL).flushdb()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem", "up", "--prefill", "1", "--decode", "1", "--both", "1",
-         "--dtype", "float32", "--port", str(ROUTER_PORT), "--node-base-port", str(NODE_BASE),
-         "--redis-url", REDIS_E2E_URL, "--workdir", str(workdir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "tandem",
+            "up",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--both",
+            "1",
+            "--dtype",
+            "float32",
+            "--port",
+            str(ROUTER_PORT),
+            "--node-base-port",
+            str(NODE_BASE),
+            "--redis-url",
+            REDIS_E2E_URL,
+            "--workdir",
+            str(workdir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     output = OutputLines(proc)
     try:
         output.until("READY ", START_TIMEOUT_S, what="tandem up")
         model = httpx.get(f"http://127.0.0.1:{ROUTER_PORT}/v1/models").json()["data"][0]["id"]
-        yield LiveCluster(url=f"http://127.0.0.1:{ROUTER_PORT}", prefill_url=f"http://127.0.0.1:{NODE_BASE}",
-                          decode_url=f"http://127.0.0.1:{NODE_BASE + 10}",
-                          both_url=f"http://127.0.0.1:{NODE_BASE + 20}", model=model, redis_url=REDIS_E2E_URL,
-                          lake=workdir / "lake")
+        yield LiveCluster(
+            url=f"http://127.0.0.1:{ROUTER_PORT}",
+            prefill_url=f"http://127.0.0.1:{NODE_BASE}",
+            decode_url=f"http://127.0.0.1:{NODE_BASE + 10}",
+            both_url=f"http://127.0.0.1:{NODE_BASE + 20}",
+            model=model,
+            redis_url=REDIS_E2E_URL,
+            lake=workdir / "lake",
+        )
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

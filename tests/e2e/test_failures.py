@@ -15,10 +15,18 @@ def _running(url: str) -> float:
 
 
 def test_client_disconnect_mid_stream_aborts_on_the_decode_node(cluster: LiveCluster) -> None:
-    body = {"model": cluster.model, "messages": [{"role": "user", "content": "Tell me a very long story."}],
-            "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=120) as client, client.stream("POST", f"{cluster.url}/v1/chat/completions",
-                                                           json=body) as resp:
+    body = {
+        "model": cluster.model,
+        "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        "max_tokens": 1000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", f"{cluster.url}/v1/chat/completions", json=body) as resp,
+    ):
         assert resp.status_code == 200
         chunks = 0
         for line in resp.iter_lines():
@@ -35,18 +43,27 @@ def test_client_disconnect_mid_stream_aborts_on_the_decode_node(cluster: LiveClu
 
 def test_prompt_beyond_context_window_is_400_and_router_keeps_serving(cluster: LiveCluster) -> None:
     huge = "token " * 9000
-    resp = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=60, json={
-        "model": cluster.model, "messages": [{"role": "user", "content": huge}], "max_tokens": 4})
+    resp = httpx.post(
+        f"{cluster.url}/v1/chat/completions",
+        timeout=60,
+        json={"model": cluster.model, "messages": [{"role": "user", "content": huge}], "max_tokens": 4},
+    )
     assert resp.status_code == 400
     assert resp.json()["error"]["code"] == "context_length_exceeded"
-    ok = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=60, json={
-        "model": cluster.model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3})
+    ok = httpx.post(
+        f"{cluster.url}/v1/chat/completions",
+        timeout=60,
+        json={"model": cluster.model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3},
+    )
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
 
 
 def test_engine_refusal_keeps_its_status_in_openai_shape(cluster: LiveCluster) -> None:
-    resp = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=60, json={
-        "model": cluster.model, "messages": [{"role": "user", "content": "hi"}], "temperature": -1})
+    resp = httpx.post(
+        f"{cluster.url}/v1/chat/completions",
+        timeout=60,
+        json={"model": cluster.model, "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+    )
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["type"] == "invalid_request_error" and "temperature" in err["message"]
@@ -68,17 +85,29 @@ def test_a_client_gone_before_the_first_byte_leaves_no_slot_and_no_engine_reques
 
     engines = (cluster.prefill_url, cluster.decode_url, cluster.both_url)
     assert wait_for(lambda: sum(_running(u) for u in engines) == 0, timeout_s=30)
-    cancelled_before = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{cluster.url}/metrics").text
-                           .splitlines() if line.startswith("tandem_requests_total") and 'status="cancelled"' in line)
+    cancelled_before = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{cluster.url}/metrics").text.splitlines()
+        if line.startswith("tandem_requests_total") and 'status="cancelled"' in line
+    )
     long_prompt = " ".join(f"w{i}" for i in range(1300))  # ~5.6k tokens: seconds of prefill here
-    body = httpx.Request("POST", "http://x/v1/chat/completions", json={
-        "model": cluster.model, "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 200,
-        "stream": True}).read()
+    body = httpx.Request(
+        "POST",
+        "http://x/v1/chat/completions",
+        json={
+            "model": cluster.model,
+            "messages": [{"role": "user", "content": long_prompt}],
+            "max_tokens": 200,
+            "stream": True,
+        },
+    ).read()
     url = urlsplit(cluster.url)
     sock = socket.create_connection((url.hostname, url.port))
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         # The engine has the prompt: the router routed it and holds its slots, and has sent nothing yet.
         assert wait_for(lambda: sum(_running(u) for u in engines) >= 1, timeout_s=30, interval_s=0.05)
         sock.setblocking(False)
@@ -89,6 +118,14 @@ def test_a_client_gone_before_the_first_byte_leaves_no_slot_and_no_engine_reques
     assert wait_for(lambda: sum(_running(u) for u in engines) == 0, timeout_s=20), "an engine kept the request"
     assert wait_for(lambda: _router_sum(cluster, "tandem_admission_slots_in_use") == 0, timeout_s=10)
     assert _router_sum(cluster, "tandem_node_inflight_requests") == 0
-    assert wait_for(lambda: sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{cluster.url}/metrics").text
-                                .splitlines() if line.startswith("tandem_requests_total")
-                                and 'status="cancelled"' in line) == cancelled_before + 1, timeout_s=10)
+    assert wait_for(
+        lambda: (
+            sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in httpx.get(f"{cluster.url}/metrics").text.splitlines()
+                if line.startswith("tandem_requests_total") and 'status="cancelled"' in line
+            )
+            == cancelled_before + 1
+        ),
+        timeout_s=10,
+    )

@@ -45,8 +45,13 @@ LEASE_S, TRANSFER_TIMEOUT_S = 30.0, 4.0
 DEADLINE_S = 300.0
 """What any request may take here, compute included (a 2k-token float32 prefill on one shared core);
 the tests that are about hangs assert tighter bounds themselves."""
-NODE_ENV = {"TANDEM_KV_FAULTS": "1", "TANDEM_NODE_KV_TRANSPORT": "tcp", "TANDEM_NODE_KV_LEASE_S": str(LEASE_S),
-            "TANDEM_NODE_KV_TRANSFER_TIMEOUT_S": str(TRANSFER_TIMEOUT_S), "PYTHONUNBUFFERED": "1"}
+NODE_ENV = {
+    "TANDEM_KV_FAULTS": "1",
+    "TANDEM_NODE_KV_TRANSPORT": "tcp",
+    "TANDEM_NODE_KV_LEASE_S": str(LEASE_S),
+    "TANDEM_NODE_KV_TRANSFER_TIMEOUT_S": str(TRANSFER_TIMEOUT_S),
+    "PYTHONUNBUFFERED": "1",
+}
 PD = {"x-tandem-route": "disaggregated"}
 
 
@@ -62,15 +67,38 @@ class FaultCluster:
 
     def start(self, name: str, args: list[str]) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "tandem", *args], stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, **NODE_ENV})
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "tandem", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **NODE_ENV},
+        )
 
     def start_node(self, name: str, role: str, port: int, cores: str) -> None:
-        self.start(name, ["node", "--role", role, "--port", str(port), "--node-id", f"kvf-{name}",
-                          "--redis-url", REDIS_URL, "--dtype", "float32", "--cores", cores,
-                          "--max-model-len", "2048", "--engine-arg=--num-gpu-blocks-override=20",
-                          "--log-dir", str(self.workdir)])
+        self.start(
+            name,
+            [
+                "node",
+                "--role",
+                role,
+                "--port",
+                str(port),
+                "--node-id",
+                f"kvf-{name}",
+                "--redis-url",
+                REDIS_URL,
+                "--dtype",
+                "float32",
+                "--cores",
+                cores,
+                "--max-model-len",
+                "2048",
+                "--engine-arg=--num-gpu-blocks-override=20",
+                "--log-dir",
+                str(self.workdir),
+            ],
+        )
 
     def nodes(self) -> dict[str, str]:
         """Live nodes as the router sees them: node id → role."""
@@ -143,8 +171,12 @@ def metric(port: int, name: str, **labels: str) -> float:
 
 def at_baseline(port: int) -> bool:
     """No KV block in use and no lease held on this node."""
-    return (metric(port, "vllm:kv_cache_usage_perc") == 0 and metric(port, "tandem_kv_leases_active") == 0
-            and metric(port, "vllm:num_requests_running") == 0 and metric(port, "vllm:num_requests_waiting") == 0)
+    return (
+        metric(port, "vllm:kv_cache_usage_perc") == 0
+        and metric(port, "tandem_kv_leases_active") == 0
+        and metric(port, "vllm:num_requests_running") == 0
+        and metric(port, "vllm:num_requests_waiting") == 0
+    )
 
 
 def prompt(n_words: int, tag: str) -> list[dict[str, str]]:
@@ -152,8 +184,9 @@ def prompt(n_words: int, tag: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Summarise these identifiers in one line: {words}"}]
 
 
-def chat(fc: FaultCluster, messages: list[dict[str, str]], headers: dict[str, str] | None = None,
-         max_tokens: int = 8) -> httpx.Response:
+def chat(
+    fc: FaultCluster, messages: list[dict[str, str]], headers: dict[str, str] | None = None, max_tokens: int = 8
+) -> httpx.Response:
     body = {"model": fc.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     return httpx.post(f"{fc.url}/v1/chat/completions", json=body, headers=headers or {}, timeout=DEADLINE_S)
 
@@ -237,8 +270,12 @@ def test_client_gone_before_first_token_frees_both_sides(fc: FaultCluster) -> No
     # A raw socket: the router answers only at the first token, so an HTTP client would still be
     # waiting for headers when the test wants to hang up.
     with socket.create_connection(("127.0.0.1", ROUTER_PORT)) as sock:
-        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      f"x-tandem-route: disaggregated\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        sock.sendall(
+            (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"x-tandem-route: disaggregated\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+        )
         assert wait_for(lambda: metric(P_PORT, "tandem_kv_leases_active") == 1, timeout_s=60)
     t0 = time.monotonic()
     assert wait_for(lambda: at_baseline(P_PORT) and at_baseline(D_PORT), timeout_s=LEASE_S + 10)
@@ -250,15 +287,23 @@ def test_full_decode_node_rejects_and_releases_the_lease_at_once(fc: FaultCluste
     long_msgs = prompt(660, "big")  # ~1930 tokens: 16 of the decode node's 20 blocks
     want = reference(fc, long_msgs, max_tokens=4)
     released = outcome(P_PORT, "released")
-    holder_body = {"model": fc.model, "messages": prompt(200, "hold"), "max_tokens": 1400, "stream": True,
-                   "ignore_eos": True}
-    with httpx.Client(timeout=DEADLINE_S) as client, \
-            client.stream("POST", f"{fc.url}/v1/chat/completions", json=holder_body, headers=PD) as holder:
+    holder_body = {
+        "model": fc.model,
+        "messages": prompt(200, "hold"),
+        "max_tokens": 1400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=DEADLINE_S) as client,
+        client.stream("POST", f"{fc.url}/v1/chat/completions", json=holder_body, headers=PD) as holder,
+    ):
         lines = holder.iter_lines()
         assert any(line.startswith("data:") for line in lines)  # the holder is decoding: its blocks are taken
         victim = Background(lambda: chat(fc, long_msgs, PD, max_tokens=4))
-        assert wait_for(lambda: outcome(P_PORT, "released") == released + 1, timeout_s=DEADLINE_S), \
+        assert wait_for(lambda: outcome(P_PORT, "released") == released + 1, timeout_s=DEADLINE_S), (
             "the decode node did not release the lease it had no room for"
+        )
         assert metric(P_PORT, "tandem_kv_leases_active") == 0
         # leaving closes the holder: the victim gets its room and prefills locally
     resp = victim.join()

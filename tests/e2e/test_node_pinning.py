@@ -49,10 +49,32 @@ def test_a_two_core_node_keeps_vllms_one_core_binding(tmp_path: Path) -> None:
         pytest.fail("this test needs 2 cores")
     node_cores = set(cores)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem", "node", "--role", "both", "--port", str(PORT), "--node-id",
-         f"pin-test-{PORT}", "--redis-url", REDIS_E2E_URL, "--cores", f"{cores[0]},{cores[1]}", "--dtype", "float32",
-         "--max-model-len", "2048", "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "tandem",
+            "node",
+            "--role",
+            "both",
+            "--port",
+            str(PORT),
+            "--node-id",
+            f"pin-test-{PORT}",
+            "--redis-url",
+            REDIS_E2E_URL,
+            "--cores",
+            f"{cores[0]},{cores[1]}",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     output = OutputLines(proc)
@@ -64,12 +86,16 @@ def test_a_two_core_node_keeps_vllms_one_core_binding(tmp_path: Path) -> None:
         assert not outside, f"engine threads outside cores {node_cores}: {outside}"
         # vLLM's binding survived: the worker's main thread (OpenMP thread 0) is still on the first core
         # alone, and a thread is bound to the second core alone. The old pinning widened both to the pair.
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if any(tid in engine and engine[tid][1] == {cores[1]} for tid in (t.id for t in p.threads()))]
+        workers = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if any(tid in engine and engine[tid][1] == {cores[1]} for tid in (t.id for t in p.threads()))
+        ]
         assert workers, f"no engine thread bound to core {cores[1]} alone: {sorted(engine.values())}"
         worker = workers[0]
         assert os.sched_getaffinity(worker.pid) == {cores[0]}, (
-            f"{worker.name()} main thread (OpenMP thread 0) widened or moved: {os.sched_getaffinity(worker.pid)}")
+            f"{worker.name()} main thread (OpenMP thread 0) widened or moved: {os.sched_getaffinity(worker.pid)}"
+        )
     finally:
         stop_group(proc.pid, timeout_s=60)  # the node and its engine: a process group of their own
         proc.wait()

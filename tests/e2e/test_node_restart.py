@@ -27,8 +27,26 @@ NODE_ID = "restart-both-18160"
 
 
 def _start_node(cluster: LiveCluster, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "tandem", "node", "--role", "both", "--port", str(PORT), "--node-id", NODE_ID,
-           "--redis-url", cluster.redis_url, "--dtype", "float32", "--cores", "1", "--log-dir", str(log.parent)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem",
+        "node",
+        "--role",
+        "both",
+        "--port",
+        str(PORT),
+        "--node-id",
+        NODE_ID,
+        "--redis-url",
+        cluster.redis_url,
+        "--dtype",
+        "float32",
+        "--cores",
+        "1",
+        "--log-dir",
+        str(log.parent),
+    ]
     return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -39,8 +57,10 @@ def _port_free(port: int) -> bool:
 
 def test_killed_node_leaves_the_index_and_returns_without_stale_hits(cluster: LiveCluster, tmp_path: Path) -> None:
     settings = RouterSettings(redis_url=cluster.redis_url, policy="cache_aware", telemetry=False)
-    messages = [{"role": "system", "content": "Restart test. " + SYSTEM},
-                {"role": "user", "content": "Which file routes requests?"}]
+    messages = [
+        {"role": "system", "content": "Restart test. " + SYSTEM},
+        {"role": "user", "content": "Which file routes requests?"},
+    ]
     body = {"model": cluster.model, "messages": messages, "max_tokens": 4, "temperature": 0}
     node = _start_node(cluster, tmp_path / "node.log")
     try:

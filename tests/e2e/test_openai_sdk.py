@@ -31,8 +31,9 @@ def test_chat_stream_equals_non_stream(sdk: openai.OpenAI, cluster: LiveCluster)
 
 
 def test_stream_without_include_usage_sends_no_usage(sdk: openai.OpenAI, cluster: LiveCluster) -> None:
-    chunks = list(sdk.chat.completions.create(model=cluster.model, messages=CHATS[0], max_tokens=5,
-                                              temperature=0, stream=True))
+    chunks = list(
+        sdk.chat.completions.create(model=cluster.model, messages=CHATS[0], max_tokens=5, temperature=0, stream=True)
+    )
     assert chunks and all(c.usage is None for c in chunks)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 

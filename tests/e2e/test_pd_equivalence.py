@@ -14,16 +14,27 @@ MAX_TOKENS = 24
 
 
 def _chat(cluster: LiveCluster, messages: list[dict], route: str) -> dict:
-    resp = httpx.post(f"{cluster.url}/v1/chat/completions", headers={"x-tandem-route": route}, timeout=300,
-                      json={"model": cluster.model, "messages": messages, "max_tokens": MAX_TOKENS,
-                            "temperature": 0, "return_token_ids": True})
+    resp = httpx.post(
+        f"{cluster.url}/v1/chat/completions",
+        headers={"x-tandem-route": route},
+        timeout=300,
+        json={
+            "model": cluster.model,
+            "messages": messages,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()
 
 
 def _by_source(url: str) -> dict[str, float]:
-    return {s: engine_metric(url, "vllm:prompt_tokens_by_source_total", source=s)
-            for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    return {
+        s: engine_metric(url, "vllm:prompt_tokens_by_source_total", source=s)
+        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
 
 
 def test_disaggregated_equals_colocated_token_for_token(cluster: LiveCluster) -> None:
@@ -51,9 +62,18 @@ def test_disaggregated_equals_colocated_token_for_token(cluster: LiveCluster) ->
 
 def test_disaggregated_completion_equals_colocated(cluster: LiveCluster) -> None:
     def complete(route: str) -> dict:
-        resp = httpx.post(f"{cluster.url}/v1/completions", headers={"x-tandem-route": route}, timeout=120,
-                          json={"model": cluster.model, "prompt": COMPLETION_PROMPT, "max_tokens": MAX_TOKENS,
-                                "temperature": 0, "return_token_ids": True})
+        resp = httpx.post(
+            f"{cluster.url}/v1/completions",
+            headers={"x-tandem-route": route},
+            timeout=120,
+            json={
+                "model": cluster.model,
+                "prompt": COMPLETION_PROMPT,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
         assert resp.status_code == 200, resp.text
         return resp.json()
 

@@ -56,9 +56,16 @@ class Load:
             i = 0
             while not self.stop.is_set():
                 i += 1
-                body = {"model": self.model, "stream": True, "max_tokens": 24, "temperature": 0,
-                        "messages": [{"role": "system", "content": SYSTEM},  # > 1 block: the index sees it
-                                     {"role": "user", "content": f"Worker {n} request {i}: count to ten."}]}
+                body = {
+                    "model": self.model,
+                    "stream": True,
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},  # > 1 block: the index sees it
+                        {"role": "user", "content": f"Worker {n} request {i}: count to ten."},
+                    ],
+                }
                 outcome = "ok"
                 try:
                     with client.stream("POST", f"{self.url}/v1/chat/completions", json=body) as resp:
@@ -98,11 +105,33 @@ def test_a_killed_decode_engine_comes_back_with_a_new_epoch_and_nothing_stale(tm
     r.flushdb()
     url = f"http://127.0.0.1:{ROUTER_PORT}"
     up = subprocess.Popen(
-        [sys.executable, "-m", "tandem", "up", "--prefill", "1", "--decode", "1", "--dtype", "float32",
-         "--port", str(ROUTER_PORT), "--node-base-port", str(NODE_BASE), "--redis-url", REDIS_URL,
-         "--workdir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_NODE_HEARTBEAT_S": "0.5"})
+        [
+            sys.executable,
+            "-m",
+            "tandem",
+            "up",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--dtype",
+            "float32",
+            "--port",
+            str(ROUTER_PORT),
+            "--node-base-port",
+            str(NODE_BASE),
+            "--redis-url",
+            REDIS_URL,
+            "--workdir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_NODE_HEARTBEAT_S": "0.5"},
+    )
     lines: queue.Queue[str] = queue.Queue()
     assert up.stdout is not None
     threading.Thread(target=lambda: [lines.put(x) for x in iter(up.stdout.readline, "")], daemon=True).start()
@@ -142,18 +171,22 @@ def test_a_killed_decode_engine_comes_back_with_a_new_epoch_and_nothing_stale(tm
         assert load.count("hung") == 0, load.outcomes
 
         assert wait_for(lambda: (_epoch(r, DECODE_ID) or 0) > first_epoch, timeout_s=300), (
-            "the decode node did not come back with a new epoch")
+            "the decode node did not come back with a new epoch"
+        )
         assert wait_for(lambda: DECODE_ID in _cluster_view(url), timeout_s=30)
         assert _cluster_view(url)[DECODE_ID]["cached_blocks"] == 0, "stale index entries of the old engine"
         assert agent.is_running(), "the node agent itself was restarted: the engine restart is its job"
         assert not any(s.startswith(f"RESTARTED {DECODE_ID}") for s in seen)
 
         body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Back again?"}]}
-        resp = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-tandem-route": "disaggregated"},
-                          timeout=120)
+        resp = httpx.post(
+            f"{url}/v1/chat/completions", json=body, headers={"x-tandem-route": "disaggregated"}, timeout=120
+        )
         assert resp.status_code == 200, resp.text
-        print(f"deregistered {deregistered_s:.1f} s after the kill; outcomes under load: "
-              f"{ {o: load.outcomes.count(o) for o in set(load.outcomes)} }")
+        print(
+            f"deregistered {deregistered_s:.1f} s after the kill; outcomes under load: "
+            f"{ {o: load.outcomes.count(o) for o in set(load.outcomes)} }"
+        )
 
         pids.update(p.pid for p in psutil.Process(up.pid).children(recursive=True))
         up.send_signal(signal.SIGTERM)

@@ -17,9 +17,14 @@ from tests.e2e.conftest import LiveCluster, wait_for
 
 pytestmark = pytest.mark.e2e
 
-TOOL = {"type": "function", "function": {
-    "name": "read_file", "description": "Read a file of the repository.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "read_file",
+        "description": "Read a file of the repository.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    },
+}
 
 
 def _rows(cluster: LiveCluster, sql: str) -> list[dict]:
@@ -34,23 +39,35 @@ def test_every_request_lands_once_with_tool_call_and_feedback(cluster: LiveClust
     # Forced onto the P/D path: under cache_aware (the default) prompts this short prefill on the decode
     # node, and this test checks the prefill-leg fields of the records.
     h = {"x-session-id": session, "x-tandem-route": "disaggregated"}
-    chat = {"model": cluster.model, "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8,
-            "temperature": 0}
+    chat = {
+        "model": cluster.model,
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     with httpx.Client(base_url=cluster.url, timeout=120, headers=h) as c:
         first = c.post("/v1/chat/completions", json=chat).json()
         streamed = c.post("/v1/chat/completions", json={**chat, "stream": True}).text
         assert streamed.rstrip().endswith("data: [DONE]")
         completion = {"model": cluster.model, "prompt": "1, 2, 3,", "max_tokens": 6}
         c.post("/v1/completions", json=completion).raise_for_status()
-        tool = c.post("/v1/chat/completions", json={
-            **chat, "max_tokens": 40, "tools": [TOOL],
-            "messages": [{"role": "user", "content": "Open the README."}],
-            "tool_choice": {"type": "function", "function": {"name": "read_file"}}}).json()
+        tool = c.post(
+            "/v1/chat/completions",
+            json={
+                **chat,
+                "max_tokens": 40,
+                "tools": [TOOL],
+                "messages": [{"role": "user", "content": "Open the README."}],
+                "tool_choice": {"type": "function", "function": {"name": "read_file"}},
+            },
+        ).json()
         calls = tool["choices"][0]["message"]["tool_calls"]
         assert calls and calls[0]["function"]["name"] == "read_file"
         assert c.post("/v1/feedback", json={"response_id": "chatcmpl-unknown", "rating": 1}).status_code == 404
-        fb = c.post("/v1/feedback", json={"response_id": first["id"], "rating": -1, "comment": "too short",
-                                          "labels": ["quality"]})
+        fb = c.post(
+            "/v1/feedback",
+            json={"response_id": first["id"], "rating": -1, "comment": "too short", "labels": ["quality"]},
+        )
         assert fb.status_code == 202, fb.text
 
     sql = f"SELECT * FROM requests WHERE session_id = '{session}'"
@@ -82,8 +99,9 @@ def test_every_request_lands_once_with_tool_call_and_feedback(cluster: LiveClust
     # the test does not depend on what other tests left in the lake.
     since = time.time()
     with httpx.Client(base_url=cluster.url, timeout=120) as c:
-        c.post("/v1/completions", json={"model": cluster.model, "prompt": f"{session} " + "lake " * 400,
-                                        "max_tokens": 1}).raise_for_status()
+        c.post(
+            "/v1/completions", json={"model": cluster.model, "prompt": f"{session} " + "lake " * 400, "max_tokens": 1}
+        ).raise_for_status()
     kv_sql = f"SELECT * FROM kv_events WHERE blocks_stored > 0 AND interval_end >= to_timestamp({since})"
     assert wait_for(lambda: len(_rows(cluster, kv_sql)) >= 1, timeout_s=40), "no kv_events rows"
     assert {r["role"] for r in _rows(cluster, kv_sql)} & {"prefill", "decode"}
@@ -92,7 +110,11 @@ def test_every_request_lands_once_with_tool_call_and_feedback(cluster: LiveClust
     assert wait_for(lambda: len(_rows(cluster, fb_sql)) == 1, timeout_s=30)
     [row] = _rows(cluster, fb_sql)
     assert (row["response_id"], row["rating"], row["comment"], list(row["labels"])) == (
-        first["id"], -1, "too short", ["quality"])
+        first["id"],
+        -1,
+        "too short",
+        ["quality"],
+    )
 
 
 def test_requests_stream_normally_when_telemetry_redis_is_down(cluster: LiveCluster) -> None:
@@ -100,9 +122,17 @@ def test_requests_stream_normally_when_telemetry_redis_is_down(cluster: LiveClus
     settings = RouterSettings(redis_url=cluster.redis_url, telemetry_redis_url="redis://127.0.0.1:1/0")
     with TestClient(create_app(settings)) as c:
         for _ in range(3):
-            with c.stream("POST", "/v1/chat/completions", json={
-                    "model": cluster.model, "stream": True, "max_tokens": 5, "temperature": 0,
-                    "messages": [{"role": "user", "content": "Say hi."}]}) as resp:
+            with c.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": cluster.model,
+                    "stream": True,
+                    "max_tokens": 5,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": "Say hi."}],
+                },
+            ) as resp:
                 assert resp.status_code == 200
                 body = "".join(resp.iter_text())
             assert body.rstrip().endswith("data: [DONE]") and '"content"' in body

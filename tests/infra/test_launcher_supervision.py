@@ -56,8 +56,9 @@ class Up:
             try:
                 line = self.lines.get(timeout=max(0.05, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"no line starting {prefix!r} in {timeout_s} s:\n{''.join(self.seen[-30:])}"
-                                     ) from None
+                raise AssertionError(
+                    f"no line starting {prefix!r} in {timeout_s} s:\n{''.join(self.seen[-30:])}"
+                ) from None
             self.seen.append(line)
             if line.startswith(prefix):
                 return line
@@ -94,13 +95,38 @@ class Up:
 def up(tmp_path: Path) -> Iterator[Up]:
     redis.Redis.from_url(REDIS_URL).flushdb()
     router_port, node_port = free_port_block(), free_port_block()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "200",
-           "TANDEM_NODE_ENGINE_COMMAND": json.dumps([PY, "-m", "tests.support.fake_engine", "--port", "{port}"]),
-           "TANDEM_NODE_HEARTBEAT_S": "0.2", "TANDEM_NODE_RESTART_BACKOFF_S": "0.1"}
-    proc = subprocess.Popen([PY, "-m", "tandem", "up", "--colocated", "--port", str(router_port),
-                             "--node-base-port", str(node_port), "--redis-url", REDIS_URL, "--workdir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=env, cwd=ROOT)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "200",
+        "TANDEM_NODE_ENGINE_COMMAND": json.dumps([PY, "-m", "tests.support.fake_engine", "--port", "{port}"]),
+        "TANDEM_NODE_HEARTBEAT_S": "0.2",
+        "TANDEM_NODE_RESTART_BACKOFF_S": "0.1",
+    }
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "tandem",
+            "up",
+            "--colocated",
+            "--port",
+            str(router_port),
+            "--node-base-port",
+            str(node_port),
+            "--redis-url",
+            REDIS_URL,
+            "--workdir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
+        cwd=ROOT,
+    )
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None
     threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")], daemon=True).start()
@@ -139,13 +165,21 @@ def test_dead_children_are_restarted_and_shown_and_sigterm_stops_everything(up: 
     assert wait_for(lambda: up.epoch() > epoch, timeout_s=30), "the restarted agent did not register anew"
     assert len([p for p in up.descendants() if "tests.support.fake_engine" in " ".join(p.cmdline())]) == 1
 
-    children = {k.decode(): json.loads(v) for k, v in redis.Redis.from_url(REDIS_URL).hgetall(
-        launcher_key(up.router_port)).items()}
+    children = {
+        k.decode(): json.loads(v)
+        for k, v in redis.Redis.from_url(REDIS_URL).hgetall(launcher_key(up.router_port)).items()
+    }
     assert children["lake-writer"]["restarts"] == 1 and children["router"]["restarts"] == 1
     assert children["lake-writer"]["last_exit"] == "killed by SIGKILL"
     assert children[up.node_id]["restarts"] == 1 and children[up.node_id]["state"] == "running"
-    status = subprocess.run([PY, "-m", "tandem", "cluster", "status", "--url", up.url, "--redis-url", REDIS_URL],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+    status = subprocess.run(
+        [PY, "-m", "tandem", "cluster", "status", "--url", up.url, "--redis-url", REDIS_URL],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert status.returncode == 0, status.stderr
     assert "Processes of tandem up" in status.stdout and "Node agents" in status.stdout
 
@@ -175,9 +209,27 @@ def _health(url: str) -> int:
 def test_sigterm_to_a_running_bench_stops_every_process_it_started(tmp_path: Path) -> None:
     """`tandem bench admission` (the one benchmark without engines) starts a router and a stand-in
     engine; a SIGTERM mid-run unwinds it like Ctrl-C, and nothing it started survives."""
-    bench = subprocess.Popen([PY, "-m", "tandem", "bench", "admission", "--out", str(tmp_path / "b.json"),
-                              "-n", "300", "--requests", "100000", "--concurrency", "1"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+    bench = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "tandem",
+            "bench",
+            "admission",
+            "--out",
+            str(tmp_path / "b.json"),
+            "-n",
+            "300",
+            "--requests",
+            "100000",
+            "--concurrency",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=ROOT,
+    )
     seen: set[int] = set()
 
     def running_part_two() -> bool:

@@ -12,8 +12,9 @@ from infra.redis_server import start_embedded
 from tests.node_agent.test_supervisor import free_port_block
 
 
-def test_a_graceful_restart_from_a_relative_workdir_keeps_the_data(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_graceful_restart_from_a_relative_workdir_keeps_the_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     port = free_port_block()
     proc = start_embedded(port, Path(".tandem/redis"))

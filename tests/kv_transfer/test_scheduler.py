@@ -20,8 +20,13 @@ def _sched(free_blocks: int = 1000) -> TandemScheduler:
 
 
 def _req(rid: str, n_tokens: int, params: dict | None, status=RequestStatus.FINISHED_LENGTH_CAPPED):  # noqa: ANN001, ANN202
-    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n_tokens)), kv_transfer_params=params,
-                           status=status, num_computed_tokens=n_tokens)
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=list(range(n_tokens)),
+        kv_transfer_params=params,
+        status=status,
+        num_computed_tokens=n_tokens,
+    )
 
 
 def _decode_params(p: TandemScheduler, rid: str = "r1", n_tokens: int = 10) -> dict:
@@ -44,16 +49,20 @@ def test_prefill_side_leases_the_blocks_and_names_its_block_server() -> None:
 
 def test_aborted_prefill_frees_at_once() -> None:
     p = _sched()
-    assert p.request_finished(_req("r1", 10, {"do_remote_decode": True}, RequestStatus.FINISHED_ABORTED),
-                              [7, 8, 9]) == (False, None)
+    assert p.request_finished(
+        _req("r1", 10, {"do_remote_decode": True}, RequestStatus.FINISHED_ABORTED), [7, 8, 9]
+    ) == (False, None)
     assert p.build_connector_meta().empty()
 
 
 def _blocks(local_cached: list[int], new: list[int]) -> SimpleNamespace:
     blocks = [SimpleNamespace(block_id=b, block_hash=b"h", is_null=False) for b in local_cached]
     blocks += [SimpleNamespace(block_id=b, block_hash=None, is_null=False) for b in new]
-    return SimpleNamespace(blocks=(blocks,), get_unhashed_block_ids_all_groups=lambda: [new],
-                           get_block_ids=lambda: ([*local_cached, *new],))
+    return SimpleNamespace(
+        blocks=(blocks,),
+        get_unhashed_block_ids_all_groups=lambda: [new],
+        get_block_ids=lambda: ([*local_cached, *new],),
+    )
 
 
 def test_decode_side_pulls_only_the_blocks_its_own_cache_lacks_aligned_by_position() -> None:

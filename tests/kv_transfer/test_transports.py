@@ -34,11 +34,29 @@ def local() -> tuple[list[np.ndarray], Puller]:
     puller.close()
 
 
-def _pull(remote: Remote, puller: Puller, tid: str, transport: str, remote_ids: list[int], local_ids: list[int],
-          timeout: float = 5.0, checksum: bool = True):  # noqa: ANN202
+def _pull(
+    remote: Remote,
+    puller: Puller,
+    tid: str,
+    transport: str,
+    remote_ids: list[int],
+    local_ids: list[int],
+    timeout: float = 5.0,
+    checksum: bool = True,
+):  # noqa: ANN202
     ep = remote.tcp if transport in ("tcp", "ucx") else remote.ipc
-    puller.submit(PullJob(tid, tid, ep, transport, wire.segments_of(remote_ids, local_ids), local_ids,
-                          time.monotonic() + timeout, checksum=checksum))
+    puller.submit(
+        PullJob(
+            tid,
+            tid,
+            ep,
+            transport,
+            wire.segments_of(remote_ids, local_ids),
+            local_ids,
+            time.monotonic() + timeout,
+            checksum=checksum,
+        )
+    )
     return puller.outcomes.get(timeout=timeout + 10)
 
 
@@ -77,8 +95,7 @@ def test_shm_with_and_without_the_prefill_node_writing_half(remote: Remote, spli
         puller.close()
 
 
-def test_shm_push_that_cannot_write_falls_back_to_the_decode_side_copy(remote: Remote, local,
-                                                                       monkeypatch) -> None:  # noqa: ANN001
+def test_shm_push_that_cannot_write_falls_back_to_the_decode_side_copy(remote: Remote, local, monkeypatch) -> None:  # noqa: ANN001
     """The prefill node's process_vm_writev fails (here: addresses that are not mapped in this
     process, EFAULT); it says so with Pushed(ok=False) and this side copies those layers itself."""
     from kv_transfer.transports import CmaTransport
@@ -88,8 +105,9 @@ def test_shm_push_that_cannot_write_falls_back_to_the_decode_side_copy(remote: R
 
     def unmapped(self, layout):  # noqa: ANN001, ANN202
         t = real_target(self, layout)
-        return wire.CmaTarget(t.pid, [4096 * (i + 1) for i in range(LAYERS)], t.block_nbytes, t.num_blocks,
-                              t.push_layers)
+        return wire.CmaTarget(
+            t.pid, [4096 * (i + 1) for i in range(LAYERS)], t.block_nbytes, t.num_blocks, t.push_layers
+        )
 
     monkeypatch.setattr(CmaTransport, "target", unmapped)
     src = _source()
@@ -165,9 +183,8 @@ def test_a_dead_prefill_node_fails_the_pull_at_its_deadline(local) -> None:  # n
     with zmq.Context.instance().socket(zmq.REP) as s:
         port = s.bind_to_random_port("tcp://127.0.0.1")
     t0 = time.monotonic()
-    puller.submit(PullJob("dead", "dead", f"tcp://127.0.0.1:{port}", "tcp", [wire.Segment(0, 0, 1)], [0],
-                          time.monotonic() + 1.0))
+    puller.submit(
+        PullJob("dead", "dead", f"tcp://127.0.0.1:{port}", "tcp", [wire.Segment(0, 0, 1)], [0], time.monotonic() + 1.0)
+    )
     out = puller.outcomes.get(timeout=10)
     assert not out.ok and "timed out" in out.reason and time.monotonic() - t0 < 5
-
-

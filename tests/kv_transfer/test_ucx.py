@@ -121,8 +121,15 @@ def cache() -> tuple[list[np.ndarray], KVLayout]:
     return arrays, KVLayout.from_arrays(arrays)
 
 
-def _pull(endpoint: str, receiver: UcxReceiver, layout: KVLayout, tid: str, remote_ids: list[int],
-          local_ids: list[int], timeout: float = 5.0) -> int:
+def _pull(
+    endpoint: str,
+    receiver: UcxReceiver,
+    layout: KVLayout,
+    tid: str,
+    remote_ids: list[int],
+    local_ids: list[int],
+    timeout: float = 5.0,
+) -> int:
     """What decode_nodes/puller.py does for a ``ucx`` pull (Done included), on a fresh socket."""
     with zmq.Context.instance().socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 0)
@@ -209,15 +216,17 @@ def _die_mid_pull(endpoint: str) -> None:  # noqa: D401 - runs in a child proces
     receiver = UcxReceiver()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
-    pull = wire.Pull("orphan", wire.segments_of(list(range(BLOCKS)), list(range(BLOCKS))), "ucx",
-                     ucx=receiver.target(layout))
+    pull = wire.Pull(
+        "orphan", wire.segments_of(list(range(BLOCKS)), list(range(BLOCKS))), "ucx", ucx=receiver.target(layout)
+    )
     sock.send(CODEC.encode(pull))
     sock.poll(5000)  # the prefill side has posted its sends; they never get a receiver
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_decode_node_dying_mid_pull_leaves_the_prefill_node_serving(prefill: Prefill, receiver: UcxReceiver,
-                                                                       cache) -> None:  # noqa: ANN001
+def test_a_decode_node_dying_mid_pull_leaves_the_prefill_node_serving(
+    prefill: Prefill, receiver: UcxReceiver, cache
+) -> None:  # noqa: ANN001
     arrays, layout = cache
     child = mp.get_context("spawn").Process(target=_die_mid_pull, args=(prefill.endpoint,))
     child.start()
@@ -245,8 +254,9 @@ def test_a_prefill_node_dying_mid_transfer_fails_the_pull_at_its_deadline(receiv
     """The prefill process is killed after posting a large transfer (the sends are in flight)."""
     _, layout = cache
     dying = Prefill()
-    pull = wire.Pull("cut", wire.segments_of(list(range(BLOCKS)), list(range(BLOCKS))), "ucx",
-                     ucx=receiver.target(layout))
+    pull = wire.Pull(
+        "cut", wire.segments_of(list(range(BLOCKS)), list(range(BLOCKS))), "ucx", ucx=receiver.target(layout)
+    )
     t0 = time.monotonic()
     with zmq.Context.instance().socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 0)

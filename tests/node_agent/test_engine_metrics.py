@@ -36,9 +36,9 @@ def test_the_line_scan_agrees_with_prometheus_clients_parser_on_a_full_page() ->
         for le in ("0.001", "0.01", "0.1", "1.0", "+Inf"):
             lines.append(f'vllm:time_to_first_token_seconds_bucket{{engine="{engine}",le="{le}",model_name="m"}} 7.0')
         lines.append(f'vllm:num_requests_running{{engine="{engine}",model_name="a \\"b\\" {{c}}"}} 2.0 1700000000000')
-        lines.append(f"vllm:generation_tokens_total{{engine=\"{engine}\"}} 100.0")
+        lines.append(f'vllm:generation_tokens_total{{engine="{engine}"}} 100.0')
     lines.append("vllm:num_requests_waiting 4.0")
-    lines.append('process_cpu_seconds_total 12.5')
+    lines.append("process_cpu_seconds_total 12.5")
     page = "\n".join(lines) + "\n"
 
     want: dict[str, float] = {}

@@ -71,8 +71,12 @@ def test_nixl_engines_start_with_the_hook_that_demotes_the_busy_progress_thread(
     env = engine_env(NodeSettings(role=Role.DECODE, connector=ConnectorKind.NIXL))
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ENGINE_HOOKS)
     assert env["TANDEM_NIXL_PROGRESS_THREAD"] == "idle"
-    assert engine_env(NodeSettings(role=Role.DECODE, connector=ConnectorKind.NIXL, nixl_progress_thread="normal"))[
-        "TANDEM_NIXL_PROGRESS_THREAD"] == "normal"
+    assert (
+        engine_env(NodeSettings(role=Role.DECODE, connector=ConnectorKind.NIXL, nixl_progress_thread="normal"))[
+            "TANDEM_NIXL_PROGRESS_THREAD"
+        ]
+        == "normal"
+    )
     assert str(ENGINE_HOOKS) not in engine_env(NodeSettings(role=Role.BOTH)).get("PYTHONPATH", "")
 
 
@@ -82,13 +86,25 @@ def test_engine_hook_moves_nixl_threads_to_sched_idle_in_a_real_interpreter() ->
 
     from kv_transfer import ENGINE_HOOKS
 
-    code = ("import os, nixl_cu12._api as a\n"
-            "before = {int(t) for t in os.listdir('/proc/self/task')}\n"
-            "agent = a.nixl_agent('t', a.nixl_agent_config(num_threads=2))\n"
-            "new = {int(t) for t in os.listdir('/proc/self/task')} - before\n"
-            "print(len(new), sorted({os.sched_getscheduler(t) for t in new}) == [os.SCHED_IDLE])")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ENGINE_HOOKS)},
-                         capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1].split()
+    code = (
+        "import os, nixl_cu12._api as a\n"
+        "before = {int(t) for t in os.listdir('/proc/self/task')}\n"
+        "agent = a.nixl_agent('t', a.nixl_agent_config(num_threads=2))\n"
+        "new = {int(t) for t in os.listdir('/proc/self/task')} - before\n"
+        "print(len(new), sorted({os.sched_getscheduler(t) for t in new}) == [os.SCHED_IDLE])"
+    )
+    out = (
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONPATH": str(ENGINE_HOOKS)},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+        .split()
+    )
     assert int(out[0]) >= 1 and out[1] == "True"
 
 
@@ -106,8 +122,10 @@ def test_pin_process_tree_pins_children_threads() -> None:
 
     from node_agent.node import pin_process_tree
 
-    code = ("import subprocess, sys, time\n"
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\ntime.sleep(30)")
+    code = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\ntime.sleep(30)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
         import psutil

@@ -26,15 +26,24 @@ def test_engine_ports_per_role() -> None:
     assert set(NodeSettings(role=Role.BOTH, port=9100).engine_ports) == {9100, 9102}
     assert NodeSettings(role=Role.DECODE, port=9100).engine_ports[9103] == "KV block server"
     assert NodeSettings(role=Role.PREFILL, port=9100, connector=ConnectorKind.NIXL).engine_ports[9103] == (
-        "NIXL side channel")
+        "NIXL side channel"
+    )
     assert 9101 in NodeSettings(role=Role.DECODE, host="10.0.0.1", port=9100).engine_ports
 
 
 def test_a_taken_side_port_is_named_with_its_holder() -> None:
     port = free_port_block()
-    holder = subprocess.Popen([sys.executable, "-c", "import socket, time\n"
-                               f"s = socket.socket(); s.bind(('127.0.0.1', {port + 3})); s.listen()\n"
-                               "print('ok', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket, time\n"
+            f"s = socket.socket(); s.bind(('127.0.0.1', {port + 3})); s.listen()\n"
+            "print('ok', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ok"
         with pytest.raises(PortInUse) as err:
@@ -54,10 +63,27 @@ def test_tandem_node_with_its_port_taken_exits_at_once_naming_port_and_holder(re
         sock.bind(("127.0.0.1", port))
         sock.listen()
         t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "tandem", "node", "--role", "decode", "--port", str(port),
-                               "--node-id", f"port-test-{port}", "--redis-url", redis_unit_url],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT,
-                              env={**os.environ, "COLUMNS": "300"})
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tandem",
+                "node",
+                "--role",
+                "decode",
+                "--port",
+                str(port),
+                "--node-id",
+                f"port-test-{port}",
+                "--redis-url",
+                redis_unit_url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**os.environ, "COLUMNS": "300"},
+        )
         took = time.monotonic() - t0
     out = " ".join((done.stdout + done.stderr).split())
     assert done.returncode == 1, out

@@ -54,10 +54,21 @@ async def until(cond: Callable[[], Awaitable[bool]], within_s: float, what: str)
 
 def fast_settings(redis_url: str, **kw: object) -> NodeSettings:
     base: dict[str, object] = dict(
-        role=Role.BOTH, port=free_port_block(), node_id=f"sup-{uuid.uuid4().hex[:8]}", redis_url=redis_url,
-        heartbeat_s=0.1, registry_ttl_s=120.0,  # a TTL far longer than any test: removal must be explicit
-        restart_backoff_s=0.05, restart_backoff_max_s=0.2, health_timeout_s=0.5, health_failures=2,
-        stall_timeout_s=1.0, startup_timeout_s=30.0, max_failures=5, failure_window_s=60.0)
+        role=Role.BOTH,
+        port=free_port_block(),
+        node_id=f"sup-{uuid.uuid4().hex[:8]}",
+        redis_url=redis_url,
+        heartbeat_s=0.1,
+        registry_ttl_s=120.0,  # a TTL far longer than any test: removal must be explicit
+        restart_backoff_s=0.05,
+        restart_backoff_max_s=0.2,
+        health_timeout_s=0.5,
+        health_failures=2,
+        stall_timeout_s=1.0,
+        startup_timeout_s=30.0,
+        max_failures=5,
+        failure_window_s=60.0,
+    )
     base.update(kw)
     return NodeSettings(**base)  # type: ignore[arg-type]
 
@@ -68,8 +79,9 @@ def fake_engine(settings: NodeSettings, *args: str) -> EngineProcess:
 
 
 class Agent:
-    def __init__(self, settings: NodeSettings, registry: NodeRegistry, sup: EngineSupervisor,
-                 task: asyncio.Task[int]) -> None:
+    def __init__(
+        self, settings: NodeSettings, registry: NodeRegistry, sup: EngineSupervisor, task: asyncio.Task[int]
+    ) -> None:
         self.settings, self.registry, self.sup, self.task = settings, registry, sup, task
 
     async def registered(self) -> NodeInfo | None:
@@ -88,8 +100,9 @@ class Agent:
 
 
 @asynccontextmanager
-async def agent(redis_unit_url: str, engine_args: Callable[[int], list[str]] | None = None,
-                **kw: object) -> AsyncIterator[Agent]:
+async def agent(
+    redis_unit_url: str, engine_args: Callable[[int], list[str]] | None = None, **kw: object
+) -> AsyncIterator[Agent]:
     """A supervisor running in this loop; ``engine_args(n)`` gives the stand-in's flags for start n."""
     settings = fast_settings(redis_unit_url, **kw)
     client = aioredis.from_url(redis_unit_url)

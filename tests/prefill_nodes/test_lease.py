@@ -15,13 +15,18 @@ def _table() -> LeaseTable:
     return t
 
 
-@pytest.mark.parametrize(("path", "outcome"), [
-    ([LeaseState.SENDING, LeaseState.AWAIT_ACK, LeaseState.DONE], LeaseState.DONE),
-    ([LeaseState.SENDING, LeaseState.AWAIT_ACK, LeaseState.FAILED], LeaseState.FAILED),
-    ([LeaseState.RELEASED], LeaseState.RELEASED),
-    ([LeaseState.SENDING, LeaseState.HELD, LeaseState.SENDING, LeaseState.AWAIT_ACK, LeaseState.RELEASED],
-     LeaseState.RELEASED),
-])
+@pytest.mark.parametrize(
+    ("path", "outcome"),
+    [
+        ([LeaseState.SENDING, LeaseState.AWAIT_ACK, LeaseState.DONE], LeaseState.DONE),
+        ([LeaseState.SENDING, LeaseState.AWAIT_ACK, LeaseState.FAILED], LeaseState.FAILED),
+        ([LeaseState.RELEASED], LeaseState.RELEASED),
+        (
+            [LeaseState.SENDING, LeaseState.HELD, LeaseState.SENDING, LeaseState.AWAIT_ACK, LeaseState.RELEASED],
+            LeaseState.RELEASED,
+        ),
+    ],
+)
 def test_each_path_ends_once_and_frees_its_blocks(path: list[LeaseState], outcome: LeaseState) -> None:
     t = _table()
     assert t.leased_blocks() == 3

@@ -41,11 +41,18 @@ class SseServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
                 await reader.readexactly(length)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
                 for event in self.events:
                     data = f"data: {event}\n\n".encode()
                     writer.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -70,8 +77,7 @@ async def _read_all(client: NodeClient, url: str) -> list[dict]:
 
 
 async def test_streams_are_parsed_and_reuse_one_connection() -> None:
-    server = SseServer([json.dumps({"choices": [{"text": "a"}]}), json.dumps({"choices": [{"text": "b"}]}),
-                        "[DONE]"])
+    server = SseServer([json.dumps({"choices": [{"text": "a"}]}), json.dumps({"choices": [{"text": "b"}]}), "[DONE]"])
     url = await server.start()
     client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
     try:
@@ -97,9 +103,13 @@ async def test_a_stream_without_done_is_an_upstream_error() -> None:
 
 
 async def test_an_in_band_error_event_raises_the_engines_status() -> None:
-    server = SseServer([json.dumps({"choices": [{"text": "a"}]}),
-                        json.dumps({"error": {"message": "bad things", "type": "BadRequestError", "code": 400}}),
-                        "[DONE]"])
+    server = SseServer(
+        [
+            json.dumps({"choices": [{"text": "a"}]}),
+            json.dumps({"error": {"message": "bad things", "type": "BadRequestError", "code": 400}}),
+            "[DONE]",
+        ]
+    )
     url = await server.start()
     client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
     try:
@@ -117,13 +127,14 @@ async def test_events_split_across_reads_and_crlf_framing_are_reassembled() -> N
 
     async def conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:"))
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        )
         await reader.readexactly(length)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         body = b"".join(f"data: {e}\r\n\r\n".encode() for e in events) + b"data: [DONE]\n\n"
         for i in range(0, len(body), 37):  # HTTP chunks that cut events anywhere
-            piece = body[i:i + 37]
+            piece = body[i : i + 37]
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             await writer.drain()
         writer.write(b"0\r\n\r\n")

@@ -38,8 +38,9 @@ async def _metric(client: httpx.AsyncClient, name: str, headers: dict[str, str] 
 
 def _queued(client: httpx.AsyncClient, c: StandInCluster, node: str, priority: str):  # noqa: ANN202
     async def depth() -> float:
-        return await _metric(client, "tandem_admission_queue_depth", c.admin_headers, node=c.node_ids[node],
-                             priority=priority)
+        return await _metric(
+            client, "tandem_admission_queue_depth", c.admin_headers, node=c.node_ids[node], priority=priority
+        )
 
     return depth
 
@@ -142,9 +143,11 @@ async def test_a_header_lowers_the_keys_class_but_never_raises_it(tmp_path) -> N
             assert (await client.post(CHAT, json=c.chat("no key"))).status_code == 401
             a = asyncio.create_task(client.post(CHAT, json=c.chat("A"), headers=inter))
             await wait_until(lambda: len(engine.received) == 1)
-            specs = [("batch key asks interactive", {**batch_key, "x-tandem-priority": "interactive"}, "batch", 1),
-                     ("interactive key asks batch", {**inter, "x-tandem-priority": "batch"}, "batch", 2),
-                     ("interactive key", inter, "interactive", 1)]
+            specs = [
+                ("batch key asks interactive", {**batch_key, "x-tandem-priority": "interactive"}, "batch", 1),
+                ("interactive key asks batch", {**inter, "x-tandem-priority": "batch"}, "batch", 2),
+                ("interactive key", inter, "interactive", 1),
+            ]
             tasks = []
             for name, headers, prio, depth in specs:
                 tasks.append(asyncio.create_task(client.post(CHAT, json=c.chat(name), headers=headers)))
@@ -152,7 +155,11 @@ async def test_a_header_lowers_the_keys_class_but_never_raises_it(tmp_path) -> N
             engine.open_gate()
             assert [r.status_code for r in await asyncio.gather(a, *tasks)] == [200] * 4
             assert _contents(engine.bodies()) == [
-                "A", "interactive key", "batch key asks interactive", "interactive key asks batch"]
+                "A",
+                "interactive key",
+                "batch key asks interactive",
+                "interactive key asks batch",
+            ]
 
 
 async def test_client_gone_while_queued_leaves_no_trace_in_the_queue(tmp_path) -> None:

@@ -34,16 +34,23 @@ async def _reset_and_register(url: str, nodes: list[NodeInfo]) -> None:
 
 
 def _node(node_id: str, role: Role, max_model_len: int = 2048) -> NodeInfo:
-    return NodeInfo(node_id=node_id, role=role, model=MODEL, url=DEAD_URL, block_size=16,
-                    max_model_len=max_model_len, kv_connector="none", model_path=str(default_model_dir()))
+    return NodeInfo(
+        node_id=node_id,
+        role=role,
+        model=MODEL,
+        url=DEAD_URL,
+        block_size=16,
+        max_model_len=max_model_len,
+        kv_connector="none",
+        model_path=str(default_model_dir()),
+    )
 
 
 @pytest.fixture
 def client_with(redis_unit_url: str):  # noqa: ANN201
     def make(nodes: list[NodeInfo], **settings: object) -> TestClient:
         _run(_reset_and_register(redis_unit_url, nodes))
-        return TestClient(create_app(RouterSettings(redis_url=redis_unit_url, registry_refresh_s=60,
-                                                    **settings)))  # type: ignore[arg-type]
+        return TestClient(create_app(RouterSettings(redis_url=redis_unit_url, registry_refresh_s=60, **settings)))  # type: ignore[arg-type]
 
     yield make
     _run(_reset_and_register(redis_unit_url, []))
@@ -82,8 +89,9 @@ def test_missing_messages_and_bad_fields_are_422(client: TestClient) -> None:
 
 
 def test_unknown_model_is_404(client: TestClient) -> None:
-    err = _assert_openai_error(client.post("/v1/chat/completions", json={**_chat(), "model": "nope"}), 404,
-                               "model_not_found")
+    err = _assert_openai_error(
+        client.post("/v1/chat/completions", json={**_chat(), "model": "nope"}), 404, "model_not_found"
+    )
     assert err["param"] == "model"
 
 
@@ -95,8 +103,9 @@ def test_context_window_checks_happen_before_any_node_is_called(client_with) -> 
 
 
 def test_max_tokens_over_the_window_needs_no_tokenizer(client: TestClient) -> None:
-    _assert_openai_error(client.post("/v1/chat/completions", json=_chat(max_tokens=256)), 400,
-                         "context_length_exceeded")
+    _assert_openai_error(
+        client.post("/v1/chat/completions", json=_chat(max_tokens=256)), 400, "context_length_exceeded"
+    )
 
 
 def test_with_a_routing_choice_the_router_checks_the_window_itself(client_with) -> None:  # noqa: ANN001
@@ -106,15 +115,21 @@ def test_with_a_routing_choice_the_router_checks_the_window_itself(client_with) 
 
 
 def _check_context_window(client: TestClient) -> None:
-    _assert_openai_error(client.post("/v1/chat/completions", json=_chat(max_tokens=256)), 400,
-                         "context_length_exceeded")
+    _assert_openai_error(
+        client.post("/v1/chat/completions", json=_chat(max_tokens=256)), 400, "context_length_exceeded"
+    )
     long_prompt = "word " * 400  # > 256 tokens with the real tokenizer
     err = _assert_openai_error(
-        client.post("/v1/chat/completions", json={**_chat(max_tokens=8), "messages": [
-            {"role": "user", "content": long_prompt}]}), 400, "context_length_exceeded")
+        client.post(
+            "/v1/chat/completions", json={**_chat(max_tokens=8), "messages": [{"role": "user", "content": long_prompt}]}
+        ),
+        400,
+        "context_length_exceeded",
+    )
     assert "maximum context length is 256" in err["message"]
-    _assert_openai_error(client.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt}), 400,
-                         "context_length_exceeded")
+    _assert_openai_error(
+        client.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt}), 400, "context_length_exceeded"
+    )
 
 
 def test_unsupported_options_are_400(client: TestClient) -> None:

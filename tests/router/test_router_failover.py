@@ -13,8 +13,7 @@ CHAT = "/v1/chat/completions"
 
 
 async def test_a_dead_colocated_node_is_routed_around_and_marked_down(tmp_path) -> None:
-    async with standin_cluster(tmp_path, {"live": Role.BOTH}, dead={"gone": Role.BOTH},
-                               policy="round_robin") as c:
+    async with standin_cluster(tmp_path, {"live": Role.BOTH}, dead={"gone": Role.BOTH}, policy="round_robin") as c:
         async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:
             for i in range(6):  # round robin would send every other request to the dead node
                 stream = i % 2 == 1

@@ -46,16 +46,22 @@ async def test_second_turn_sends_only_the_new_message_and_the_engine_sees_it_all
             assert engine.bodies()[-1]["messages"] == [system, first]
             await _wait_turns(client, session, 1)
             # Turn 2, streamed: only the new user message.
-            r2 = await client.post(CHAT, json={**c.chat(""), "messages": [second], "stream": True},
-                                   headers={**SERVER, "x-session-id": session})
+            r2 = await client.post(
+                CHAT,
+                json={**c.chat(""), "messages": [second], "stream": True},
+                headers={**SERVER, "x-session-id": session},
+            )
             assert r2.status_code == 200 and "reply to second question" in r2.text
             assert engine.bodies()[-1]["messages"] == [
-                system, first, {"role": "assistant", "content": "reply to first question"}, second]
+                system,
+                first,
+                {"role": "assistant", "content": "reply to first question"},
+                second,
+            ]
             turns = await _wait_turns(client, session, 2)
             # Recorded as usual: each turn holds what it added, nothing twice.
             assert [t["messages"] for t in turns] == [[system, first], [second]]
-            assert [t["response"]["content"] for t in turns] == ["reply to first question",
-                                                                  "reply to second question"]
+            assert [t["response"]["content"] for t in turns] == ["reply to first question", "reply to second question"]
             # Client mode on the same session: the request is sent as it is, no history added.
             r3 = await client.post(CHAT, json=c.chat("alone"), headers={"x-session-id": session})
             assert r3.status_code == 200

@@ -19,13 +19,28 @@ RID = "chatcmpl-0123456789abcdef"
 
 
 def _chunk(rid: str, delta: dict, finish: str | None = None) -> bytes:
-    return json.dumps({"id": rid, "object": "chat.completion.chunk", "created": 1, "model": "m",
-                       "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]},
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        },
+        separators=(",", ":"),
+    ).encode()
 
 
-USAGE = json.dumps({"id": RID, "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
-                    "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}).encode()
+USAGE = json.dumps(
+    {
+        "id": RID,
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+    }
+).encode()
 
 
 async def _batches(batches: list[list[bytes]]) -> AsyncIterator[list[bytes]]:
@@ -33,8 +48,9 @@ async def _batches(batches: list[list[bytes]]) -> AsyncIterator[list[bytes]]:
         yield b
 
 
-async def _run(batches: list[list[bytes]], include_usage: bool, *, fail: bool = False
-               ) -> tuple[bytes, RequestTrace, list]:
+async def _run(
+    batches: list[list[bytes]], include_usage: bool, *, fail: bool = False
+) -> tuple[bytes, RequestTrace, list]:
     trace = RequestTrace(request_id=RID, kind="chat", model="m")
     finished: list = []
     sent: list[dict] = []
@@ -58,7 +74,7 @@ async def _run(batches: list[list[bytes]], include_usage: bool, *, fail: bool = 
 
 def _events(out: bytes) -> list[bytes]:
     assert out.endswith(b"data: [DONE]\n\n")
-    return [e[len(b"data: "):] for e in out.split(b"\n\n") if e]
+    return [e[len(b"data: ") :] for e in out.split(b"\n\n") if e]
 
 
 async def test_unchanged_chunks_pass_byte_for_byte_and_usage_is_dropped_unless_asked() -> None:
@@ -83,9 +99,13 @@ async def test_usage_chunk_carries_the_breakdown_when_asked() -> None:
 async def test_a_foreign_engine_id_is_replaced_and_tool_calls_are_collected() -> None:
     call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "read", "arguments": '{"p":'}}
     more = {"index": 0, "function": {"arguments": '"a.py"}'}}
-    out, trace, _ = await _run([[_chunk("chatcmpl-engine-own-id", {"tool_calls": [call]})],
-                                [_chunk("chatcmpl-engine-own-id", {"tool_calls": [more]}, "tool_calls")]],
-                               include_usage=False)
+    out, trace, _ = await _run(
+        [
+            [_chunk("chatcmpl-engine-own-id", {"tool_calls": [call]})],
+            [_chunk("chatcmpl-engine-own-id", {"tool_calls": [more]}, "tool_calls")],
+        ],
+        include_usage=False,
+    )
     events = [json.loads(e) for e in _events(out)[:-1]]
     assert [e["id"] for e in events] == [RID, RID]
     assert trace.tool_calls == {0: {"id": "call_1", "name": "read", "arguments": '{"p":"a.py"}'}}
@@ -97,7 +117,7 @@ async def test_a_stream_that_breaks_after_tokens_ends_with_an_error_event() -> N
     events = [e for e in out.split(b"\n\n") if e]
     assert events[0] == b"data: " + _chunk(RID, {"content": "partial"})
     assert events[-1] == b"data: [DONE]"
-    error = json.loads(events[-2][len(b"data: "):])
+    error = json.loads(events[-2][len(b"data: ") :])
     assert "broke" in error["error"]["message"]
     assert finished[0][0] == "error" and trace.content == ["partial"]
 
@@ -132,8 +152,9 @@ class _PacedEngine:
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:"))
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        )
         await reader.readexactly(length)
         watcher = asyncio.create_task(self._watch(reader))
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")

@@ -11,8 +11,16 @@ from contracts.registry import NodeInfo, Role
 from node_agent.model import default_model_dir
 from router.tokenizer import PromptTokenizer
 
-NODE = NodeInfo(node_id="n", role=Role.BOTH, model="m", url="u", block_size=16, max_model_len=8192,
-                kv_connector="none", model_path=str(default_model_dir()))
+NODE = NodeInfo(
+    node_id="n",
+    role=Role.BOTH,
+    model="m",
+    url="u",
+    block_size=16,
+    max_model_len=8192,
+    kv_connector="none",
+    model_path=str(default_model_dir()),
+)
 
 
 def _ids(body: dict) -> list[int] | None:
@@ -21,9 +29,16 @@ def _ids(body: dict) -> list[int] | None:
 
 def test_tool_call_turns_without_content_render() -> None:
     base = [{"role": "user", "content": "Open the README."}]
-    with_tools = [*base, {"role": "assistant", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": "{\"path\": \"README\"}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "# Tandem"}]
+    with_tools = [
+        *base,
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "README"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "# Tandem"},
+    ]
     short, long = _ids({"messages": base}), _ids({"messages": with_tools})
     assert short and long and len(long) > len(short)
     assert long[: len(short) - 3] == short[: len(short) - 3]  # same prefix up to the generation prompt
@@ -59,9 +74,12 @@ def test_the_fast_path_equals_transformers_own_tokenization() -> None:
     tok = _load(str(default_model_dir()))
     chats = [
         [{"role": "user", "content": "hello"}],
-        [{"role": "system", "content": "You are terse.\n\n  Tabs\there."},
-         {"role": "user", "content": "def f(x):\n    return x  # ünïcödé ✓ 漢字"},
-         {"role": "assistant", "content": "ok"}, {"role": "user", "content": "<|im_start|> is text here"}],
+        [
+            {"role": "system", "content": "You are terse.\n\n  Tabs\there."},
+            {"role": "user", "content": "def f(x):\n    return x  # ünïcödé ✓ 漢字"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "<|im_start|> is text here"},
+        ],
     ]
     for messages in chats:
         want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -53,30 +53,51 @@ class Router:
 
 
 @asynccontextmanager
-async def router(tmp_path: Path, *, engine: bool = True, max_model_len: int = 4096,
-                 admission_overrides: dict[str, object] | None = None, **settings: object) -> AsyncIterator[Router]:
+async def router(
+    tmp_path: Path,
+    *,
+    engine: bool = True,
+    max_model_len: int = 4096,
+    admission_overrides: dict[str, object] | None = None,
+    **settings: object,
+) -> AsyncIterator[Router]:
     """A router (in a uvicorn thread) over at most one stand-in engine; ``settings`` override
     ``RouterSettings`` fields, ``admission_overrides`` ``AdmissionSettings`` fields."""
     tag = uuid.uuid4().hex[:10]
     model, prefix = f"sec-{tag}", f"sec-{tag}:"
-    adm = AdmissionSettings(redis_url=REDIS_URL, key_prefix=prefix, database_url=f"sqlite:///{tmp_path}/{tag}.db",
-                            region="local", region_cache_urls={}, **(admission_overrides or {}))  # type: ignore[arg-type]
+    adm = AdmissionSettings(
+        redis_url=REDIS_URL,
+        key_prefix=prefix,
+        database_url=f"sqlite:///{tmp_path}/{tag}.db",
+        region="local",
+        region_cache_urls={},
+        **(admission_overrides or {}),
+    )  # type: ignore[arg-type]
     async with AsyncExitStack() as stack:
         stack.push_async_callback(delete_prefix, REDIS_URL, prefix)
         eng = None
         if engine:
             eng = StandInEngine()
             url = stack.enter_context(ServerThread(eng.app))
-            node = NodeInfo(node_id=f"n-{tag}", role=Role.BOTH, model=model, url=url, block_size=16,
-                            max_model_len=max_model_len, kv_connector="none", model_path=str(default_model_dir()))
+            node = NodeInfo(
+                node_id=f"n-{tag}",
+                role=Role.BOTH,
+                model=model,
+                url=url,
+                block_size=16,
+                max_model_len=max_model_len,
+                kv_connector="none",
+                model_path=str(default_model_dir()),
+            )
             r = aioredis.Redis.from_url(REDIS_URL)
             try:
                 await NodeRegistry(r, ttl_s=600).register(node)
             finally:
                 await r.aclose()
             stack.push_async_callback(_deregister, node.node_id)
-        app = create_app(RouterSettings(redis_url=REDIS_URL, registry_refresh_s=60, telemetry=False, admission=adm,
-                                        **settings))  # type: ignore[arg-type]
+        app = create_app(
+            RouterSettings(redis_url=REDIS_URL, registry_refresh_s=60, telemetry=False, admission=adm, **settings)
+        )  # type: ignore[arg-type]
         yield Router(url=stack.enter_context(ServerThread(app)), model=model, admission=adm, engine=eng)
 
 
@@ -99,12 +120,32 @@ def router_process(tmp_path: Path, **env: str) -> Iterator[tuple[str, int]]:
     """The router as ``tandem`` runs it: its own process (``uvicorn --factory``), settings from the
     environment. Yields (base URL, pid)."""
     port, tag = free_port(), uuid.uuid4().hex[:10]
-    full = {**os.environ, "TANDEM_REDIS_URL": REDIS_URL,
-            "TANDEM_KEY_PREFIX": f"sec-{tag}:", "TANDEM_SQLITE_PATH": str(tmp_path / f"{tag}.db"),
-            "TANDEM_ROUTER_TELEMETRY": "false", "TANDEM_ROUTER_REGISTRY_REFRESH_S": "60", **env}
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "router.app:create_app",
-                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                            cwd=ROOT, env=full)
+    full = {
+        **os.environ,
+        "TANDEM_REDIS_URL": REDIS_URL,
+        "TANDEM_KEY_PREFIX": f"sec-{tag}:",
+        "TANDEM_SQLITE_PATH": str(tmp_path / f"{tag}.db"),
+        "TANDEM_ROUTER_TELEMETRY": "false",
+        "TANDEM_ROUTER_REGISTRY_REFRESH_S": "60",
+        **env,
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--factory",
+            "router.app:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=full,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         end = time.monotonic() + 60

@@ -17,10 +17,16 @@ CHAT = "/v1/chat/completions"
 
 async def test_every_route_but_health_needs_a_key_once_one_exists(tmp_path: Path) -> None:
     async with router(tmp_path) as r, httpx.AsyncClient(base_url=r.url, timeout=30) as client:
-        routes = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/cluster", None),
-                  ("POST", "/v1/feedback", {"response_id": "x", "rating": 1}), ("POST", CHAT, r.chat()),
-                  ("POST", "/v1/completions", {"model": r.model, "prompt": "hi"}),
-                  ("GET", "/v1/sessions/s1", None), ("DELETE", "/v1/sessions/s1", None)]
+        routes = [
+            ("GET", "/v1/models", None),
+            ("GET", "/metrics", None),
+            ("GET", "/cluster", None),
+            ("POST", "/v1/feedback", {"response_id": "x", "rating": 1}),
+            ("POST", CHAT, r.chat()),
+            ("POST", "/v1/completions", {"model": r.model, "prompt": "hi"}),
+            ("GET", "/v1/sessions/s1", None),
+            ("DELETE", "/v1/sessions/s1", None),
+        ]
         assert (await client.get("/v1/models")).status_code == 200  # no key yet: auth off
         await r.create_key("acme")
         for method, path, body in routes:

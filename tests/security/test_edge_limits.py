@@ -85,8 +85,11 @@ def test_a_100_mb_body_is_413_within_a_second_and_never_held(served: tuple[str, 
     url, pid = served
     before = rss_bytes(pid)
     length = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % (100 * MB)
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            + length + b"\r\n\r\n")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + length
+        + b"\r\n\r\n"
+    )
     answer, seconds = _raw_post(url, head, _megabytes(100, chunked))
     assert _status(answer) == 413, answer[:300]
     assert seconds < 1.0
@@ -149,5 +152,3 @@ def test_feedback_is_bounded(served: tuple[str, int]) -> None:
 def test_auth_required_refuses_to_start_without_a_key(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="router exited"), router_process(tmp_path, TANDEM_AUTH="required"):
         pass
-
-

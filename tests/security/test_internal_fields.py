@@ -11,17 +11,30 @@ import httpx
 from tests.security.support import router
 
 CHAT = "/v1/chat/completions"
-ATTACKER = {"do_remote_prefill": True, "remote_host": "203.0.113.9", "remote_port": 4444,
-            "remote_block_ids": [1, 2, 3], "remote_engine_id": "evil"}
+ATTACKER = {
+    "do_remote_prefill": True,
+    "remote_host": "203.0.113.9",
+    "remote_port": 4444,
+    "remote_block_ids": [1, 2, 3],
+    "remote_engine_id": "evil",
+}
 
 
 async def test_client_kv_transfer_params_never_reach_the_engine(tmp_path: Path) -> None:
     async with router(tmp_path) as r, httpx.AsyncClient(base_url=r.url, timeout=30) as client:
         for path, body in ((CHAT, r.chat()), ("/v1/completions", {"model": r.model, "prompt": "hi", "max_tokens": 4})):
             for stream in (False, True):
-                resp = await client.post(path, json={**body, "stream": stream, "kv_transfer_params": ATTACKER,
-                                                     "request_id": "someone-elses", "priority": -100},
-                                         headers={"x-tandem-route": "colocated"})
+                resp = await client.post(
+                    path,
+                    json={
+                        **body,
+                        "stream": stream,
+                        "kv_transfer_params": ATTACKER,
+                        "request_id": "someone-elses",
+                        "priority": -100,
+                    },
+                    headers={"x-tandem-route": "colocated"},
+                )
                 assert resp.status_code == 200, resp.text
         assert r.engine is not None
         seen = r.engine.bodies() + r.engine.bodies("/v1/completions")

@@ -60,8 +60,9 @@ def victim() -> Iterator[int]:
     proc.communicate(b"")
 
 
-def _pull(remote: Remote, codec: wire.Codec, layout: KVLayout, tid: str, transport: str,
-          ids: list[int], timeout: float = 5.0):  # noqa: ANN202
+def _pull(
+    remote: Remote, codec: wire.Codec, layout: KVLayout, tid: str, transport: str, ids: list[int], timeout: float = 5.0
+):  # noqa: ANN202
     puller = Puller(layout, TransferStats(), codec)
     try:
         ep = remote.tcp if transport == "tcp" else remote.ipc
@@ -117,8 +118,12 @@ def test_a_puller_with_another_secret_fails_fast_and_gets_nothing(remote: Remote
 def test_unauthenticated_release_query_and_fault_change_nothing(remote: Remote, local) -> None:  # noqa: ANN001
     arrays, layout = local
     remote.offer("sec-ctl", [5, 6])
-    for msg in (wire.Release("sec-ctl", "forged"), wire.Query("sec-ctl"), wire.Fault("corrupt"),
-                wire.Done("sec-ctl", False, "forged")):
+    for msg in (
+        wire.Release("sec-ctl", "forged"),
+        wire.Query("sec-ctl"),
+        wire.Fault("corrupt"),
+        wire.Done("sec-ctl", False, "forged"),
+    ):
         _unauthenticated(remote, OTHER.encode(msg))
         _unauthenticated(remote, msgspec.msgpack.encode(msg))
     assert remote.state("sec-ctl") == "held"
@@ -127,8 +132,11 @@ def test_unauthenticated_release_query_and_fault_change_nothing(remote: Remote, 
     _assert_delivered(arrays, [5, 6])
 
 
-def test_the_routers_calls_are_signed_and_refused_under_another_secret(remote: Remote, local,  # noqa: ANN001
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_routers_calls_are_signed_and_refused_under_another_secret(
+    remote: Remote,
+    local,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     _, layout = local
     remote.offer("sec-router", [7])
     params = transfer_params("sec-router", remote.tcp)
@@ -148,9 +156,13 @@ def test_the_routers_calls_are_signed_and_refused_under_another_secret(remote: R
 # -- shm: a proven local peer, its own pid, never over tcp ---------------------------------------------------
 def _shm_pull(tid: str, layout: KVLayout, pid: int) -> wire.Pull:
     target = CmaTransport(split=True).target(layout)
-    return wire.Pull(tid, wire.segments_of([8, 9], [8, 9]), "shm", False,
-                     cma=wire.CmaTarget(pid, target.layer_addresses, target.block_nbytes, target.num_blocks,
-                                        target.push_layers))
+    return wire.Pull(
+        tid,
+        wire.segments_of([8, 9], [8, 9]),
+        "shm",
+        False,
+        cma=wire.CmaTarget(pid, target.layer_addresses, target.block_nbytes, target.num_blocks, target.push_layers),
+    )
 
 
 def test_an_shm_pull_naming_another_pid_is_refused(remote: Remote, local, victim: int) -> None:  # noqa: ANN001
@@ -190,8 +202,9 @@ def test_the_decode_side_reads_only_from_the_pid_its_socket_proves(local, victim
     def answer() -> None:  # a "prefill node" in this process that names another process's memory
         ident, frame = server.recv_multipart()
         pull = codec.decode(frame)
-        grant = wire.Grant(pull.transfer_id, victim, [layout.address(i) for i in range(LAYERS)],
-                           [layout.block_nbytes] * LAYERS, [])
+        grant = wire.Grant(
+            pull.transfer_id, victim, [layout.address(i) for i in range(LAYERS)], [layout.block_nbytes] * LAYERS, []
+        )
         server.send_multipart([ident, codec.encode(grant)])
 
     t = threading.Thread(target=answer, daemon=True)

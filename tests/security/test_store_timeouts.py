@@ -35,16 +35,22 @@ def hung_port() -> Iterator[int]:
 async def test_a_postgresql_that_never_answers_times_out_at_connect(hung_port: int) -> None:
     t0 = time.monotonic()
     with pytest.raises(StoreTimeout, match="did not answer within 0.5 s"):
-        await open_database(f"postgresql://postgres@127.0.0.1:{hung_port}/tandem_test",
-                            connect_timeout_s=TIMEOUT_S, command_timeout_s=TIMEOUT_S)
+        await open_database(
+            f"postgresql://postgres@127.0.0.1:{hung_port}/tandem_test",
+            connect_timeout_s=TIMEOUT_S,
+            command_timeout_s=TIMEOUT_S,
+        )
     assert time.monotonic() - t0 < TIMEOUT_S + SLACK_S
 
 
 async def test_a_statement_past_its_timeout_is_cancelled_and_the_pool_still_serves(pg_url: str) -> None:
     db = await open_database(pg_url, command_timeout_s=TIMEOUT_S, connect_timeout_s=5.0)
     try:
-        for call in (lambda: db.fetch("SELECT pg_sleep(30)"), lambda: db.execute("SELECT pg_sleep(30)"),
-                     lambda: db.execute_many("SELECT pg_sleep($1)", [(30.0,)])):
+        for call in (
+            lambda: db.fetch("SELECT pg_sleep(30)"),
+            lambda: db.execute("SELECT pg_sleep(30)"),
+            lambda: db.execute_many("SELECT pg_sleep($1)", [(30.0,)]),
+        ):
             t0 = time.monotonic()
             with pytest.raises(StoreTimeout) as info:
                 await call()
@@ -56,19 +62,27 @@ async def test_a_statement_past_its_timeout_is_cancelled_and_the_pool_still_serv
 
 
 async def test_the_router_context_bounds_postgresql_with_its_settings(hung_port: int) -> None:
-    settings = AdmissionSettings(database_url=f"postgresql://postgres@127.0.0.1:{hung_port}/x",
-                                 database_connect_timeout_s=TIMEOUT_S, database_command_timeout_s=TIMEOUT_S)
+    settings = AdmissionSettings(
+        database_url=f"postgresql://postgres@127.0.0.1:{hung_port}/x",
+        database_connect_timeout_s=TIMEOUT_S,
+        database_command_timeout_s=TIMEOUT_S,
+    )
     t0 = time.monotonic()
     with pytest.raises(StoreTimeout):
         await AdmissionContext.create(settings, start_writer=False)
     assert time.monotonic() - t0 < TIMEOUT_S + SLACK_S
 
 
-async def test_a_hung_redis_times_out_and_a_session_read_falls_back_to_the_store(hung_port: int, pg_url: str,
-                                                                                   prefix: str) -> None:
-    settings = AdmissionSettings(redis_url=f"redis://127.0.0.1:{hung_port}/0", database_url=pg_url,
-                                 key_prefix=prefix, redis_socket_timeout_s=TIMEOUT_S,
-                                 redis_connect_timeout_s=TIMEOUT_S)
+async def test_a_hung_redis_times_out_and_a_session_read_falls_back_to_the_store(
+    hung_port: int, pg_url: str, prefix: str
+) -> None:
+    settings = AdmissionSettings(
+        redis_url=f"redis://127.0.0.1:{hung_port}/0",
+        database_url=pg_url,
+        key_prefix=prefix,
+        redis_socket_timeout_s=TIMEOUT_S,
+        redis_connect_timeout_s=TIMEOUT_S,
+    )
     ctx = await AdmissionContext.create(settings, start_writer=False)
     try:
         t0 = time.monotonic()

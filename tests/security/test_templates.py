@@ -31,8 +31,10 @@ async def test_a_client_chat_template_is_400_unless_trusted(tmp_path: Path) -> N
         resp = await client.post(CHAT, json=r.chat(chat_template=template))
         assert _code(resp, 400) == "chat_template_not_allowed"
         assert r.engine is not None and r.engine.bodies() == []
-    async with router(tmp_path, trust_request_chat_template=True, tokenize="always") as r, \
-            httpx.AsyncClient(base_url=r.url, timeout=30) as client:
+    async with (
+        router(tmp_path, trust_request_chat_template=True, tokenize="always") as r,
+        httpx.AsyncClient(base_url=r.url, timeout=30) as client,
+    ):
         assert (await client.post(CHAT, json=r.chat(chat_template=template))).status_code == 200
         failing = "{{ raise_exception('refused by template') }}"
         resp = await client.post(CHAT, json=r.chat(chat_template=failing))
@@ -53,8 +55,10 @@ async def test_template_kwargs_come_from_an_allowlist(tmp_path: Path) -> None:
 async def test_add_generation_prompt_is_counted_never_a_free_pass(tmp_path: Path) -> None:
     """Before: the kwarg collided with the router's own argument, rendering failed silently, and the
     prompt went uncounted: no context check, 0 tokens charged, served by the engine."""
-    async with router(tmp_path, max_model_len=64, tokenize="always") as r, \
-            httpx.AsyncClient(base_url=r.url, timeout=30) as client:
+    async with (
+        router(tmp_path, max_model_len=64, tokenize="always") as r,
+        httpx.AsyncClient(base_url=r.url, timeout=30) as client,
+    ):
         for value in (True, False):
             resp = await client.post(CHAT, json=r.chat(LONG, chat_template_kwargs={"add_generation_prompt": value}))
             assert _code(resp, 400) == "context_length_exceeded"
@@ -66,8 +70,13 @@ async def test_add_generation_prompt_is_counted_never_a_free_pass(tmp_path: Path
 async def test_a_prompt_the_router_cannot_render_is_400(tmp_path: Path) -> None:
     async with router(tmp_path, tokenize="always") as r, httpx.AsyncClient(base_url=r.url, timeout=30) as client:
         # Both at once cannot render (transformers and vLLM refuse the pair): the router must not count it as 0.
-        body = {"model": r.model, "max_tokens": 4, "messages": [{"role": "assistant", "content": "x"}],
-                "continue_final_message": True, "add_generation_prompt": True}
+        body = {
+            "model": r.model,
+            "max_tokens": 4,
+            "messages": [{"role": "assistant", "content": "x"}],
+            "continue_final_message": True,
+            "add_generation_prompt": True,
+        }
         resp = await client.post(CHAT, json=body)
         assert _code(resp, 400) == "invalid_prompt"
         assert r.engine is not None and r.engine.bodies() == []
@@ -84,8 +93,10 @@ async def test_auto_renders_only_when_a_limit_or_a_routing_choice_needs_the_toke
         resp = await client.post(CHAT, json=r.chat(max_tokens=64))  # needs no tokens: still the router's
         assert _code(resp, 400) == "context_length_exceeded"
         assert len(r.engine.bodies()) == 1
-    async with router(tmp_path, max_model_len=64, admission_overrides={"anonymous_tpm": 100_000}) as r, \
-            httpx.AsyncClient(base_url=r.url, timeout=30) as client:
+    async with (
+        router(tmp_path, max_model_len=64, admission_overrides={"anonymous_tpm": 100_000}) as r,
+        httpx.AsyncClient(base_url=r.url, timeout=30) as client,
+    ):
         resp = await client.post(CHAT, json=r.chat(LONG))
         assert _code(resp, 400) == "context_length_exceeded"
         assert r.engine is not None and r.engine.bodies() == []

@@ -114,6 +114,12 @@ def transfer_params(transfer_id: str, tcp_endpoint: str) -> dict:
     """The kv_transfer_params a prefill node would hand out for ``transfer_id`` on this server."""
     from contracts.transfer import TransferParams
 
-    return TransferParams(transfer_id=transfer_id, remote_block_ids=[], remote_endpoints={"tcp": tcp_endpoint},
-                          remote_host_id="test-host", remote_engine_id="test-engine", remote_num_tokens=0,
-                          lease_deadline=time.time() + 30).to_dict()
+    return TransferParams(
+        transfer_id=transfer_id,
+        remote_block_ids=[],
+        remote_endpoints={"tcp": tcp_endpoint},
+        remote_host_id="test-host",
+        remote_engine_id="test-engine",
+        remote_num_tokens=0,
+        lease_deadline=time.time() + 30,
+    ).to_dict()

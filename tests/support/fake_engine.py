@@ -22,11 +22,11 @@ import time
 
 def _metrics(busy: bool) -> str:
     return (
-        f"vllm:num_requests_running{{model_name=\"fake\"}} {1 if busy else 0}\n"
-        "vllm:num_requests_waiting{model_name=\"fake\"} 0\n"
-        "vllm:kv_cache_usage_perc{model_name=\"fake\"} 0.0\n"
-        "vllm:generation_tokens_total{model_name=\"fake\"} 7\n"
-        "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"64\"} 1.0\n"
+        f'vllm:num_requests_running{{model_name="fake"}} {1 if busy else 0}\n'
+        'vllm:num_requests_waiting{model_name="fake"} 0\n'
+        'vllm:kv_cache_usage_perc{model_name="fake"} 0.0\n'
+        'vllm:generation_tokens_total{model_name="fake"} 7\n'
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="64"} 1.0\n'
     )
 
 
@@ -47,8 +47,9 @@ def main() -> None:
         while True:
             time.sleep(3600)
     if a.helper:  # same process group: no new session
-        subprocess.Popen([sys.executable, "-m", "tests.support.fake_engine", "--port", str(a.port + 2),
-                          "--listen-only"])
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.support.fake_engine", "--port", str(a.port + 2), "--listen-only"]
+        )
 
     # The router-facing part (chat and completions, streamed or not) is the benchmark's stand-in;
     # this adds what a node agent reads from an engine.
@@ -61,8 +62,7 @@ def main() -> None:
     app = StandInEngine().app
     app.router.routes += [
         Route("/metrics", lambda _: PlainTextResponse(_metrics(a.busy)), methods=["GET"]),
-        Route("/v1/models", lambda _: JSONResponse({"data": [{"id": "fake", "max_model_len": 512}]}),
-              methods=["GET"]),
+        Route("/v1/models", lambda _: JSONResponse({"data": [{"id": "fake", "max_model_len": 512}]}), methods=["GET"]),
     ]
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning", access_log=False)
 

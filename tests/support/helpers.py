@@ -43,8 +43,10 @@ class OutputLines:
         self.proc = proc
         self.seen: list[str] = []
         self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [self._lines.put(x) for x in iter(proc.stdout.readline, "")],  # type: ignore[union-attr]
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: [self._lines.put(x) for x in iter(proc.stdout.readline, "")],  # type: ignore[union-attr]
+            daemon=True,
+        ).start()
 
     def until(self, prefix: str, timeout_s: float, what: str = "process") -> str:
         """Wait for a line starting with ``prefix`` and return it; RuntimeError (with the output's tail)

@@ -74,8 +74,14 @@ async def _deregister(node_ids: list[str]) -> None:
 
 
 @asynccontextmanager
-async def standin_cluster(tmp_path: Path, roles: dict[str, Role], *, dead: dict[str, Role] | None = None,
-                          policy: str = "cache_aware", **admission: object) -> AsyncIterator[StandInCluster]:
+async def standin_cluster(
+    tmp_path: Path,
+    roles: dict[str, Role],
+    *,
+    dead: dict[str, Role] | None = None,
+    policy: str = "cache_aware",
+    **admission: object,
+) -> AsyncIterator[StandInCluster]:
     """Stand-in engines for ``roles`` (node id → role), registered; a router over them, started.
     ``dead`` nodes are registered at a loopback port nobody listens on (a node whose engine is gone).
     ``admission`` overrides ``AdmissionSettings`` fields (``node_max_concurrency=1``, ...)."""
@@ -83,20 +89,36 @@ async def standin_cluster(tmp_path: Path, roles: dict[str, Role], *, dead: dict[
     model, prefix = f"standin-{tag}", f"test-{tag}:"
     node_ids = {name: f"{name}-{tag}" for name in [*roles, *(dead or {})]}
     engines = {name: StandInEngine() for name in roles}
-    settings = AdmissionSettings(redis_url=REDIS_URL, key_prefix=prefix, database_url=f"sqlite:///{tmp_path}/t.db",
-                                 region="local", region_cache_urls={}, **admission)  # type: ignore[arg-type]
+    settings = AdmissionSettings(
+        redis_url=REDIS_URL,
+        key_prefix=prefix,
+        database_url=f"sqlite:///{tmp_path}/t.db",
+        region="local",
+        region_cache_urls={},
+        **admission,
+    )  # type: ignore[arg-type]
     async with AsyncExitStack() as stack:
         urls = {name: stack.enter_context(ServerThread(e.app)) for name, e in engines.items()}
         for name in dead or {}:
             urls[name] = f"http://127.0.0.1:{free_port()}"  # bound by nobody: connections are refused
-        nodes = [NodeInfo(node_id=node_ids[name], role=role, model=model, url=urls[name], block_size=16,
-                          max_model_len=4096, kv_connector="nixl" if role is not Role.BOTH else "none")
-                 for name, role in [*roles.items(), *(dead or {}).items()]]
+        nodes = [
+            NodeInfo(
+                node_id=node_ids[name],
+                role=role,
+                model=model,
+                url=urls[name],
+                block_size=16,
+                max_model_len=4096,
+                kv_connector="nixl" if role is not Role.BOTH else "none",
+            )
+            for name, role in [*roles.items(), *(dead or {}).items()]
+        ]
         stack.push_async_callback(delete_prefix, REDIS_URL, prefix)
         stack.push_async_callback(_deregister, list(node_ids.values()))
         await _register(nodes)
-        router = RouterSettings(redis_url=REDIS_URL, registry_refresh_s=60, telemetry=False, admission=settings,
-                                policy=policy)
+        router = RouterSettings(
+            redis_url=REDIS_URL, registry_refresh_s=60, telemetry=False, admission=settings, policy=policy
+        )
         url = stack.enter_context(ServerThread(create_app(router)))
         yield StandInCluster(url=url, model=model, engines=engines, node_ids=node_ids, admission=settings)
 

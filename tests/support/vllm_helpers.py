@@ -36,9 +36,7 @@ class EnginePrefixCache:
             block_hasher=self.block_hasher,
         )
 
-    def store(
-        self, token_ids: list[int], *, prefix_blocks: list | None = None, cache_salt: str | None = None
-    ):
+    def store(self, token_ids: list[int], *, prefix_blocks: list | None = None, cache_salt: str | None = None):
         """Cache the prompt's full blocks the way the scheduler does after computing them, reusing
         ``prefix_blocks`` (already cached) for its first blocks; returns the request and all its
         blocks (still referenced, so not evictable until ``free``)."""

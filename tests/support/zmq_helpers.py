@@ -23,9 +23,7 @@ async def until(cond: Callable[[], bool], within_s: float = 15.0, what: str = "c
         await asyncio.sleep(0.01)
 
 
-def stored(
-    keys: list[int], block_size: int = 16, parent: int | None = None, medium: str = "GPU"
-) -> BlockStored:
+def stored(keys: list[int], block_size: int = 16, parent: int | None = None, medium: str = "GPU") -> BlockStored:
     return BlockStored(
         block_hashes=keys,
         parent_block_hash=parent,
@@ -40,9 +38,7 @@ def stored(
 class FakePublisher:
     """Like vLLM's ZmqEventPublisher (PUB ``[topic, seq, payload]`` + ROUTER replay), seq by seq."""
 
-    def __init__(
-        self, ctx: zmq.asyncio.Context, endpoint: str, replay_endpoint: str | None, *, answer: bool = True
-    ):
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay_endpoint: str | None, *, answer: bool = True):
         self._enc = msgspec.msgpack.Encoder()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.bind(endpoint)
@@ -73,9 +69,7 @@ class FakePublisher:
             self.replay_requests.append(start)
             for seq in sorted(self.buffer):
                 if seq >= start:
-                    await self.router.send_multipart(
-                        (client, b"", b"", seq.to_bytes(8, "big"), self.buffer[seq])
-                    )
+                    await self.router.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), self.buffer[seq]))
             await self.router.send_multipart((client, b"", b"", END_SEQ, b""))
 
     async def connected(self, is_live: Callable[[], bool]) -> None:

@@ -68,9 +68,7 @@ def make_writer(prefix: str, lake: Path, metrics: TandemMetrics) -> Iterator[Cal
     made: list[LakeWriter] = []
 
     def make(**kw: object) -> LakeWriter:
-        cfg = WriterConfig(
-            **{"lake": lake, "redis_url": REDIS_URL, "stream_prefix": prefix, "consumer": "w0", **kw}
-        )
+        cfg = WriterConfig(**{"lake": lake, "redis_url": REDIS_URL, "stream_prefix": prefix, "consumer": "w0", **kw})
         w = LakeWriter(cfg, metrics=metrics)
         made.append(w)
         return w

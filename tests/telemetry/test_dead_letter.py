@@ -44,8 +44,9 @@ def _running(writer) -> Iterator[None]:  # noqa: ANN001
         assert not t.is_alive(), "the writer did not stop"
 
 
-def test_a_malformed_entry_is_dead_lettered_while_the_rest_is_written(make_emitter, make_writer, lake, r, prefix,
-                                                                      metrics) -> None:
+def test_a_malformed_entry_is_dead_lettered_while_the_rest_is_written(
+    make_emitter, make_writer, lake, r, prefix, metrics
+) -> None:
     e = make_emitter(batch_size=5, start=False)
     key = stream_key(prefix, "requests")
     w = make_writer(block_ms=50)
@@ -91,7 +92,8 @@ def _fill(path: Path) -> Path:
 
 
 def test_a_full_disk_makes_the_writer_back_off_and_resume_when_space_returns(
-        make_emitter, make_writer, tiny_disk, r, prefix, metrics, caplog) -> None:
+    make_emitter, make_writer, tiny_disk, r, prefix, metrics, caplog
+) -> None:
     lake = tiny_disk / "lake"
     lake.mkdir()
     filler = _fill(tiny_disk)

@@ -39,9 +39,7 @@ def _emit_requests(e, n: int, *, start: int = 0, hours_back: int = 0) -> dict[st
 def _lake_requests(lake: Path) -> list[tuple[str, int]]:
     return [
         (r["request_id"], r["prompt_tokens"])
-        for r in query(
-            lake, "SELECT request_id, prompt_tokens FROM requests ORDER BY prompt_tokens"
-        ).to_pylist()
+        for r in query(lake, "SELECT request_id, prompt_tokens FROM requests ORDER BY prompt_tokens").to_pylist()
     ]
 
 
@@ -144,9 +142,7 @@ def test_dead_consumer_entries_are_taken_over(make_emitter, make_writer, lake, r
     _no_backlog(r, prefix)
 
 
-def test_entries_are_deleted_after_commit_so_the_stream_length_is_the_backlog(
-    make_emitter, make_writer, r, prefix
-):
+def test_entries_are_deleted_after_commit_so_the_stream_length_is_the_backlog(make_emitter, make_writer, r, prefix):
     e = make_emitter(start=False, batch_size=10)
     _emit_requests(e, 100)
     e.flush()
@@ -175,9 +171,7 @@ def test_compaction_merges_parts_without_losing_or_duplicating(make_emitter, mak
     _assert_exact(lake, sent)
 
 
-def test_compaction_crash_before_deleting_inputs_is_invisible_and_completed(
-    make_emitter, make_writer, lake, tmp_path
-):
+def test_compaction_crash_before_deleting_inputs_is_invisible_and_completed(make_emitter, make_writer, lake, tmp_path):
     sent = _many_parts(make_emitter, make_writer, 90)
     pdir = next(lake.glob("requests/*/*"))
     saved = tmp_path / "saved"

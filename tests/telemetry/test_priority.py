@@ -35,17 +35,36 @@ def _lake_rows(lake: Path) -> int:
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 def test_consume_runs_sched_idle_and_writes_everything(make_emitter, lake, prefix, tmp_path):
-    args = [sys.executable, "-m", "tandem", "telemetry", "consume", "--redis-url", REDIS_URL, "--lake",
-            str(lake), "--stream-prefix", prefix, "--consumer", "idle-test", "--block-ms", "100"]
+    args = [
+        sys.executable,
+        "-m",
+        "tandem",
+        "telemetry",
+        "consume",
+        "--redis-url",
+        REDIS_URL,
+        "--lake",
+        str(lake),
+        "--stream-prefix",
+        prefix,
+        "--consumer",
+        "idle-test",
+        "--block-ms",
+        "100",
+    ]
     log = (tmp_path / "writer.log").open("wb")
-    proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         e = make_emitter(start=False, batch_size=50)
         sent = _emit_requests(e, 300)
         e.flush()
-        wait_until(lambda: bool(list(lake.rglob("*.parquet"))) and _lake_rows(lake) == len(sent),
-                   timeout_s=60, what="the idle-priority writer to write every event")
+        wait_until(
+            lambda: bool(list(lake.rglob("*.parquet"))) and _lake_rows(lake) == len(sent),
+            timeout_s=60,
+            what="the idle-priority writer to write every event",
+        )
         assert _threads_policy_and_nice(proc.pid) == {(SCHED_IDLE, 19)}
     finally:
         proc.send_signal(signal.SIGTERM)

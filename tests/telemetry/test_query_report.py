@@ -88,8 +88,18 @@ def test_cli_consume_once_and_query(make_emitter, lake, prefix):
         e.emit("errors", {"component": "router", "error_type": "Unavailable", "message": f"m{i}"})
     e.flush()
     # In-process: keep pytest itself at normal priority (test_priority covers idle in a real process).
-    args = ["consume", "--once", "--redis-url", REDIS_URL, "--lake", str(lake), "--stream-prefix", prefix,
-            "--cpu-priority", "normal"]
+    args = [
+        "consume",
+        "--once",
+        "--redis-url",
+        REDIS_URL,
+        "--lake",
+        str(lake),
+        "--stream-prefix",
+        prefix,
+        "--cpu-priority",
+        "normal",
+    ]
     res = runner.invoke(telemetry_app, args)
     assert res.exit_code == 0, res.output
     assert "wrote 25 events" in res.output

@@ -27,9 +27,7 @@ class HangBeforeCommit(LakeWriter):
 
 def main() -> None:
     redis_url, prefix, lake, consumer, mode, ready = sys.argv[1:7]
-    cfg = WriterConfig(
-        lake=Path(lake), redis_url=redis_url, stream_prefix=prefix, consumer=consumer, batch_entries=1
-    )
+    cfg = WriterConfig(lake=Path(lake), redis_url=redis_url, stream_prefix=prefix, consumer=consumer, batch_entries=1)
     if mode == "hang":
         HangBeforeCommit(cfg, Path(ready)).drain()
     else:

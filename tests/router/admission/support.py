@@ -44,9 +44,7 @@ async def delete_prefix(url: str, prefix: str) -> None:
         await r.aclose()
 
 
-async def wait_until(
-    check: Callable[[], Awaitable[bool]] | Callable[[], bool], within_s: float = 5.0
-) -> None:
+async def wait_until(check: Callable[[], Awaitable[bool]] | Callable[[], bool], within_s: float = 5.0) -> None:
     """Poll ``check`` until true; fail after ``within_s`` seconds."""
     end = time.monotonic() + within_s
     while True:

@@ -33,9 +33,7 @@ def build_app(ctx) -> FastAPI:
         admission: Annotated[Admission, Depends(deps.admit)],
         session: Annotated[SessionParams, Depends(session_params)],
     ) -> dict:
-        await ctx.gate.charge_tokens(
-            admission, prompt_tokens=body["prompt_tokens"], max_tokens=body.get("max_tokens")
-        )
+        await ctx.gate.charge_tokens(admission, prompt_tokens=body["prompt_tokens"], max_tokens=body.get("max_tokens"))
         await ctx.gate.settle(admission, completion_tokens=1)
         if session.session_id:  # a nameless request in client-history mode has no session
             ctx.sessions.record_turn(
@@ -106,8 +104,9 @@ async def test_priority_header_and_session_header(ctx, client):
     body = {"prompt_tokens": 1, "turn_id": "t1"}
     r = await client.post("/v1/chat/completions", json=body, headers={"x-tandem-priority": "batch"})
     assert r.json()["priority"] == "batch" and r.json()["session"] == ""  # named none: sessionless
-    r = await client.post("/v1/chat/completions", json=body,
-                          headers={"x-tandem-priority": "batch", "x-tandem-history": "server"})
+    r = await client.post(
+        "/v1/chat/completions", json=body, headers={"x-tandem-priority": "batch", "x-tandem-history": "server"}
+    )
     assert r.json()["session"].startswith("sess-")  # server-history mode keeps one for the client
     r = await client.post("/v1/chat/completions", json=body, headers={"x-tandem-priority": "urgent"})
     assert r.status_code == 400

@@ -48,9 +48,15 @@ def redis_server(tmp_path: Path) -> Iterator[_Redis]:
 
 
 async def _ctx(redis: _Redis, tmp_path: Path, **overrides: object) -> AdmissionContext:
-    settings = AdmissionSettings(redis_url=redis.url, database_url=f"sqlite:///{tmp_path}/keys.db", region="a",
-                                 region_cache_urls={}, redis_socket_timeout_s=0.5, redis_connect_timeout_s=0.5,
-                                 **overrides)  # type: ignore[arg-type]
+    settings = AdmissionSettings(
+        redis_url=redis.url,
+        database_url=f"sqlite:///{tmp_path}/keys.db",
+        region="a",
+        region_cache_urls={},
+        redis_socket_timeout_s=0.5,
+        redis_connect_timeout_s=0.5,
+        **overrides,
+    )  # type: ignore[arg-type]
     return await AdmissionContext.create(settings, start_writer=False)
 
 
@@ -80,8 +86,9 @@ async def test_confirmed_keys_are_served_uncharged_while_redis_restarts(redis_se
         await ctx.close()
 
 
-async def test_anonymous_serving_survives_and_grace_zero_refuses_everything(redis_server: _Redis,
-                                                                             tmp_path: Path) -> None:
+async def test_anonymous_serving_survives_and_grace_zero_refuses_everything(
+    redis_server: _Redis, tmp_path: Path
+) -> None:
     ctx = await _ctx(redis_server, tmp_path)
     strict = await _ctx(redis_server, tmp_path / "strict", store_outage_grace_s=0)
     try:

@@ -27,13 +27,24 @@ async def ctx():
 
 
 def _info(node_id: str, ev: str, rp: str, epoch: int) -> NodeInfo:
-    return NodeInfo(node_id=node_id, role=Role.DECODE, model="m-epochs", url="http://127.0.0.1:1", block_size=16,
-                    max_model_len=8192, kv_connector="tandem", kv_events_endpoint=ev, kv_replay_endpoint=rp,
-                    started_at=1.0, epoch=epoch)  # same started_at on purpose: only the epoch tells
+    return NodeInfo(
+        node_id=node_id,
+        role=Role.DECODE,
+        model="m-epochs",
+        url="http://127.0.0.1:1",
+        block_size=16,
+        max_model_len=8192,
+        kv_connector="tandem",
+        kv_events_endpoint=ev,
+        kv_replay_endpoint=rp,
+        started_at=1.0,
+        epoch=epoch,
+    )  # same started_at on purpose: only the epoch tells
 
 
-async def test_a_new_epoch_drops_the_old_incarnations_blocks(tmp_path: Path, ctx: zmq.asyncio.Context,
-                                                            redis_unit_url: str) -> None:
+async def test_a_new_epoch_drops_the_old_incarnations_blocks(
+    tmp_path: Path, ctx: zmq.asyncio.Context, redis_unit_url: str
+) -> None:
     node_id = f"epoch-{uuid.uuid4().hex[:8]}"
     ev, rp = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/rp"
     client = aioredis.from_url(redis_unit_url)

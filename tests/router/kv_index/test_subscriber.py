@@ -152,9 +152,7 @@ async def test_unrecoverable_gap_forgets_the_node(tmp_path: Path, ctx: zmq.async
 
 
 @pytest.mark.parametrize("replay", ["none", "silent"])
-async def test_gap_without_replay_forgets_the_node(
-    tmp_path: Path, ctx: zmq.asyncio.Context, replay: str
-) -> None:
+async def test_gap_without_replay_forgets_the_node(tmp_path: Path, ctx: zmq.asyncio.Context, replay: str) -> None:
     ev_ep, rp_ep = _eps(tmp_path)
     pub = FakePublisher(ctx, ev_ep, rp_ep if replay == "silent" else None, answer=False)
     fleet = FleetIndex()

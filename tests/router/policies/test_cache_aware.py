@@ -87,26 +87,20 @@ def test_short_uncached_suffix_prefills_on_decode() -> None:
     turn = PROMPT[:1800]
     fleet = _fleet({"d1": turn, "p0": turn})
     decode = [cand("d0", Role.DECODE), cand("d1", Role.DECODE, running=3)]
-    d = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=256)).select(
-        _req(PROMPT), [cand("p0")], decode
-    )
+    d = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=256)).select(_req(PROMPT), [cand("p0")], decode)
     assert d.prefill is None and d.decode.node_id == "d1"
     assert d.extra["routed_cached_tokens"] == 1792  # 112 whole blocks of the 1800 tokens
     assert d.reason.startswith("local prefill: 208 uncached")
     # a longer new suffix goes through the prefill pool
     longer = PROMPT + _tokens(400, seed=2)
-    d2 = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=256)).select(
-        _req(longer), [cand("p0")], decode
-    )
+    d2 = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=256)).select(_req(longer), [cand("p0")], decode)
     assert d2.prefill is not None and d2.prefill.node_id == "p0"
 
 
 def test_whole_prompt_match_reuses_one_block_less() -> None:
     prompt = PROMPT[: 50 * BS]  # exactly 50 blocks
     fleet = _fleet({"p0": prompt})
-    d = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=0)).select(
-        _req(prompt), [cand("p0")], DECODE
-    )
+    d = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=0)).select(_req(prompt), [cand("p0")], DECODE)
     assert d.extra["routed_cached_tokens"] == 49 * BS
     assert d.extra["fleet_cached_tokens"] == 49 * BS
 

@@ -5,8 +5,9 @@ from router.policies import Candidate, LeastLoaded, RoutingRequest
 
 
 def _cand(node_id: str, role: Role, inflight: int = 0, waiting: int = 0, kv: float = 0.0) -> Candidate:
-    info = NodeInfo(node_id=node_id, role=role, model="m", url="u", block_size=16, max_model_len=1024,
-                    kv_connector="nixl")
+    info = NodeInfo(
+        node_id=node_id, role=role, model="m", url="u", block_size=16, max_model_len=1024, kv_connector="nixl"
+    )
     return Candidate(node=LiveNode(info=info, load=NodeLoad(waiting=waiting, kv_usage=kv)), inflight=inflight)
 
 

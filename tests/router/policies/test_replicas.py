@@ -91,13 +91,18 @@ async def test_two_replicas_decide_alike_on_the_same_sequence(
                 b = await replica()
                 await until(lambda r=b: r.fleet.block_counts() == a.fleet.block_counts(), what="late replica caught up")
             keys = hasher.keys(prompt)
-            rr = RoutingRequest(request_id=f"r{step}", model="m", prompt_token_ids=tuple(prompt),
-                                block_keys=tuple(keys))
+            rr = RoutingRequest(
+                request_id=f"r{step}", model="m", prompt_token_ids=tuple(prompt), block_keys=tuple(keys)
+            )
             da = decide(a, rr, step)
             if b is not None:
                 db = decide(b, rr, step)
                 assert (db.prefill.node_id, db.decode.node_id, db.reason, db.extra) == (
-                    da.prefill.node_id, da.decode.node_id, da.reason, da.extra), f"step {step}"
+                    da.prefill.node_id,
+                    da.decode.node_id,
+                    da.reason,
+                    da.extra,
+                ), f"step {step}"
             # The chosen engine computes the prompt, caches its full blocks and publishes the events.
             node = da.prefill.node_id
             chosen.append((node, da.extra["routed_cached_tokens"]))
@@ -112,8 +117,10 @@ async def test_two_replicas_decide_alike_on_the_same_sequence(
             pubs[node].publish(engines[node].take_events())
             for r in (a, b):
                 if r is not None:
-                    await until(lambda r=r, k=keys, n=node: r.fleet.longest_prefix("m", k).get(n) == len(k),
-                                what=f"step {step} events")
+                    await until(
+                        lambda r=r, k=keys, n=node: r.fleet.longest_prefix("m", k).get(n) == len(k),
+                        what=f"step {step} events",
+                    )
                     r.policy.on_complete(da if r is a else db)
         assert b is not None and b.fleet.block_counts() == a.fleet.block_counts()
         # Not a trivial agreement: both nodes were used, and most requests found a cached prefix there.

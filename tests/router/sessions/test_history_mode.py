@@ -17,13 +17,21 @@ async def test_stored_conversation_then_the_new_messages(ctx):
     assembled = await prepend_history(store, TENANT, "s-hist", new)
     assert assembled == [
         {"role": "user", "content": "question 1"},
-        {"role": "assistant", "tool_calls": [
-            {"id": "call_1", "function": {"name": "read_file", "arguments": '{"p":"a.py"}'}, "type": "function"}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "call_1", "function": {"name": "read_file", "arguments": '{"p":"a.py"}'}, "type": "function"}
+            ],
+        },
         {"role": "tool", "content": "print('hi')", "tool_call_id": "call_1"},
         {"role": "assistant", "content": "answer 2"},
         {"role": "user", "content": "question 3"},
-        {"role": "assistant", "tool_calls": [
-            {"id": "call_3", "function": {"name": "read_file", "arguments": '{"p":"a.py"}'}, "type": "function"}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "call_3", "function": {"name": "read_file", "arguments": '{"p":"a.py"}'}, "type": "function"}
+            ],
+        },
         *new,
     ]
     # The same from the store alone, after the region's cache lost the session.

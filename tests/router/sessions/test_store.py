@@ -19,9 +19,7 @@ def turn(session: str, turn_id: str, n: int, *, text: str | None = None) -> Turn
         msgs = [Message(role="user", content=text or f"question {n}")]
         response = Message(
             role="assistant",
-            tool_calls=[
-                ToolCall(id=f"call_{n}", function=FunctionCall(name="read_file", arguments='{"p":"a.py"}'))
-            ],
+            tool_calls=[ToolCall(id=f"call_{n}", function=FunctionCall(name="read_file", arguments='{"p":"a.py"}'))],
         )
     else:
         msgs = [Message(role="tool", tool_call_id=f"call_{n - 1}", content=text or "print('hi')")]
@@ -208,9 +206,7 @@ class FlakyDatabase:
 
 async def test_writer_retries_store_failures_and_stores_the_turn_once(ctx, redis_a):
     flaky = FlakyDatabase(ctx.db, failures=2)
-    store = SessionStore(
-        flaky, RegionCache("a", redis_a), prefix=ctx.settings.key_prefix, retry_backoff_s=0.001
-    )
+    store = SessionStore(flaky, RegionCache("a", redis_a), prefix=ctx.settings.key_prefix, retry_backoff_s=0.001)
     try:
         t1 = turn("s1", "t1", 1)
         store.record_turn(t1)
