@@ -46,7 +46,7 @@ import psutil
 
 from bench.loadgen import percentile
 from bench.standin_engine import STANDIN_LABEL, free_port
-from contracts.config import configured_redis_url
+from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.registry import Role
 from infra.launcher import Cluster, ClusterSpec
