@@ -39,7 +39,7 @@ from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.keys import Tenant
 from router.admission.ratelimit import Admission
 from router.edge import check_chat, parse_json
-from router.openai_errors import response_for
+from router.openai_errors import document_error_schema, error_responses, response_for
 from router.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
 from router.schemas import ChatCompletionRequest, CompletionRequest, Message
 from router.sessions.http import HISTORY_HEADER, HistoryMode, prepend_history, session_params
@@ -268,29 +268,7 @@ def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
     """Add the generation routes, which are plain ASGI apps FastAPI cannot see, to an OpenAPI
     document: their request models (``router.schemas``) and the OpenAI-shaped error answers."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    error = {
-        "description": "OpenAI-format error",
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "required": ["error"],
-                    "properties": {
-                        "error": {
-                            "type": "object",
-                            "required": ["message", "type", "param", "code"],
-                            "properties": {
-                                "message": {"type": "string"},
-                                "type": {"type": "string"},
-                                "param": {"type": ["string", "null"]},
-                                "code": {"type": ["string", "null"]},
-                            },
-                        }
-                    },
-                }
-            }
-        },
-    }
+    document_error_schema(schema)
     for path, model, summary in (
         ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion (SSE when stream is true)"),
         ("/v1/completions", CompletionRequest, "Create a completion (SSE when stream is true)"),
@@ -311,10 +289,24 @@ def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
                         "description": "The answer: JSON, or an SSE stream of chunks ending with [DONE]",
                         "content": {
                             "application/json": {"schema": {"type": "object"}},
-                            "text/event-stream": {"schema": {"type": "string"}},
+                            # OpenAPI 3.1: the schema of each event (``data: <chunk JSON>``, ``data: [DONE]`` last)
+                            "text/event-stream": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["data"],
+                                    "properties": {
+                                        "data": {"type": "string", "description": "A chunk as JSON, or [DONE]"},
+                                        "event": {"type": "string"},
+                                        "id": {"type": "string"},
+                                    },
+                                }
+                            },
                         },
                     },
-                    **{str(code): error for code in (400, 401, 403, 404, 413, 422, 429, 502, 503)},
+                    **{
+                        str(code): doc
+                        for code, doc in error_responses(400, 401, 403, 404, 413, 422, 429, 502, 503).items()
+                    },
                 },
             }
         }
