@@ -118,6 +118,29 @@ def document_api(schema: dict[str, Any]) -> dict[str, Any]:
     for path, operations in schema["paths"].items():
         for operation in operations.values():
             operation["security"] = [] if path == "/health" else [{BEARER: []}]
+    # Links: what one answer lets a client do next (and what schemathesis's stateful run follows).
+    paths = schema["paths"]
+    get_session, delete_session = (
+        paths["/v1/sessions/{session_id}"]["get"],
+        paths["/v1/sessions/{session_id}"]["delete"],
+    )
+    by_session = {"session_id": "$response.header.x-session-id"}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        paths[path]["post"]["responses"]["200"]["links"] = {
+            "GetSession": {"operationId": get_session["operationId"], "parameters": by_session},
+            "DeleteSession": {"operationId": delete_session["operationId"], "parameters": by_session},
+            "Feedback": {
+                "operationId": paths["/v1/feedback"]["post"]["operationId"],
+                "requestBody": {"response_id": "$response.body#/id", "rating": 1},
+            },
+        }
+    same_session = {"session_id": "$request.path.session_id"}
+    get_session["responses"]["200"]["links"] = {
+        "DeleteSession": {"operationId": delete_session["operationId"], "parameters": same_session}
+    }
+    delete_session["responses"]["200"]["links"] = {
+        "GetSession": {"operationId": get_session["operationId"], "parameters": same_session}
+    }
     return schema
 
 

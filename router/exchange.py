@@ -43,7 +43,7 @@ from router.openai_errors import document_error_schema, error_responses, respons
 from router.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
 from router.schemas import ChatCompletionRequest, CompletionRequest, Message
 from router.sessions.http import HISTORY_HEADER, HistoryMode, prepend_history, session_params
-from router.sessions.models import SESSION_HEADER
+from router.sessions.models import _ID, SESSION_HEADER
 from router.settings import RouterSettings
 from router.sse import RelayResponse
 
@@ -269,9 +269,30 @@ def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
     document: their request models (``router.schemas``) and the OpenAI-shaped error answers."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     document_error_schema(schema)
-    for path, model, summary in (
-        ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion (SSE when stream is true)"),
-        ("/v1/completions", CompletionRequest, "Create a completion (SSE when stream is true)"),
+    session = {
+        "name": SESSION_HEADER,
+        "in": "header",
+        "required": False,
+        "description": "The session this request belongs to (answered in the same header); empty: none",
+        # An empty value is taken as no header at all (``session_params``).
+        "schema": {"type": "string", "pattern": f"^({_ID.pattern.removeprefix('^').removesuffix('$')})?$"},
+    }
+    # Server-history mode is for chat only (a completion naming it is a 400).
+    history = {
+        "name": HISTORY_HEADER,
+        "in": "header",
+        "required": False,
+        "description": "client (default): the client sends the whole history; server: the router prepends it",
+        "schema": {"type": "string", "enum": [m.value for m in HistoryMode]},
+    }
+    for path, model, summary, parameters in (
+        (
+            "/v1/chat/completions",
+            ChatCompletionRequest,
+            "Create a chat completion (SSE when stream is true)",
+            [session, history],
+        ),
+        ("/v1/completions", CompletionRequest, "Create a completion (SSE when stream is true)", [session]),
     ):
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(body.pop("$defs", {}))
@@ -280,6 +301,7 @@ def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
             "post": {
                 "summary": summary,
                 "operationId": model.__name__.replace("Request", "").lower(),
+                "parameters": parameters,
                 "requestBody": {
                     "required": True,
                     "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
@@ -287,6 +309,12 @@ def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
                 "responses": {
                     "200": {
                         "description": "The answer: JSON, or an SSE stream of chunks ending with [DONE]",
+                        "headers": {
+                            SESSION_HEADER: {
+                                "description": "The request's session (named, or made in server-history mode)",
+                                "schema": {"type": "string"},
+                            }
+                        },
                         "content": {
                             "application/json": {"schema": {"type": "object"}},
                             # OpenAPI 3.1: the schema of each event (``data: <chunk JSON>``, ``data: [DONE]`` last)
