@@ -16,7 +16,9 @@ which dropped the ``Node._nodeid`` attribute schemathesis 4.32 renames its sub-t
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import CHECKS, load_all_checks
+from schemathesis.config import SchemathesisConfig
 from schemathesis.core.failures import FailureGroup
 from schemathesis.pytest.lazy import get_all_tests
 
@@ -49,11 +52,14 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, dic
 
 
 def load(live: tuple[Router, dict[str, str]]) -> schemathesis.BaseSchema:
-    """The running router's own document (``/openapi.json``), requests sent to that router with the
-    admin key; every check enabled for every operation."""
-    r, auth = live
-    schema = schemathesis.openapi.from_url(r.url + "/openapi.json")
-    schema.config.update(headers=auth)
+    """The running router's own document (``/openapi.json``), requests sent to that router; every
+    check enabled for every operation. The admin key is configured for the document's own security
+    scheme (``apiKey``, a bearer token), so schemathesis knows it for the caller's key: ``ignored_auth``
+    probes each operation without it and with a wrong one, and the invalid inputs it generates for
+    the ``Authorization`` header are sent as such."""
+    token = live[1]["Authorization"].removeprefix("Bearer ")
+    config = SchemathesisConfig.from_dict({"auth": {"openapi": {"apiKey": {"bearer": token}}}})
+    schema = schemathesis.openapi.from_url(live[0].url + "/openapi.json", config=config)
     load_all_checks()
     labels = []
     for result in schema.get_all_operations():
@@ -91,11 +97,12 @@ def test_every_operation_conforms(live: tuple[Router, dict[str, str]]) -> None:
     assert time.monotonic() - started < 90
 
 
-def test_generation_with_the_served_model_conforms(live: tuple[Router, dict[str, str]]) -> None:
-    """A generated model name is one no node serves (404 before the prompt is even looked at): the
-    generation routes again, each request naming the served model, so that bodies reach the edge's
-    checks, tokenizing, admission and the engine."""
-    schema = load(live)
+@contextmanager
+def naming_the_served_model(model: str) -> Iterator[None]:
+    """Every generation request names ``model``, the one the stand-in serves: a generated model name
+    is one no node serves (404 before the body is even looked at), so only this way do bodies reach
+    the edge's checks, tokenizing, admission and the engine, and answers link to sessions and
+    feedback."""
 
     def before_call(context: Any, case: schemathesis.Case, kwargs: dict[str, Any]) -> None:
         # Edited in ``before_call``, a case is validated again (a ``map_body`` hook's edit is not): a
@@ -103,26 +110,45 @@ def test_generation_with_the_served_model_conforms(live: tuple[Router, dict[str,
         # served model's context window (``max_model_len``; past it a 400 ``context_length_exceeded``,
         # as OpenAI answers), which no static schema can state. JSON Schema's integers include floats
         # with no fraction (2.6e12), as pydantic's do.
-        if context.operation.path not in GENERATION or not isinstance(case.body, dict):
+        if case.operation.path not in GENERATION or not isinstance(case.body, dict):
             return
-        body = {**case.body, "model": live[0].model}
+        body = {**case.body, "model": model}
         for field in ("max_tokens", "max_completion_tokens"):
             value = body.get(field)
             if isinstance(value, int | float) and not isinstance(value, bool) and value > 64:
                 body[field] = 64
         case.body = body
 
-    started = time.monotonic()
     schemathesis.hook(before_call)  # hooks on calls are global only: unregistered right after
     try:
-        failures = fuzz(schema, only=GENERATION)
+        yield
     finally:
         schemathesis.hooks.unregister(before_call)
+
+
+def test_generation_with_the_served_model_conforms(live: tuple[Router, dict[str, str]]) -> None:
+    schema = load(live)
+    started = time.monotonic()
+    with naming_the_served_model(live[0].model):
+        failures = fuzz(schema, only=GENERATION)
     assert not failures, "\n\n".join(failures)
     assert time.monotonic() - started < 60
 
 
 def test_stateful(live: tuple[Router, dict[str, str]]) -> None:
+    """Sequences the document's links allow: a completion, then its session (read, deleted, read
+    again: ``use_after_free``) and feedback on its answer; with the served model, so that answers exist."""
+    answered: Counter[tuple[str, int]] = Counter()
+
+    class Counted(load(live).as_state_machine()):  # type: ignore[misc]
+        def after_call(self, response: Any, case: schemathesis.Case) -> None:
+            answered[(case.path, response.status_code)] += 1
+            super().after_call(response, case)
+
     started = time.monotonic()
-    load(live).as_state_machine().run(settings=SETTINGS)
+    with naming_the_served_model(live[0].model):
+        Counted.run(settings=SETTINGS)
     assert time.monotonic() - started < 60
+    # It went past the first call: answers were given, and the link to feedback on them followed.
+    assert answered["/v1/chat/completions", 200] + answered["/v1/completions", 200] > 0, answered
+    assert answered["/v1/feedback", 202] > 0, answered
