@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
@@ -50,7 +50,7 @@ from router.kv_activity import KVActivity
 from router.kv_index import FleetIndex, KVEventSubscribers
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
-from router.openai_errors import install_error_handlers
+from router.openai_errors import error_responses, install_error_handlers
 from router.orchestrator import Orchestrator
 from router.policies import CacheAware, LeastLoaded, RoundRobin, RoutingPolicy
 from router.responses import ResponseIndex
@@ -82,6 +82,66 @@ class Feedback(BaseModel):
     rating: int = Field(ge=-1_000_000, le=1_000_000)
     comment: str | None = Field(default=None, max_length=4096)
     labels: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=32)
+
+
+class FeedbackRecorded(BaseModel):
+    object: Literal["feedback"]
+    response_id: str
+    status: Literal["recorded"]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "no_nodes"]
+    nodes: dict[str, int]
+
+
+BEARER = "apiKey"
+"""The OpenAPI security scheme: ``Authorization: Bearer <key>``, needed on every route but ``/health``
+once auth is on."""
+
+
+def document_api(schema: dict[str, Any]) -> dict[str, Any]:
+    """What FastAPI cannot infer: the bearer key on every route but ``/health``, and the feedback body
+    (read by ``parse_body``, not by FastAPI, so that the edge's limits apply first)."""
+    components = schema.setdefault("components", {})
+    components.setdefault("securitySchemes", {})[BEARER] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "A Tandem API key (`tandem keys create`); admin keys for /metrics and /cluster",
+    }
+    feedback = Feedback.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.setdefault("schemas", {})[Feedback.__name__] = feedback
+    schema["paths"]["/v1/feedback"]["post"]["requestBody"] = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{Feedback.__name__}"}}},
+    }
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            operation["security"] = [] if path == "/health" else [{BEARER: []}]
+    # Links: what one answer lets a client do next (and what schemathesis's stateful run follows).
+    paths = schema["paths"]
+    get_session, delete_session = (
+        paths["/v1/sessions/{session_id}"]["get"],
+        paths["/v1/sessions/{session_id}"]["delete"],
+    )
+    by_session = {"session_id": "$response.header.x-session-id"}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        paths[path]["post"]["responses"]["200"]["links"] = {
+            "GetSession": {"operationId": get_session["operationId"], "parameters": by_session},
+            "DeleteSession": {"operationId": delete_session["operationId"], "parameters": by_session},
+            "Feedback": {
+                "operationId": paths["/v1/feedback"]["post"]["operationId"],
+                "requestBody": {"response_id": "$response.body#/id", "rating": 1},
+            },
+        }
+    same_session = {"session_id": "$request.path.session_id"}
+    get_session["responses"]["200"]["links"] = {
+        "DeleteSession": {"operationId": delete_session["operationId"], "parameters": same_session}
+    }
+    delete_session["responses"]["200"]["links"] = {
+        "GetSession": {"operationId": get_session["operationId"], "parameters": same_session}
+    }
+    return schema
 
 
 async def _any_key(ctx: AdmissionContext) -> bool:
@@ -172,14 +232,21 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = document_generation_routes(
-                get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = document_api(
+                document_generation_routes(get_openapi(title=app.title, version=app.version, routes=app.routes))
             )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    @app.post("/v1/feedback")
+    @app.post(
+        "/v1/feedback",
+        status_code=202,
+        responses={
+            202: {"model": FeedbackRecorded, "description": "Recorded with the response's record"},
+            **error_responses(400, 401, 404, 413, 422),
+        },
+    )
     async def feedback(request: Request) -> JSONResponse:
         tenant = await tenant_of(request)
         fb: Feedback = await parse_body(request, Feedback)
@@ -205,7 +272,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             {"object": "feedback", "response_id": fb.response_id, "status": "recorded"}, status_code=202
         )
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models(request: Request) -> dict[str, Any]:
         await tenant_of(request)
         fleet: Fleet = request.app.state.fleet
@@ -221,7 +288,11 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         ]
         return {"object": "list", "data": data}
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=Health,
+        responses={503: {"model": Health, "description": "No node can serve (no decode or colocated node)"}},
+    )
     async def health(request: Request) -> JSONResponse:
         fleet: Fleet = request.app.state.fleet
         roles = {r.value: sum(1 for n in fleet.nodes if n.info.role is r) for r in Role}
@@ -230,7 +301,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             {"status": "ok" if serving else "no_nodes", "nodes": roles}, status_code=200 if serving else 503
         )
 
-    @app.get("/cluster")
+    @app.get("/cluster", responses=error_responses(401, 403))
     async def cluster(request: Request) -> dict[str, Any]:
         """Admin view: every live node with its role, load, KV usage, cached blocks in the router's
         index and its KV-event stream health."""
@@ -268,7 +339,11 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             )
         return {"object": "cluster", "policy": settings.policy, "nodes": nodes}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text exposition format"}, **error_responses(401, 403)},
+    )
     async def prometheus(request: Request) -> Response:
         await tenant_of(request, admin=True)
         fleet: Fleet = request.app.state.fleet

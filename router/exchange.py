@@ -39,11 +39,11 @@ from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.keys import Tenant
 from router.admission.ratelimit import Admission
 from router.edge import check_chat, parse_json
-from router.openai_errors import response_for
+from router.openai_errors import document_error_schema, error_responses, response_for
 from router.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
 from router.schemas import ChatCompletionRequest, CompletionRequest, Message
 from router.sessions.http import HISTORY_HEADER, HistoryMode, prepend_history, session_params
-from router.sessions.models import SESSION_HEADER
+from router.sessions.models import _ID, SESSION_HEADER
 from router.settings import RouterSettings
 from router.sse import RelayResponse
 
@@ -268,32 +268,31 @@ def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
     """Add the generation routes, which are plain ASGI apps FastAPI cannot see, to an OpenAPI
     document: their request models (``router.schemas``) and the OpenAI-shaped error answers."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    error = {
-        "description": "OpenAI-format error",
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "required": ["error"],
-                    "properties": {
-                        "error": {
-                            "type": "object",
-                            "required": ["message", "type", "param", "code"],
-                            "properties": {
-                                "message": {"type": "string"},
-                                "type": {"type": "string"},
-                                "param": {"type": ["string", "null"]},
-                                "code": {"type": ["string", "null"]},
-                            },
-                        }
-                    },
-                }
-            }
-        },
+    document_error_schema(schema)
+    session = {
+        "name": SESSION_HEADER,
+        "in": "header",
+        "required": False,
+        "description": "The session this request belongs to (answered in the same header); empty: none",
+        # An empty value is taken as no header at all (``session_params``).
+        "schema": {"type": "string", "pattern": f"^({_ID.pattern.removeprefix('^').removesuffix('$')})?$"},
     }
-    for path, model, summary in (
-        ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion (SSE when stream is true)"),
-        ("/v1/completions", CompletionRequest, "Create a completion (SSE when stream is true)"),
+    # Server-history mode is for chat only (a completion naming it is a 400).
+    history = {
+        "name": HISTORY_HEADER,
+        "in": "header",
+        "required": False,
+        "description": "client (default): the client sends the whole history; server: the router prepends it",
+        "schema": {"type": "string", "enum": [m.value for m in HistoryMode]},
+    }
+    for path, model, summary, parameters in (
+        (
+            "/v1/chat/completions",
+            ChatCompletionRequest,
+            "Create a chat completion (SSE when stream is true)",
+            [session, history],
+        ),
+        ("/v1/completions", CompletionRequest, "Create a completion (SSE when stream is true)", [session]),
     ):
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(body.pop("$defs", {}))
@@ -302,6 +301,7 @@ def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
             "post": {
                 "summary": summary,
                 "operationId": model.__name__.replace("Request", "").lower(),
+                "parameters": parameters,
                 "requestBody": {
                     "required": True,
                     "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
@@ -309,12 +309,32 @@ def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
                 "responses": {
                     "200": {
                         "description": "The answer: JSON, or an SSE stream of chunks ending with [DONE]",
+                        "headers": {
+                            SESSION_HEADER: {
+                                "description": "The request's session (named, or made in server-history mode)",
+                                "schema": {"type": "string"},
+                            }
+                        },
                         "content": {
                             "application/json": {"schema": {"type": "object"}},
-                            "text/event-stream": {"schema": {"type": "string"}},
+                            # OpenAPI 3.1: the schema of each event (``data: <chunk JSON>``, ``data: [DONE]`` last)
+                            "text/event-stream": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["data"],
+                                    "properties": {
+                                        "data": {"type": "string", "description": "A chunk as JSON, or [DONE]"},
+                                        "event": {"type": "string"},
+                                        "id": {"type": "string"},
+                                    },
+                                }
+                            },
                         },
                     },
-                    **{str(code): error for code in (400, 401, 403, 404, 413, 422, 429, 502, 503)},
+                    **{
+                        str(code): doc
+                        for code, doc in error_responses(400, 401, 403, 404, 413, 422, 429, 502, 503).items()
+                    },
                 },
             }
         }

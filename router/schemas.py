@@ -7,9 +7,9 @@ is kept as given and forwarded to the engine, which validates it in turn, except
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator
 
 from contracts.errors import InvalidRequest
 
@@ -20,19 +20,35 @@ would let a client choose the engine's id for its request (colliding with anothe
 the engine scheduler's, which the router's own classes (``x-tandem-priority``) decide."""
 
 
+def _json_integer(value: Any) -> Any:
+    """JSON Schema's integer: a number with no fraction. Pydantic's lax mode would also take ``true``
+    and ``"5"``, which the OpenAPI document (``type: integer``) says are invalid."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be an integer")
+    return value
+
+
+# (The bound before the validator: after it, pydantic writes ``ge`` into the JSON schema, not ``minimum``.)
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_json_integer)]
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_json_integer)]
+"""A token id: an index into the vocabulary (which is the engine's to bound; it refuses ids past it)."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    n: int = Field(default=1, ge=1)
+    max_tokens: PositiveInt | None = None
+    # One completion per request: documented as at most 1, refused above it with a 400 that says why.
+    n: JsonInt = Field(default=1, ge=1, json_schema_extra={"maximum": 1})
 
     @model_validator(mode="before")
     @classmethod
@@ -61,14 +77,21 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: PositiveInt | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
+def _one_prompt_schema(schema: dict[str, Any]) -> None:
+    """The OpenAPI document says what ``_one_prompt`` enforces: a list of prompts holds one."""
+    for variant in schema.get("anyOf", []):
+        if variant.get("type") == "array" and variant.get("items", {}).get("type") != "integer":
+            variant["maxItems"] = 1
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(json_schema_extra=_one_prompt_schema)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
-from fastapi import APIRouter, Depends, Header, Response
+from fastapi import APIRouter, Depends, Header, Path, Request, Response
 
 from contracts.errors import InvalidRequest, NotFound
 from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
-from router.sessions.models import conversation, new_session_id, validate_id
+from router.openai_errors import error_responses
+from router.sessions.models import _ID, conversation, new_session_id, validate_id
 from router.sessions.store import SessionStore
 
 HISTORY_HEADER = "x-tandem-history"
@@ -70,10 +71,19 @@ async def prepend_history(
 
 
 def sessions_router(store: SessionStore, deps: AdmissionDependencies) -> APIRouter:
-    router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+    # Errors: 401 before anything else is judged, then the id (400), then whether the tenant has it (404).
+    router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=error_responses(400, 401, 404))
+
+    async def tenant_of(request: Request) -> Tenant:
+        # The key is read from the request, not declared as a header parameter: the OpenAPI document
+        # names it once, as the bearer security scheme (router/app.py).
+        return await deps.tenant(request.headers.get("authorization"))
+
+    # Documented, not validated by FastAPI: ``validate_id`` refuses a malformed id (400) after the key is checked.
+    SessionId = Annotated[str, Path(description="A session id", json_schema_extra={"pattern": _ID.pattern})]
 
     @router.get("/{session_id}")
-    async def get_session(session_id: str, tenant: Annotated[Tenant, Depends(deps.tenant)]) -> Response:
+    async def get_session(session_id: SessionId, tenant: Annotated[Tenant, Depends(tenant_of)]) -> Response:
         turns = await store.get_history(tenant.tenant_id, validate_id(session_id, "session_id"))
         if not turns:
             raise NotFound(f"no session {session_id!r}")
@@ -81,7 +91,7 @@ def sessions_router(store: SessionStore, deps: AdmissionDependencies) -> APIRout
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     @router.delete("/{session_id}")
-    async def delete_session(session_id: str, tenant: Annotated[Tenant, Depends(deps.tenant)]) -> Response:
+    async def delete_session(session_id: SessionId, tenant: Annotated[Tenant, Depends(tenant_of)]) -> Response:
         if not await store.delete(tenant.tenant_id, validate_id(session_id, "session_id")):
             raise NotFound(f"no session {session_id!r}")
         body = {"id": session_id, "object": "session.deleted", "deleted": True}

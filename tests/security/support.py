@@ -177,3 +177,27 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+@contextmanager
+def router_sync(tmp_path: Path, *, admin_key: bool = False, **kw: object) -> Iterator[tuple[Router, dict[str, str]]]:
+    """``router`` for synchronous tests (schemathesis drives the API from hypothesis, outside any event
+    loop): the router's own set-up and tear-down run on a private loop; the router itself serves from
+    its uvicorn thread as usual. With ``admin_key``, a real admin key is created (auth is then on) and
+    its ``Authorization`` headers are yielded."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    cm = router(tmp_path, **kw)  # type: ignore[arg-type]
+    try:
+        r = loop.run_until_complete(cm.__aenter__())
+        try:
+            headers = loop.run_until_complete(r.create_key("fuzz", admin=True)) if admin_key else {}
+            yield r, headers
+        except BaseException as exc:
+            if not loop.run_until_complete(cm.__aexit__(type(exc), exc, exc.__traceback__)):
+                raise
+        else:
+            loop.run_until_complete(cm.__aexit__(None, None, None))
+    finally:
+        loop.close()
