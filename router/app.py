@@ -54,6 +54,7 @@ from router.openai_errors import error_responses, install_error_handlers
 from router.orchestrator import Orchestrator
 from router.policies import CacheAware, LeastLoaded, RoundRobin, RoutingPolicy
 from router.responses import ResponseIndex
+from router.schemas import JsonInt
 from router.sessions.http import sessions_router
 from router.settings import RouterSettings
 from router.tokenizer import PromptTokenizer
@@ -79,7 +80,7 @@ class Feedback(BaseModel):
     """Bounded: feedback is stored with the request's record; a comment is a remark, not a document."""
 
     response_id: str = Field(min_length=1, max_length=128)
-    rating: int = Field(ge=-1_000_000, le=1_000_000)
+    rating: JsonInt = Field(ge=-1_000_000, le=1_000_000)
     comment: str | None = Field(default=None, max_length=4096)
     labels: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=32)
 

@@ -147,6 +147,9 @@ def test_feedback_is_bounded(served: tuple[str, int]) -> None:
     assert resp.status_code == 422, resp.text
     resp = httpx.post(url + "/v1/feedback", json={"response_id": "r", "rating": 1, "labels": ["l"] * 100}, timeout=30)
     assert resp.status_code == 422, resp.text
+    for rating in ("5", True, 1.5):  # a JSON integer, as the document says, not whatever converts to one
+        resp = httpx.post(url + "/v1/feedback", json={"response_id": "r", "rating": rating}, timeout=30)
+        assert resp.status_code == 422, (rating, resp.text)
 
 
 def test_auth_required_refuses_to_start_without_a_key(tmp_path: Path) -> None:
