@@ -202,7 +202,7 @@ class Exchange:
                 max_messages=s.max_messages,
                 max_message_chars=s.max_message_chars,
                 trust_request_chat_template=s.trust_request_chat_template,
-                allowed_template_kwargs=frozenset(s.chat_template_kwargs),
+                allowed_template_kwargs=s.chat_template_kwargs,
             )
         if session.mode is HistoryMode.SERVER:
             if messages is None or session_id is None:

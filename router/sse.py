@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 from starlette.responses import StreamingResponse
-from starlette.types import Send
+from starlette.types import Message, Send
 
 from contracts.errors import TandemError
 from router.openai_errors import error_from_exception
@@ -165,6 +165,7 @@ class RelayResponse(StreamingResponse):
         self.background = None
         self.init_headers(headers)
         self._send: Send | None = None
+        self._source: SseStream | None = None
         self._draining: asyncio.Future[None] | None = None
         self._backlog: list[list[bytes]] = []
 
@@ -179,9 +180,7 @@ class RelayResponse(StreamingResponse):
                     await self._push(source, send)
                 else:
                     async for payloads in source:
-                        data = state.batch(payloads)
-                        if data:
-                            await send({"type": "http.response.body", "body": data, "more_body": True})
+                        await self._write(send, payloads)
                 end = _DONE
             except TandemError as exc:
                 # As OpenAI ends a stream that fails after its status line: an error event, then [DONE],
@@ -206,13 +205,16 @@ class RelayResponse(StreamingResponse):
             self.on_finish(status, error)
 
     # -- push (see the module docstring) ------------------------------------------------------------
+    async def _write(self, send: Send, batch: list[bytes]) -> None:
+        data = self.state.batch(batch)
+        if data:
+            await send(_body(data))
+
     async def _push(self, source: SseStream, send: Send) -> None:
-        self._send = send
-        while batch := source.attach(self._on_batch):  # what arrived before attaching goes out first
-            source.detach()
-            data = self.state.batch(batch)
-            if data:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+        self._send, self._source = send, source
+        while batch := source.take():  # what arrived before attaching goes out first
+            await self._write(send, batch)
+        source.attach(self._on_batch)  # no await since the empty take: nothing arrived in between
         await source.finished()
         if self._draining is not None:
             await self._draining
@@ -225,21 +227,20 @@ class RelayResponse(StreamingResponse):
         data = self.state.batch(batch)
         if not data:
             return
-        assert self._send is not None
-        pending = self._send({"type": "http.response.body", "body": data, "more_body": True})
+        assert self._send is not None and self._source is not None
+        pending = self._send(_body(data))
         try:
             blocker = pending.send(None)
         except StopIteration:
             return  # written (the common case: the server had room)
-        assert isinstance(self.batches, SseStream)
-        self.batches.pause()
-        self._draining = asyncio.ensure_future(self._finish_send(pending, blocker))
+        self._source.pause()
+        self._draining = asyncio.ensure_future(self._finish_send(self._source, self._send, pending, blocker))
 
-    async def _finish_send(self, pending: Coroutine[Any, Any, None], blocker: Any) -> None:
+    async def _finish_send(
+        self, source: SseStream, send: Send, pending: Coroutine[Any, Any, None], blocker: Any
+    ) -> None:
         """Run a send that suspended (the server's flow control) to its end, then the backlog; then
         read from the engine again."""
-        source = self.batches
-        assert isinstance(source, SseStream) and self._send is not None
         try:
             while True:
                 if isinstance(blocker, asyncio.Future):
@@ -252,9 +253,7 @@ class RelayResponse(StreamingResponse):
                 except StopIteration:
                     break
             while self._backlog:
-                data = self.state.batch(self._backlog.pop(0))
-                if data:
-                    await self._send({"type": "http.response.body", "body": data, "more_body": True})
+                await self._write(send, self._backlog.pop(0))
         except asyncio.CancelledError:
             pending.close()
             raise
@@ -265,3 +264,7 @@ class RelayResponse(StreamingResponse):
         finally:
             self._draining = None
         source.resume()
+
+
+def _body(data: bytes) -> Message:
+    return {"type": "http.response.body", "body": data, "more_body": True}

@@ -93,11 +93,15 @@ class SseStream:
     def __aiter__(self) -> SseStream:
         return self
 
+    def take(self) -> list[bytes]:
+        """What has arrived and not been taken yet (possibly nothing)."""
+        batch, self._pending = self._pending, []
+        return batch
+
     async def __anext__(self) -> list[bytes]:
         while True:
             if self._pending:
-                batch, self._pending = self._pending, []
-                return batch
+                return self.take()
             if self._error is not None:
                 raise self._error
             if self.done:
@@ -120,12 +124,11 @@ class SseStream:
                 raise self._error
             await self._wait()
 
-    def attach(self, sink: Sink) -> list[bytes]:
-        """Switch to push: from now on the connection calls ``sink`` with each batch as it is parsed.
-        Returns what was already waiting (the caller sends it first)."""
-        batch, self._pending = self._pending, []
+    def attach(self, sink: Sink) -> None:
+        """Switch to push: from now on the connection calls ``sink`` with each batch as it is parsed
+        (``take`` what was already waiting first)."""
+        assert not self._pending, "take() what is waiting before attaching"
         self._sink = sink
-        return batch
 
     def detach(self) -> None:
         self._sink = None
