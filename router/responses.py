@@ -1,11 +1,20 @@
 """Which response ids this cluster produced, so feedback can be checked against them.
 
-Written after a request finishes, off the fast path (a background task, never awaited by a handler);
-a lost write only means that one response cannot receive feedback.
+Written after a request finishes, off the fast path and in batches: ``remember`` only files the id,
+and one writer task sends every id filed meanwhile as one pipelined round trip. A redis-py command
+costs about 240 µs of router CPU on its own and 50 µs within a pipeline (measured on this 2-core
+host), and under load many answers end within one round trip of each other. Nothing waits on purpose:
+the writer runs as soon as the loop is free, and batches are simply what piled up while the last one
+was in flight.
+
+Until its batch has been written, a response id is answered from the local queue, so feedback posted
+the instant a stream ends is never refused. A lost write (Redis down) only means that one response
+cannot receive feedback; it is logged, never retried, and never blocks a request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
@@ -13,10 +22,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from contracts.errors import NotFound, StoreError
-from router.background import TaskSet
 
 log = logging.getLogger("tandem.router.responses")
 TTL_S = 7 * 24 * 3600
+MAX_BATCH = 512
+"""Most ids written in one pipeline (bounds one round trip's size)."""
 
 
 class ResponseRef(msgspec.Struct, frozen=True):
@@ -25,23 +35,50 @@ class ResponseRef(msgspec.Struct, frozen=True):
     tenant_id: str | None = None
 
 
+def _key(response_id: str) -> str:
+    return f"tandem:response:{response_id}"
+
+
 class ResponseIndex:
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
-        self._tasks = TaskSet()
+        self._pending: dict[str, ResponseRef] = {}
+        """Filed and not yet written (or being written): also what ``lookup`` answers from first."""
+        self._writer: asyncio.Task[None] | None = None
+        self.written = 0
+        self.lost = 0
+        self.batches = 0
+        """Pipelines sent (written + lost ids over batches: how well writes are batched)."""
 
     def remember(self, response_id: str, ref: ResponseRef) -> None:
-        self._tasks.spawn(self._write(response_id, ref))
+        self._pending[response_id] = ref
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_all(), name="response-index")
 
-    async def _write(self, response_id: str, ref: ResponseRef) -> None:
-        try:
-            await self._redis.set(f"tandem:response:{response_id}", msgspec.msgpack.encode(ref), ex=TTL_S)
-        except RedisError as exc:
-            log.warning("response id %s not recorded: %s", response_id, exc)
+    async def _write_all(self) -> None:
+        while self._pending:
+            batch = list(self._pending.items())[:MAX_BATCH]
+            self.batches += 1
+            try:
+                pipe = self._redis.pipeline(transaction=False)
+                for response_id, ref in batch:
+                    pipe.set(_key(response_id), msgspec.msgpack.encode(ref), ex=TTL_S)
+                await pipe.execute()
+                self.written += len(batch)
+            except RedisError as exc:
+                self.lost += len(batch)
+                log.warning("%d response ids not recorded: %s", len(batch), exc)
+            for response_id, ref in batch:
+                # Filed again meanwhile (same id, a retried request): keep the newer one queued.
+                if self._pending.get(response_id) is ref:
+                    del self._pending[response_id]
 
     async def lookup(self, response_id: str) -> ResponseRef:
+        ref = self._pending.get(response_id)
+        if ref is not None:
+            return ref
         try:
-            raw = await self._redis.get(f"tandem:response:{response_id}")
+            raw = await self._redis.get(_key(response_id))
         except RedisError as exc:
             raise StoreError(f"response index unreadable: {exc}") from exc
         if raw is None:
@@ -49,4 +86,8 @@ class ResponseIndex:
         return msgspec.msgpack.decode(raw, type=ResponseRef)
 
     async def drain(self) -> None:
-        await self._tasks.drain()
+        """Write what is filed (shutdown); a failure is logged and counted as above."""
+        while self._writer is not None and not self._writer.done():
+            await asyncio.gather(self._writer, return_exceptions=True)
+        if self._pending:
+            await self._write_all()

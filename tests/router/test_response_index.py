@@ -1,0 +1,73 @@
+"""The response index (router.responses) against a real Redis: batched writes, answers before the
+write lands, and a Redis outage that loses the ids without touching the caller."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import redis.asyncio as aioredis
+
+from router.responses import MAX_BATCH, ResponseIndex, ResponseRef
+
+
+def _ids(n: int) -> list[str]:
+    tag = uuid.uuid4().hex[:8]
+    return [f"chatcmpl-{tag}-{i}" for i in range(n)]
+
+
+async def test_ids_filed_together_are_written_in_one_round_trip(redis_unit_url: str) -> None:
+    client = aioredis.from_url(redis_unit_url)
+    index = ResponseIndex(client)
+    ids = _ids(100)
+    for rid in ids:  # as many answers ending within one loop turn
+        index.remember(rid, ResponseRef(rid, "s1", "t1"))
+    await index.drain()
+    assert (index.written, index.batches, index.lost) == (100, 1, 0)
+    assert await client.exists(*[f"tandem:response:{rid}" for rid in ids]) == 100
+    assert 0 < await client.ttl(f"tandem:response:{ids[0]}") <= 7 * 24 * 3600
+    fresh = ResponseIndex(client)  # another router replica reads them from Redis
+    assert await fresh.lookup(ids[7]) == ResponseRef(ids[7], "s1", "t1")
+    await client.delete(*[f"tandem:response:{rid}" for rid in ids])
+    await client.aclose()
+
+
+async def test_a_batch_never_exceeds_the_bound(redis_unit_url: str) -> None:
+    client = aioredis.from_url(redis_unit_url)
+    index = ResponseIndex(client)
+    ids = _ids(MAX_BATCH + 3)
+    for rid in ids:
+        index.remember(rid, ResponseRef(rid))
+    await index.drain()
+    assert (index.written, index.batches) == (MAX_BATCH + 3, 2)
+    await client.delete(*[f"tandem:response:{rid}" for rid in ids])
+    await client.aclose()
+
+
+async def test_feedback_right_after_the_stream_finds_the_id_before_it_is_written(redis_unit_url: str) -> None:
+    client = aioredis.from_url(redis_unit_url)
+    index = ResponseIndex(client)
+    (rid,) = _ids(1)
+    index.remember(rid, ResponseRef(rid, None, "t1"))
+    # No await since remember(): the writer task cannot have run, so this answer came from the queue.
+    lookup = index.lookup(rid)
+    assert index.written == 0 and index.batches == 0
+    assert (await lookup).tenant_id == "t1"
+    await index.drain()
+    assert await client.exists(f"tandem:response:{rid}") == 1
+    await client.delete(f"tandem:response:{rid}")
+    await client.aclose()
+
+
+async def test_redis_down_loses_the_ids_counted_and_never_raises() -> None:
+    # A port nothing listens on: connection refused at once.
+    client = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
+    index = ResponseIndex(client)
+    ids = _ids(3)
+    for rid in ids:
+        index.remember(rid, ResponseRef(rid))
+    await index.drain()
+    assert (index.written, index.lost) == (0, 3)
+    assert not index._pending  # dropped, not kept growing while Redis is away
+    await asyncio.sleep(0)
+    await client.aclose()
