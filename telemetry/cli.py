@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from contracts.config import DEFAULT_LAKE_DIR, LAKE_DIR_ENV, lake_dir
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import StoreError
 from telemetry.emitter import DEFAULT_STREAM_PREFIX
@@ -41,7 +42,14 @@ _console = Console(stderr=True)
 RedisUrl = Annotated[
     str | None, typer.Option("--redis-url", help="Redis holding the telemetry streams (default: $TANDEM_REDIS_URL).")
 ]
-LakeDir = Annotated[Path, typer.Option("--lake", envvar="TANDEM_LAKE", help="Root folder of the Parquet lake.")]
+LakeDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--lake",
+        help=f"Root folder of the Parquet lake (default: ${LAKE_DIR_ENV}, else {DEFAULT_LAKE_DIR}, where `tandem up` "
+        "writes it).",
+    ),
+]
 Prefix = Annotated[str, typer.Option("--stream-prefix", help="Stream name prefix; streams are <prefix>:<table>.")]
 Group = Annotated[str, typer.Option("--group", help="Redis consumer group shared by all writers of this lake.")]
 
@@ -54,10 +62,25 @@ def _parse_tables(tables: str) -> tuple[str, ...]:
     return out
 
 
+def existing_lake(flag: Path | None) -> Path:
+    """The resolved lake (``contracts.config.lake_dir``) for a command that reads it. A lake that is not
+    there is said so on stderr, naming the folder and the rule that chose it, and the command exits 2:
+    an empty table for a mistyped path would read as "no traffic"."""
+    where = lake_dir(flag)
+    if not where.path.is_dir():
+        _console.print(
+            f"[red]no lake at {where.path}[/red] (from {where.source}). Pass --lake DIR, set ${LAKE_DIR_ENV}, or "
+            f"run `tandem up`, whose lake writer fills {DEFAULT_LAKE_DIR}.",
+            soft_wrap=True,
+        )
+        raise typer.Exit(2)
+    return where.path
+
+
 @telemetry_app.command()
 def consume(
     redis_url: RedisUrl = None,
-    lake: LakeDir = Path("lake"),
+    lake: LakeDir = None,
     group: Group = "lake",
     consumer: Annotated[
         str,
@@ -99,6 +122,8 @@ def consume(
 ) -> None:
     """Consume the telemetry streams into Parquet files under LAKE (at least once, de-duplicated)."""
     redis_url = redis_url or configured_redis_url()
+    lake = lake_dir(lake).path
+    lake.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     priority = apply_cpu_priority(cpu_priority)
     cfg = WriterConfig(
@@ -142,13 +167,14 @@ def consume(
 @telemetry_app.command()
 def compact(
     redis_url: RedisUrl = None,
-    lake: LakeDir = Path("lake"),
+    lake: LakeDir = None,
     group: Group = "lake",
     stream_prefix: Prefix = DEFAULT_STREAM_PREFIX,
     min_age_s: Annotated[float, typer.Option("--min-age-s", help="Only merge part files at least this old.")] = 600.0,
 ) -> None:
     """Merge each partition's small part files into one (atomic, de-duplicated on event_id)."""
     redis_url = redis_url or configured_redis_url()
+    lake = existing_lake(lake)
     writer = LakeWriter(WriterConfig(lake=lake, redis_url=redis_url, stream_prefix=stream_prefix, group=group))
     try:
         n = sum(1 for t in TABLE_NAMES if (lake / t).is_dir() for _ in (lake / t).glob("date=*/hour=*"))
@@ -176,7 +202,7 @@ def schema(table: Annotated[str | None, typer.Argument(help="Table; all when omi
 @lake_app.command("query")
 def query_cmd(
     sql: Annotated[str, typer.Argument(help="SQL over the views " + ", ".join(TABLE_NAMES) + ".")],
-    lake: LakeDir = Path("lake"),
+    lake: LakeDir = None,
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json (one object per line).")] = "table",
     limit: Annotated[int, typer.Option("--limit", help="Most rows printed in table format.")] = 200,
 ) -> None:
@@ -185,8 +211,9 @@ def query_cmd(
 
     from telemetry.query import query
 
+    path = existing_lake(lake)
     try:
-        result = query(lake, sql)
+        result = query(path, sql)
     except duckdb.Error as exc:
         _console.print(f"[red]query failed:[/red] {exc}")
         raise typer.Exit(1) from exc
@@ -211,11 +238,12 @@ def query_cmd(
 @lake_app.command()
 def report(
     out: Annotated[Path, typer.Option("--out", help="Folder for index.html and the PNG plots.")],
-    lake: LakeDir = Path("lake"),
+    lake: LakeDir = None,
 ) -> None:
     """Render an HTML report: hit-rate breakdown, TTFT/ITL, P/D decisions, KV transfers."""
     from telemetry.report import SECTIONS, render_report
 
+    lake = existing_lake(lake)
     with Progress(console=_console, transient=True) as progress:
         task = progress.add_task("rendering", total=len(SECTIONS))
         rep = render_report(lake, out, on_step=lambda name: progress.advance(task))
