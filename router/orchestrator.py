@@ -44,7 +44,7 @@ from router.fleet import Fleet, Pools
 from router.kv_index import BlockHasher, FleetIndex
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
-from router.policies.base import Candidate, Decision, RoutingPolicy, RoutingRequest
+from router.policies.base import Candidate, Decision, ReasonCode, RoutingPolicy, RoutingRequest
 from router.policies.least_loaded import LeastLoaded
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import FallbackPolicy, RouterSettings
@@ -84,6 +84,16 @@ class RequestTrace:
     decode_node: str | None = None
     policy: str | None = None
     reason: str | None = None
+    """The decision in a sentence (display only; ``reason_code`` is the data)."""
+    reason_code: ReasonCode | None = None
+    """Why the node that prefills was chosen (``router.policies.ReasonCode``)."""
+    decode_reason_code: ReasonCode | None = None
+    reason_threshold: float | None = None
+    """The threshold ``reason_code``'s rule compared against, if any."""
+    reason_load: float | None = None
+    """The load figure ``reason_code``'s rule compared, if any."""
+    uncached_tokens: int | None = None
+    """Prompt tokens not cached on the node that prefills, per the fleet index at routing time."""
     fallback: bool = False
     stream: bool = False
     session_id: str | None = None
@@ -168,7 +178,8 @@ class Orchestrator:
             if prefer == "disaggregated" and decision.prefill is None:
                 # The policy chose a local prefill; the client asked for the P/D path explicitly.
                 prefill = LeastLoaded().select(rr, pools.prefill, [decision.decode]).prefill
-                decision = replace(decision, prefill=prefill, reason=f"{decision.reason}; P/D forced by header")
+                reason = f"{decision.reason}; P/D forced by header"
+                decision = replace(decision, prefill=prefill, code=ReasonCode.FORCED_PD, reason=reason)
             return decision
         if pools.colocated:
             return self.policy.select(rr, [], pools.colocated)
@@ -230,6 +241,7 @@ class Orchestrator:
         matches = self.index.longest_prefix(rr.model, rr.block_keys)
         trace.fleet_cached_tokens = min(max(matches.values(), default=0), cap) * bs
         trace.routed_cached_tokens = min(matches.get(prefiller.node_id, 0), cap) * bs
+        trace.uncached_tokens = len(rr.prompt_token_ids) - trace.routed_cached_tokens
 
     def _keys(self, node: NodeInfo, ids: list[int] | None) -> tuple[int, ...]:
         if ids is None or self.index is None or node.block_size <= 0:
@@ -272,7 +284,7 @@ class Orchestrator:
         )
         decision = self._select(rr, pools, prefer)
         trace.routed = time.time()
-        trace.policy, trace.reason = decision.policy, decision.reason
+        note_decision(trace, decision)
         self._hit_breakdown(rr, decision, trace)
         hold = AsyncExitStack()
         try:
@@ -465,6 +477,13 @@ class Orchestrator:
         return stream
 
 
+def note_decision(trace: RequestTrace, decision: Decision) -> None:
+    """The routing decision into the trace, as data (codes and figures) and as a sentence."""
+    trace.policy, trace.reason = decision.policy, decision.reason
+    trace.reason_code, trace.decode_reason_code = decision.code, decision.decode_code
+    trace.reason_threshold, trace.reason_load = decision.threshold, decision.load
+
+
 def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
     """Take the decode engine's usage into the trace, and put the hit-rate breakdown into the usage the
     client sees: ``prompt_tokens_details.cached_tokens`` is the engine figure of the engine that
@@ -482,7 +501,12 @@ def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
         "fleet_cached_tokens": trace.fleet_cached_tokens,
         "routed_cached_tokens": trace.routed_cached_tokens,
         "engine_cached_tokens": trace.engine_cached_tokens,
+        "uncached_tokens": trace.uncached_tokens,
         "policy": trace.policy,
         "mode": trace.mode,
+        "reason_code": trace.reason_code.value if trace.reason_code else None,
+        "decode_reason_code": trace.decode_reason_code.value if trace.decode_reason_code else None,
+        "threshold": trace.reason_threshold,
+        "load": trace.reason_load,
         "reason": trace.reason,
     }

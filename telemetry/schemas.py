@@ -31,13 +31,15 @@ so that old parts stay readable; the lake writer conforms older batches to the c
 filling added fields with nulls):
 
     1  first version (this file).
+    2  requests: routing decisions as data (routing_reason_code, routing_decode_reason_code,
+       routing_threshold, routing_load, uncached_tokens); routing_reason stays, as display text.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 TS = pa.timestamp("us", tz="UTC")
 
@@ -79,7 +81,25 @@ _REQUESTS = [
     _f("cached_tokens", pa.int64(), "Prompt tokens served from cache, as reported to the client (usage)."),
     _f("routing_policy", pa.string(), "Name of the routing policy that decided (e.g. cache_aware)."),
     _f("routing_decision", pa.string(), "pd (prefill then transfer), colocated, or decode_only."),
-    _f("routing_reason", pa.string(), "Why the policy chose these nodes (e.g. best_prefix, least_loaded)."),
+    _f("routing_reason", pa.string(), "The routing decision in a sentence, for display; group by routing_reason_code."),
+    _f(
+        "routing_reason_code",
+        pa.string(),
+        "Why the node that prefilled was chosen (router.policies.ReasonCode): best_prefix, load_guard, "
+        "session_affinity, local_prefill, prefill_saturated, least_loaded, round_robin, forced_pd. (v2)",
+    ),
+    _f(
+        "routing_decode_reason_code",
+        pa.string(),
+        "Why the decode node was chosen: session_affinity, most_cached, least_busy, ... (v2)",
+    ),
+    _f("routing_threshold", pa.float64(), "The threshold the reason code's rule compared against, if any. (v2)"),
+    _f("routing_load", pa.float64(), "The load figure the reason code's rule compared (see ReasonCode). (v2)"),
+    _f(
+        "uncached_tokens",
+        pa.int64(),
+        "Prompt tokens not cached on the node that prefilled, per the router's index at routing time. (v2)",
+    ),
     _f(
         "fleet_cached_tokens",
         pa.int64(),
