@@ -41,7 +41,7 @@ from kv_transfer.control import is_tandem_params, release_lease
 from router.admission.priority import AdmissionController
 from router.admission.priority_class import Priority
 from router.fleet import Fleet, Pools
-from router.kv_index import BlockHasher, FleetIndex
+from router.kv_index import BlockHasher, FleetIndex, MissAttribution, PrefixView, attribute, prefix_view
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.policies.base import Candidate, Decision, ReasonCode, RoutingPolicy, RoutingRequest
@@ -92,8 +92,10 @@ class RequestTrace:
     """The threshold ``reason_code``'s rule compared against, if any."""
     reason_load: float | None = None
     """The load figure ``reason_code``'s rule compared, if any."""
-    uncached_tokens: int | None = None
-    """Prompt tokens not cached on the node that prefills, per the fleet index at routing time."""
+    prefix_view: PrefixView | None = None
+    """What the fleet index said about the prompt at routing time (``router.kv_index.attribution``)."""
+    miss: MissAttribution | None = None
+    """The uncached tokens by kind, once the engine said what it reused (``settle_miss``)."""
     fallback: bool = False
     stream: bool = False
     session_id: str | None = None
@@ -229,19 +231,27 @@ class Orchestrator:
             return True
         return len(pools.prefill) + len(pools.decode) + len(pools.colocated) > 1
 
-    def _hit_breakdown(self, rr: RoutingRequest, decision: Decision, trace: RequestTrace) -> None:
+    def _hit_breakdown(self, rr: RoutingRequest, decision: Decision, trace: RequestTrace, pools: Pools) -> None:
         """fleet_cached_tokens (best prefix anywhere) and routed_cached_tokens (on the node that will
-        prefill), from the fleet KV index, whatever the policy. Like vLLM, the last prompt token is
-        always recomputed, so at most (n-1)//block_size blocks count."""
+        prefill), from the fleet KV index, whatever the policy, and the rest of what miss attribution
+        needs (``router.kv_index.attribution``). Like vLLM, the last prompt token is always
+        recomputed, so at most (n-1)//block_size blocks count."""
         if self.index is None or not rr.block_keys:
             return
         prefiller = decision.prefill or decision.decode
-        bs = prefiller.node.info.block_size
-        cap = (len(rr.prompt_token_ids) - 1) // bs if bs else 0
-        matches = self.index.longest_prefix(rr.model, rr.block_keys)
-        trace.fleet_cached_tokens = min(max(matches.values(), default=0), cap) * bs
-        trace.routed_cached_tokens = min(matches.get(prefiller.node_id, 0), cap) * bs
-        trace.uncached_tokens = len(rr.prompt_token_ids) - trace.routed_cached_tokens
+        live = {c.node_id for pool in (pools.prefill, pools.decode, pools.colocated) for c in pool}
+        view = trace.prefix_view = prefix_view(
+            self.index,
+            rr.model,
+            rr.block_keys,
+            prompt_tokens=len(rr.prompt_token_ids),
+            block_size=prefiller.node.info.block_size,
+            routed_node=prefiller.node_id,
+            live_nodes=live,
+            reason_code=decision.code.value,
+            now=time.time(),
+        )
+        trace.fleet_cached_tokens, trace.routed_cached_tokens = view.fleet_tokens, view.routed_tokens
 
     def _keys(self, node: NodeInfo, ids: list[int] | None) -> tuple[int, ...]:
         if ids is None or self.index is None or node.block_size <= 0:
@@ -285,7 +295,7 @@ class Orchestrator:
         decision = self._select(rr, pools, prefer)
         trace.routed = time.time()
         note_decision(trace, decision)
-        self._hit_breakdown(rr, decision, trace)
+        self._hit_breakdown(rr, decision, trace, pools)
         hold = AsyncExitStack()
         try:
             await hold.enter_async_context(self._slot(decision.decode, trace))
@@ -484,6 +494,13 @@ def note_decision(trace: RequestTrace, decision: Decision) -> None:
     trace.reason_threshold, trace.reason_load = decision.threshold, decision.load
 
 
+def settle_miss(trace: RequestTrace) -> MissAttribution | None:
+    """The request's miss attribution, once both the routing-time view and the engine's figure exist."""
+    if trace.miss is None and trace.prefix_view is not None and trace.engine_cached_tokens is not None:
+        trace.miss = attribute(trace.prefix_view, trace.engine_cached_tokens)
+    return trace.miss
+
+
 def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
     """Take the decode engine's usage into the trace, and put the hit-rate breakdown into the usage the
     client sees: ``prompt_tokens_details.cached_tokens`` is the engine figure of the engine that
@@ -497,11 +514,13 @@ def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
         trace.engine_cached_tokens = details.get("cached_tokens")
     trace.cached_tokens = trace.engine_cached_tokens
     usage["prompt_tokens_details"] = {**details, "cached_tokens": trace.engine_cached_tokens or 0}
+    miss = settle_miss(trace)
     usage["tandem"] = {
         "fleet_cached_tokens": trace.fleet_cached_tokens,
         "routed_cached_tokens": trace.routed_cached_tokens,
         "engine_cached_tokens": trace.engine_cached_tokens,
-        "uncached_tokens": trace.uncached_tokens,
+        "uncached_tokens": miss.uncached if miss else None,
+        "miss": miss.usage() if miss else None,
         "policy": trace.policy,
         "mode": trace.mode,
         "reason_code": trace.reason_code.value if trace.reason_code else None,

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from contracts.registry import Role
-from router.kv_index import BlockHasher, FleetIndex
+from router.kv_index import BlockHasher, FleetIndex, prefix_view
 from router.orchestrator import RequestTrace, note_decision, record_usage
 from router.policies import CacheAware, CacheAwareConfig, ReasonCode, RoutingRequest
 from router.records import request_record
@@ -25,7 +25,8 @@ HASHER = BlockHasher(BS)
 PROMPT = [random.Random(7).randrange(49_152) for _ in range(1000)]
 
 
-def _traced(policy: CacheAware, prefill: list, decode: list, rid: str) -> RequestTrace:
+def _traced(fleet: FleetIndex, policy: CacheAware, prefill: list, decode: list, rid: str) -> RequestTrace:
+    """A request routed by ``policy`` whose engine then reused what the index predicted."""
     rr = RoutingRequest(
         request_id=rid, model="m", prompt_token_ids=tuple(PROMPT), block_keys=tuple(HASHER.keys(PROMPT))
     )
@@ -34,8 +35,19 @@ def _traced(policy: CacheAware, prefill: list, decode: list, rid: str) -> Reques
     trace.mode = "disaggregated" if decision.prefill else "colocated"
     trace.decode_node, trace.decode_role = decision.decode.node_id, decision.decode.node.info.role.value
     trace.prefill_node = decision.prefill.node_id if decision.prefill else None
-    trace.uncached_tokens = int(decision.extra["uncached_tokens"])
     note_decision(trace, decision)
+    trace.prefix_view = prefix_view(
+        fleet,
+        "m",
+        rr.block_keys,
+        prompt_tokens=len(PROMPT),
+        block_size=BS,
+        routed_node=(decision.prefill or decision.decode).node_id,
+        live_nodes={c.node_id for c in prefill + decode},
+        reason_code=decision.code.value,
+        now=time.time(),
+    )
+    trace.engine_cached_tokens = trace.prefix_view.routed_tokens
     return trace
 
 
@@ -45,8 +57,8 @@ def _two_decisions() -> list[RequestTrace]:
     guarded = CacheAware(fleet, CacheAwareConfig(imbalance_threshold=2, waiting_request_tokens=0))
     decode = [cand("d0", Role.DECODE)]
     return [
-        _traced(guarded, [cand("p0"), cand("p1")], decode, "r-cache"),
-        _traced(guarded, [cand("p0"), cand("p1", inflight=3)], decode, "r-guard"),
+        _traced(fleet, guarded, [cand("p0"), cand("p1")], decode, "r-cache"),
+        _traced(fleet, guarded, [cand("p0"), cand("p1", inflight=3)], decode, "r-guard"),
     ]
 
 
@@ -57,11 +69,24 @@ def test_usage_tandem_carries_the_code_and_its_figures() -> None:
     t = usage["tandem"]
     assert (t["reason_code"], t["decode_reason_code"], t["threshold"], t["load"]) == ("load_guard", "least_busy", 2, 3)
     assert t["uncached_tokens"] == 1000 and type(t["reason_code"]) is str  # plain JSON, not an enum
+    # p1 held 800 tokens; the guard sent the prompt to p0: those 800 are "elsewhere", for that reason
+    assert t["miss"] == {
+        "cold": 200,
+        "evicted": 0,
+        "elsewhere": 800,
+        "undelivered": 0,
+        "evicted_node": None,
+        "evicted_tier": None,
+        "evicted_ago_s": None,
+        "elsewhere_node": "p1",
+        "elsewhere_reason": "load_guard",
+    }
     assert t["reason"].startswith("load guard")  # the sentence stays, for people
     usage = {"prompt_tokens": 1000}
     record_usage(cache, usage)
     assert usage["tandem"]["reason_code"] == ReasonCode.BEST_PREFIX == "best_prefix"
     assert usage["tandem"]["uncached_tokens"] == 1000 - 800
+    assert usage["tandem"]["miss"]["cold"] == 200 and usage["tandem"]["miss"]["elsewhere"] == 0
 
 
 def test_lake_rows_group_by_code_not_by_sentence(make_emitter, make_writer, lake) -> None:
@@ -89,7 +114,9 @@ def _v1_batch() -> bytes:
     """An emitter batch as a version-1 router sent it: the requests schema without the v2 columns."""
     v2_only = {"routing_reason_code", "routing_decode_reason_code", "routing_threshold", "routing_load"}
     v2_only.add("uncached_tokens")
-    schema = pa.schema([f for f in SCHEMAS["requests"] if f.name not in v2_only])
+    schema = pa.schema(
+        [f for f in SCHEMAS["requests"] if f.name not in v2_only and not f.name.startswith(("miss_", "transfer_tr"))]
+    )
     now = pa.scalar(int(time.time() * 1e6), pa.timestamp("us", tz="UTC"))
     cols = {
         "event_id": ["old-1"],
