@@ -7,6 +7,7 @@
     tandem telemetry schema    [TABLE]
     tandem lake query "SQL"    --lake --format table|csv|json
     tandem lake report         --lake --out DIR
+    tandem lake questions      [NAME] [--sql | --run] --lake --format
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Annotated
 
+import pyarrow as pa
 import typer
 from rich.console import Console
 from rich.progress import Progress
@@ -217,6 +219,10 @@ def query_cmd(
     except duckdb.Error as exc:
         _console.print(f"[red]query failed:[/red] {exc}")
         raise typer.Exit(1) from exc
+    _print_result(result, fmt, limit)
+
+
+def _print_result(result: pa.Table, fmt: str, limit: int) -> None:
     rows = result.to_pylist()
     if fmt == "csv":
         w = csv.writer(sys.stdout)
@@ -251,3 +257,37 @@ def report(
         _console.print(f"the lake at {lake} holds no request records; wrote an empty report to {rep.index}")
     else:
         _console.print(f"report on {rep.requests} requests: {rep.index} ({len(rep.images)} plots)")
+
+
+@lake_app.command()
+def questions(
+    name: Annotated[str | None, typer.Argument(help="One question by name; all when omitted.")] = None,
+    sql_only: Annotated[bool, typer.Option("--sql", help="Print only the SQL (for `tandem lake query`).")] = False,
+    run: Annotated[bool, typer.Option("--run", help="Run the question(s) against the lake and print rows.")] = False,
+    lake: LakeDir = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, csv or json, with --run.")] = "table",
+) -> None:
+    """Ready-made SQL for researchers (why did session X miss on turn N, hit rate by tool pause,
+    transfer s/GB by transport, P/D vs colocated TTFT by prompt length, misses by kind)."""
+    import duckdb
+
+    from telemetry.query import query
+    from telemetry.questions import BY_NAME, QUESTIONS, catalogue
+
+    if name is not None and name not in BY_NAME:
+        raise typer.BadParameter(f"unknown question {name!r}; known: {', '.join(BY_NAME)}")
+    chosen = [BY_NAME[name]] if name else list(QUESTIONS)
+    if not run:
+        if sql_only:
+            typer.echo("\n".join(q.sql + ";" for q in chosen))
+        else:
+            typer.echo(catalogue() if name is None else f"-- {chosen[0].name}: {chosen[0].question}\n{chosen[0].sql};")
+        return
+    path = existing_lake(lake)
+    for q in chosen:
+        _console.print(f"[bold]{q.name}[/bold]: {q.question}", soft_wrap=True)
+        try:
+            _print_result(query(path, q.sql), fmt, 200)
+        except duckdb.Error as exc:
+            _console.print(f"[red]query failed:[/red] {exc}")
+            raise typer.Exit(1) from exc

@@ -96,6 +96,7 @@ def test_environment_variable_points_every_reader_at_one_lake(make_emitter, make
     [
         ["lake", "query", "SELECT 1"],
         ["lake", "report", "--out", "rep"],
+        ["lake", "questions", "--run"],
         ["telemetry", "compact", "--redis-url", "redis://127.0.0.1:6379/12"],
     ],
 )
