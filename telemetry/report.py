@@ -18,6 +18,9 @@ Sections (each a DuckDB query over ``telemetry.query.connect``, then one matplot
     hit_rate_over_time   the three hit rates per time bucket
     hit_rate_by_group    per tenant, per session (top 15 by prompt tokens) and per turn position (a
                          session's n-th request that reached an engine, by arrival); also as tables
+    miss_attribution     the uncached tokens per time bucket, stacked by kind: cold, evicted, elsewhere,
+                         undelivered (``router.kv_index.attribution``); also a table of tokens by kind
+                         and, for "elsewhere", by reason
     latency              TTFT and ITL (mean, p99) distributions, with p50/p99 marks
     pd_decisions         requests per routing decision, per prefill -> decode pair, per reason code
                          (``routing_reason_code``; rows from before schema version 2 show as "(no code)")
@@ -41,7 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from telemetry.query import connect  # noqa: E402
 
-SECTIONS = ("hit_rate_over_time", "hit_rate_by_group", "latency", "pd_decisions", "transfers")
+SECTIONS = ("hit_rate_over_time", "hit_rate_by_group", "miss_attribution", "latency", "pd_decisions", "transfers")
 
 REACHED_ENGINE = "decode_node IS NOT NULL AND coalesce(status, '') <> 'rejected'"
 """SQL condition: the request reached an engine (see the module docstring)."""
@@ -129,6 +132,46 @@ def _hit_rate_by_group(con: duckdb.DuckDBPyConnection, out: Path, rep: Report) -
     return _save(fig, out / "hit_rate_by_group.png")
 
 
+MISS_KINDS = ("cold", "evicted", "elsewhere", "undelivered")
+
+
+def _miss_attribution(con: duckdb.DuckDBPyConnection, out: Path, rep: Report) -> Path:
+    span = _rows(con, "SELECT epoch(max(event_time)) - epoch(min(event_time)) FROM served")[0][0] or 0
+    bucket = "1 minute" if span <= 6 * 3600 else "1 hour"
+    sums = ", ".join(f"coalesce(sum(miss_{k}_tokens), 0)" for k in MISS_KINDS)
+    rows = _rows(
+        con,
+        f"""SELECT time_bucket(INTERVAL '{bucket}', event_time) AS t, {sums} FROM served
+            WHERE uncached_tokens IS NOT NULL GROUP BY t ORDER BY t""",
+    )
+    by_kind = _rows(
+        con,
+        """SELECT kind, coalesce(why, ''), sum(tokens) FROM (
+               SELECT 'cold' AS kind, NULL AS why, miss_cold_tokens AS tokens FROM served
+               UNION ALL SELECT 'evicted', miss_evicted_tier, miss_evicted_tokens FROM served
+               UNION ALL SELECT 'elsewhere', miss_elsewhere_reason, miss_elsewhere_tokens FROM served
+               UNION ALL SELECT 'undelivered', NULL, miss_undelivered_tokens FROM served)
+           WHERE tokens > 0 GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2""",
+    )
+    rep.tables["miss kind"] = [(f"{k} ({w})" if w else str(k), int(n), None, None, None) for k, w, n in by_kind]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    if rows:
+        ts = [r[0] for r in rows]
+        bottom = [0.0] * len(rows)
+        width = (1 / 24 / 60 if bucket == "1 minute" else 1 / 24) * 0.8  # in days (matplotlib dates)
+        for i, kind in enumerate(MISS_KINDS):
+            vals = [float(r[i + 1]) for r in rows]
+            ax.bar(ts, vals, width, bottom=bottom, label=kind)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.legend()
+        fig.autofmt_xdate()
+    else:
+        ax.text(0.5, 0.5, "no request carries a miss attribution", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylabel("uncached prompt tokens")
+    ax.set_title(f"Why prompt tokens were computed, per {bucket}")
+    return _save(fig, out / "miss_attribution.png")
+
+
 def _latency(con: duckdb.DuckDBPyConnection, out: Path, rep: Report) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, cols, title in (
@@ -187,6 +230,7 @@ def _transfers(con: duckdb.DuckDBPyConnection, out: Path, rep: Report) -> Path:
 _RENDER: dict[str, Callable[[duckdb.DuckDBPyConnection, Path, Report], Path]] = {
     "hit_rate_over_time": _hit_rate_over_time,
     "hit_rate_by_group": _hit_rate_by_group,
+    "miss_attribution": _miss_attribution,
     "latency": _latency,
     "pd_decisions": _pd_decisions,
     "transfers": _transfers,
@@ -238,8 +282,9 @@ def _summary(con: duckdb.DuckDBPyConnection, rep: Report) -> list[tuple[str, str
 
 
 def _table_html(group: str, rows: list[GroupRow]) -> str:
-    if group == "reason code":
-        head = "<tr><th>reason code</th><th>requests</th></tr>"
+    if group in ("reason code", "miss kind"):
+        what = "requests" if group == "reason code" else "uncached tokens"
+        head = f"<tr><th>{html.escape(group)}</th><th>{what}</th></tr>"
         body = "".join(f"<tr><td>{html.escape(k)}</td><td>{n}</td></tr>" for k, n, *_ in rows)
     else:
         head = f"<tr><th>{html.escape(group)}</th><th>requests</th><th>fleet</th><th>routed</th><th>engine</th></tr>"
@@ -275,7 +320,11 @@ def render_report(lake: Path, out: Path, *, on_step: Callable[[str], None] | Non
     finally:
         con.close()
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rep.summary)
-    tables = {"hit_rate_by_group": ("tenant", "session", "turn position"), "pd_decisions": ("reason code",)}
+    tables = {
+        "hit_rate_by_group": ("tenant", "session", "turn position"),
+        "miss_attribution": ("miss kind",),
+        "pd_decisions": ("reason code",),
+    }
     parts = []
     for p in rep.images:
         parts.append(f"<h2>{html.escape(p.stem.replace('_', ' '))}</h2><img src='{p.name}' alt='{p.stem}'>")

@@ -244,3 +244,31 @@ def test_report_page_is_well_formed_and_every_image_it_shows_exists(make_emitter
     assert sorted(page.images) == sorted(p.name for p in rep.images)
     for name in page.images:
         assert (rep.out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_miss_attribution_is_stacked_by_kind_and_tabled_by_reason(make_emitter, make_writer, lake, tmp_path):
+    rows = [
+        _served(
+            i,
+            uncached_tokens=500,
+            miss_cold_tokens=100,
+            miss_evicted_tokens=50,
+            miss_evicted_tier="GPU",
+            miss_elsewhere_tokens=300,
+            miss_elsewhere_reason="load_guard" if i else "node_down",
+            miss_undelivered_tokens=50,
+        )
+        for i in range(3)
+    ]
+    rows.append({"request_id": "huge", "status": "rejected", "uncached_tokens": 10**7, "miss_cold_tokens": 10**7})
+    _write(make_emitter, make_writer, rows)
+    rep = render_report(lake, tmp_path / "rep")
+    assert "miss_attribution.png" in [p.name for p in rep.images]
+    assert rep.tables["miss kind"] == [
+        ("elsewhere (load_guard)", 600, None, None, None),
+        ("cold", 300, None, None, None),
+        ("elsewhere (node_down)", 300, None, None, None),
+        ("evicted (GPU)", 150, None, None, None),
+        ("undelivered", 150, None, None, None),
+    ]
+    assert "<td>elsewhere (load_guard)</td><td>600</td>" in rep.index.read_text()
