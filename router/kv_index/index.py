@@ -198,17 +198,16 @@ class ModelIndex:
         fleet's prefix (None if none): (end, eviction) with ``keys[start:end]`` all seen."""
         holders, evicted = self._holders, self.evicted
         first: Eviction | None = None
-        i = start
-        while i < len(keys):
-            k = keys[i]
+        end = start
+        for k in keys[start:]:
             if k not in holders:
                 ev = evicted.get(k)
                 if ev is None:
                     break
                 if first is None:
                     first = ev
-            i += 1
-        return i, first
+            end += 1
+        return end, first
 
     def block_counts(self) -> dict[str, int]:
         """Distinct cached blocks per node."""
