@@ -4,11 +4,18 @@
 cache, and the telemetry streams all read it (a process may still be handed a URL explicitly, e.g.
 ``--redis-url``). Nothing else names a Redis address; benchmarks that need a database of their own
 take this URL with another database number (``redis_url(db=9)``).
+
+``TANDEM_LAKE_DIR`` is the telemetry lake's one setting, read through ``lake_dir``: the ``--lake`` flag,
+else this variable, else ``.tandem/lake`` (where ``tandem up`` writes). The lake writer ``tandem up``
+starts, ``tandem telemetry consume|compact`` and ``tandem lake query|report|questions`` all resolve it
+there, so every command sees the same lake.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 REDIS_URL_ENV = "TANDEM_REDIS_URL"
@@ -25,3 +32,31 @@ def with_db(url: str, db: int) -> str:
     """``url`` pointing at database ``db`` of the same server (``redis://h:p/0`` -> ``redis://h:p/9``)."""
     parts = urlsplit(url)
     return urlunsplit((parts.scheme, parts.netloc, f"/{db}", parts.query, parts.fragment))
+
+
+# --- the telemetry lake -------------------------------------------------------------------------
+LAKE_DIR_ENV = "TANDEM_LAKE_DIR"
+DEFAULT_WORKDIR = Path(".tandem")
+"""``tandem up``'s working folder (logs, embedded Redis data, the lake)."""
+DEFAULT_LAKE_DIR = DEFAULT_WORKDIR / "lake"
+
+
+@dataclass(frozen=True, slots=True)
+class LakeLocation:
+    """Where the Parquet lake is, and which rule said so (for messages: "no lake at X (from Y)")."""
+
+    path: Path
+    source: str
+    """``--lake``, ``$TANDEM_LAKE_DIR`` or ``default``."""
+
+
+def lake_dir(flag: Path | None = None, *, workdir: Path | None = None) -> LakeLocation:
+    """The one lake resolver of every command that reads or writes the lake: the ``--lake`` flag when
+    given, else ``$TANDEM_LAKE_DIR`` when set, else ``<workdir>/lake`` (``workdir`` defaults to
+    ``.tandem``, the folder ``tandem up`` uses, so ``tandem lake query`` finds what ``tandem up`` wrote)."""
+    if flag is not None:
+        return LakeLocation(Path(flag), "--lake")
+    env = os.environ.get(LAKE_DIR_ENV)
+    if env:
+        return LakeLocation(Path(env), f"${LAKE_DIR_ENV}")
+    return LakeLocation((workdir or DEFAULT_WORKDIR) / "lake", "default")

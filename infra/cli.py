@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from contracts.cli import clean_errors, console, interrupt
+from contracts.config import lake_dir
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import TandemError
 from kv_transfer import ConnectorKind
@@ -58,7 +59,13 @@ def up(
         ConnectorKind | None, typer.Option(help="KV connector: tandem (ours, default) or nixl (baseline).")
     ] = None,
     workdir: Annotated[Path, typer.Option(help="Logs, the telemetry lake and embedded Redis data.")] = Path(".tandem"),
-    lake: Annotated[Path | None, typer.Option(help="Parquet lake for telemetry (default: <workdir>/lake).")] = None,
+    lake: Annotated[
+        Path | None,
+        typer.Option(
+            help="Parquet lake for telemetry (default: $TANDEM_LAKE_DIR, else <workdir>/lake, which is where "
+            "`tandem lake query|report` look by default)."
+        ),
+    ] = None,
     policy: Annotated[
         str | None,
         typer.Option(
@@ -83,7 +90,7 @@ def up(
         kv_cache_gib=kv_cache_gib,
         connector=connector.value if connector else None,
         workdir=workdir,
-        lake=lake,
+        lake=lake_dir(lake, workdir=workdir).path,
         policy=policy,
     )
     cluster = Cluster(spec)

@@ -41,10 +41,10 @@ from kv_transfer.control import is_tandem_params, release_lease
 from router.admission.priority import AdmissionController
 from router.admission.priority_class import Priority
 from router.fleet import Fleet, Pools
-from router.kv_index import BlockHasher, FleetIndex
+from router.kv_index import BlockHasher, FleetIndex, MissAttribution, PrefixView, attribute, prefix_view
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
-from router.policies.base import Candidate, Decision, RoutingPolicy, RoutingRequest
+from router.policies.base import Candidate, Decision, ReasonCode, RoutingPolicy, RoutingRequest
 from router.policies.least_loaded import LeastLoaded
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import FallbackPolicy, RouterSettings
@@ -84,6 +84,18 @@ class RequestTrace:
     decode_node: str | None = None
     policy: str | None = None
     reason: str | None = None
+    """The decision in a sentence (display only; ``reason_code`` is the data)."""
+    reason_code: ReasonCode | None = None
+    """Why the node that prefills was chosen (``router.policies.ReasonCode``)."""
+    decode_reason_code: ReasonCode | None = None
+    reason_threshold: float | None = None
+    """The threshold ``reason_code``'s rule compared against, if any."""
+    reason_load: float | None = None
+    """The load figure ``reason_code``'s rule compared, if any."""
+    prefix_view: PrefixView | None = None
+    """What the fleet index said about the prompt at routing time (``router.kv_index.attribution``)."""
+    miss: MissAttribution | None = None
+    """The uncached tokens by kind, once the engine said what it reused (``settle_miss``)."""
     fallback: bool = False
     stream: bool = False
     session_id: str | None = None
@@ -168,7 +180,8 @@ class Orchestrator:
             if prefer == "disaggregated" and decision.prefill is None:
                 # The policy chose a local prefill; the client asked for the P/D path explicitly.
                 prefill = LeastLoaded().select(rr, pools.prefill, [decision.decode]).prefill
-                decision = replace(decision, prefill=prefill, reason=f"{decision.reason}; P/D forced by header")
+                reason = f"{decision.reason}; P/D forced by header"
+                decision = replace(decision, prefill=prefill, code=ReasonCode.FORCED_PD, reason=reason)
             return decision
         if pools.colocated:
             return self.policy.select(rr, [], pools.colocated)
@@ -218,18 +231,27 @@ class Orchestrator:
             return True
         return len(pools.prefill) + len(pools.decode) + len(pools.colocated) > 1
 
-    def _hit_breakdown(self, rr: RoutingRequest, decision: Decision, trace: RequestTrace) -> None:
+    def _hit_breakdown(self, rr: RoutingRequest, decision: Decision, trace: RequestTrace, pools: Pools) -> None:
         """fleet_cached_tokens (best prefix anywhere) and routed_cached_tokens (on the node that will
-        prefill), from the fleet KV index, whatever the policy. Like vLLM, the last prompt token is
-        always recomputed, so at most (n-1)//block_size blocks count."""
+        prefill), from the fleet KV index, whatever the policy, and the rest of what miss attribution
+        needs (``router.kv_index.attribution``). Like vLLM, the last prompt token is always
+        recomputed, so at most (n-1)//block_size blocks count."""
         if self.index is None or not rr.block_keys:
             return
         prefiller = decision.prefill or decision.decode
-        bs = prefiller.node.info.block_size
-        cap = (len(rr.prompt_token_ids) - 1) // bs if bs else 0
-        matches = self.index.longest_prefix(rr.model, rr.block_keys)
-        trace.fleet_cached_tokens = min(max(matches.values(), default=0), cap) * bs
-        trace.routed_cached_tokens = min(matches.get(prefiller.node_id, 0), cap) * bs
+        live = {c.node_id for pool in (pools.prefill, pools.decode, pools.colocated) for c in pool}
+        view = trace.prefix_view = prefix_view(
+            self.index,
+            rr.model,
+            rr.block_keys,
+            prompt_tokens=len(rr.prompt_token_ids),
+            block_size=prefiller.node.info.block_size,
+            routed_node=prefiller.node_id,
+            live_nodes=live,
+            reason_code=decision.code.value,
+            now=time.time(),
+        )
+        trace.fleet_cached_tokens, trace.routed_cached_tokens = view.fleet_tokens, view.routed_tokens
 
     def _keys(self, node: NodeInfo, ids: list[int] | None) -> tuple[int, ...]:
         if ids is None or self.index is None or node.block_size <= 0:
@@ -272,8 +294,8 @@ class Orchestrator:
         )
         decision = self._select(rr, pools, prefer)
         trace.routed = time.time()
-        trace.policy, trace.reason = decision.policy, decision.reason
-        self._hit_breakdown(rr, decision, trace)
+        note_decision(trace, decision)
+        self._hit_breakdown(rr, decision, trace, pools)
         hold = AsyncExitStack()
         try:
             await hold.enter_async_context(self._slot(decision.decode, trace))
@@ -465,6 +487,20 @@ class Orchestrator:
         return stream
 
 
+def note_decision(trace: RequestTrace, decision: Decision) -> None:
+    """The routing decision into the trace, as data (codes and figures) and as a sentence."""
+    trace.policy, trace.reason = decision.policy, decision.reason
+    trace.reason_code, trace.decode_reason_code = decision.code, decision.decode_code
+    trace.reason_threshold, trace.reason_load = decision.threshold, decision.load
+
+
+def settle_miss(trace: RequestTrace) -> MissAttribution | None:
+    """The request's miss attribution, once both the routing-time view and the engine's figure exist."""
+    if trace.miss is None and trace.prefix_view is not None and trace.engine_cached_tokens is not None:
+        trace.miss = attribute(trace.prefix_view, trace.engine_cached_tokens)
+    return trace.miss
+
+
 def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
     """Take the decode engine's usage into the trace, and put the hit-rate breakdown into the usage the
     client sees: ``prompt_tokens_details.cached_tokens`` is the engine figure of the engine that
@@ -478,11 +514,18 @@ def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
         trace.engine_cached_tokens = details.get("cached_tokens")
     trace.cached_tokens = trace.engine_cached_tokens
     usage["prompt_tokens_details"] = {**details, "cached_tokens": trace.engine_cached_tokens or 0}
+    miss = settle_miss(trace)
     usage["tandem"] = {
         "fleet_cached_tokens": trace.fleet_cached_tokens,
         "routed_cached_tokens": trace.routed_cached_tokens,
         "engine_cached_tokens": trace.engine_cached_tokens,
+        "uncached_tokens": miss.uncached if miss else None,
+        "miss": miss.usage() if miss else None,
         "policy": trace.policy,
         "mode": trace.mode,
+        "reason_code": trace.reason_code.value if trace.reason_code else None,
+        "decode_reason_code": trace.decode_reason_code.value if trace.decode_reason_code else None,
+        "threshold": trace.reason_threshold,
+        "load": trace.reason_load,
         "reason": trace.reason,
     }

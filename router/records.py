@@ -6,7 +6,20 @@ import json
 import statistics
 from typing import Any
 
-from router.orchestrator import RequestTrace
+from router.orchestrator import RequestTrace, settle_miss
+
+_NO_MISS: dict[str, Any] = {
+    "uncached_tokens": None,
+    "miss_cold_tokens": None,
+    "miss_evicted_tokens": None,
+    "miss_elsewhere_tokens": None,
+    "miss_undelivered_tokens": None,
+    "miss_evicted_node": None,
+    "miss_evicted_tier": None,
+    "miss_evicted_ago_s": None,
+    "miss_elsewhere_node": None,
+    "miss_elsewhere_reason": None,
+}
 
 
 def request_record(
@@ -19,6 +32,7 @@ def request_record(
     elif trace.mode == "colocated":
         decision = "decode_only" if trace.decode_role == "decode" else "colocated"
     xfer = trace.transfer or {}
+    miss = settle_miss(trace)
     return {
         "request_id": trace.request_id,
         "response_id": trace.request_id,
@@ -48,12 +62,18 @@ def request_record(
         "routing_policy": trace.policy,
         "routing_decision": decision,
         "routing_reason": trace.reason,
+        "routing_reason_code": trace.reason_code.value if trace.reason_code else None,
+        "routing_decode_reason_code": trace.decode_reason_code.value if trace.decode_reason_code else None,
+        "routing_threshold": trace.reason_threshold,
+        "routing_load": trace.reason_load,
+        **(miss.record() if miss else _NO_MISS),
         "kv_connector": trace.kv_connector,
         "num_tool_calls": len(trace.tool_calls),
         "t_transfer_start": xfer.get("start"),
         "t_transfer_end": xfer.get("end"),
         "transfer_bytes": xfer.get("bytes"),
         "transfer_s": xfer.get("seconds"),
+        "transfer_transport": xfer.get("transport"),
         "finish_reason": trace.finish_reason,
         "status": trace.status,
         "http_status": http_status,

@@ -7,6 +7,7 @@
     tandem telemetry schema    [TABLE]
     tandem lake query "SQL"    --lake --format table|csv|json
     tandem lake report         --lake --out DIR
+    tandem lake questions      [NAME] [--sql | --run] --lake --format
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import threading
 from pathlib import Path
 from typing import Annotated
 
+import pyarrow as pa
 import typer
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from contracts.config import DEFAULT_LAKE_DIR, LAKE_DIR_ENV, lake_dir
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import StoreError
 from telemetry.emitter import DEFAULT_STREAM_PREFIX
@@ -41,7 +44,14 @@ _console = Console(stderr=True)
 RedisUrl = Annotated[
     str | None, typer.Option("--redis-url", help="Redis holding the telemetry streams (default: $TANDEM_REDIS_URL).")
 ]
-LakeDir = Annotated[Path, typer.Option("--lake", envvar="TANDEM_LAKE", help="Root folder of the Parquet lake.")]
+LakeDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--lake",
+        help=f"Root folder of the Parquet lake (default: ${LAKE_DIR_ENV}, else {DEFAULT_LAKE_DIR}, where `tandem up` "
+        "writes it).",
+    ),
+]
 Prefix = Annotated[str, typer.Option("--stream-prefix", help="Stream name prefix; streams are <prefix>:<table>.")]
 Group = Annotated[str, typer.Option("--group", help="Redis consumer group shared by all writers of this lake.")]
 
@@ -54,10 +64,25 @@ def _parse_tables(tables: str) -> tuple[str, ...]:
     return out
 
 
+def existing_lake(flag: Path | None) -> Path:
+    """The resolved lake (``contracts.config.lake_dir``) for a command that reads it. A lake that is not
+    there is said so on stderr, naming the folder and the rule that chose it, and the command exits 2:
+    an empty table for a mistyped path would read as "no traffic"."""
+    where = lake_dir(flag)
+    if not where.path.is_dir():
+        _console.print(
+            f"[red]no lake at {where.path}[/red] (from {where.source}). Pass --lake DIR, set ${LAKE_DIR_ENV}, or "
+            f"run `tandem up`, whose lake writer fills {DEFAULT_LAKE_DIR}.",
+            soft_wrap=True,
+        )
+        raise typer.Exit(2)
+    return where.path
+
+
 @telemetry_app.command()
 def consume(
     redis_url: RedisUrl = None,
-    lake: LakeDir = Path("lake"),
+    lake: LakeDir = None,
     group: Group = "lake",
     consumer: Annotated[
         str,
@@ -99,6 +124,8 @@ def consume(
 ) -> None:
     """Consume the telemetry streams into Parquet files under LAKE (at least once, de-duplicated)."""
     redis_url = redis_url or configured_redis_url()
+    lake = lake_dir(lake).path
+    lake.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     priority = apply_cpu_priority(cpu_priority)
     cfg = WriterConfig(
@@ -142,13 +169,14 @@ def consume(
 @telemetry_app.command()
 def compact(
     redis_url: RedisUrl = None,
-    lake: LakeDir = Path("lake"),
+    lake: LakeDir = None,
     group: Group = "lake",
     stream_prefix: Prefix = DEFAULT_STREAM_PREFIX,
     min_age_s: Annotated[float, typer.Option("--min-age-s", help="Only merge part files at least this old.")] = 600.0,
 ) -> None:
     """Merge each partition's small part files into one (atomic, de-duplicated on event_id)."""
     redis_url = redis_url or configured_redis_url()
+    lake = existing_lake(lake)
     writer = LakeWriter(WriterConfig(lake=lake, redis_url=redis_url, stream_prefix=stream_prefix, group=group))
     try:
         n = sum(1 for t in TABLE_NAMES if (lake / t).is_dir() for _ in (lake / t).glob("date=*/hour=*"))
@@ -176,7 +204,7 @@ def schema(table: Annotated[str | None, typer.Argument(help="Table; all when omi
 @lake_app.command("query")
 def query_cmd(
     sql: Annotated[str, typer.Argument(help="SQL over the views " + ", ".join(TABLE_NAMES) + ".")],
-    lake: LakeDir = Path("lake"),
+    lake: LakeDir = None,
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json (one object per line).")] = "table",
     limit: Annotated[int, typer.Option("--limit", help="Most rows printed in table format.")] = 200,
 ) -> None:
@@ -185,11 +213,16 @@ def query_cmd(
 
     from telemetry.query import query
 
+    path = existing_lake(lake)
     try:
-        result = query(lake, sql)
+        result = query(path, sql)
     except duckdb.Error as exc:
         _console.print(f"[red]query failed:[/red] {exc}")
         raise typer.Exit(1) from exc
+    _print_result(result, fmt, limit)
+
+
+def _print_result(result: pa.Table, fmt: str, limit: int) -> None:
     rows = result.to_pylist()
     if fmt == "csv":
         w = csv.writer(sys.stdout)
@@ -211,11 +244,12 @@ def query_cmd(
 @lake_app.command()
 def report(
     out: Annotated[Path, typer.Option("--out", help="Folder for index.html and the PNG plots.")],
-    lake: LakeDir = Path("lake"),
+    lake: LakeDir = None,
 ) -> None:
     """Render an HTML report: hit-rate breakdown, TTFT/ITL, P/D decisions, KV transfers."""
     from telemetry.report import SECTIONS, render_report
 
+    lake = existing_lake(lake)
     with Progress(console=_console, transient=True) as progress:
         task = progress.add_task("rendering", total=len(SECTIONS))
         rep = render_report(lake, out, on_step=lambda name: progress.advance(task))
@@ -223,3 +257,37 @@ def report(
         _console.print(f"the lake at {lake} holds no request records; wrote an empty report to {rep.index}")
     else:
         _console.print(f"report on {rep.requests} requests: {rep.index} ({len(rep.images)} plots)")
+
+
+@lake_app.command()
+def questions(
+    name: Annotated[str | None, typer.Argument(help="One question by name; all when omitted.")] = None,
+    sql_only: Annotated[bool, typer.Option("--sql", help="Print only the SQL (for `tandem lake query`).")] = False,
+    run: Annotated[bool, typer.Option("--run", help="Run the question(s) against the lake and print rows.")] = False,
+    lake: LakeDir = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, csv or json, with --run.")] = "table",
+) -> None:
+    """Ready-made SQL for researchers (why did session X miss on turn N, hit rate by tool pause,
+    transfer s/GB by transport, P/D vs colocated TTFT by prompt length, misses by kind)."""
+    import duckdb
+
+    from telemetry.query import query
+    from telemetry.questions import BY_NAME, QUESTIONS, catalogue
+
+    if name is not None and name not in BY_NAME:
+        raise typer.BadParameter(f"unknown question {name!r}; known: {', '.join(BY_NAME)}")
+    chosen = [BY_NAME[name]] if name else list(QUESTIONS)
+    if not run:
+        if sql_only:
+            typer.echo("\n".join(q.sql + ";" for q in chosen))
+        else:
+            typer.echo(catalogue() if name is None else f"-- {chosen[0].name}: {chosen[0].question}\n{chosen[0].sql};")
+        return
+    path = existing_lake(lake)
+    for q in chosen:
+        _console.print(f"[bold]{q.name}[/bold]: {q.question}", soft_wrap=True)
+        try:
+            _print_result(query(path, q.sql), fmt, 200)
+        except duckdb.Error as exc:
+            _console.print(f"[red]query failed:[/red] {exc}")
+            raise typer.Exit(1) from exc

@@ -6,7 +6,9 @@
 ``hour`` (INTEGER) are queryable. The file list comes from ``lake_files``, which hides the inputs of a
 compaction whose output is already in place (so a query never sees a row twice while a compaction
 finishes) and temporary files. A table without files is still a view, empty, with the full schema,
-so queries on an empty lake return no rows rather than failing.
+so queries on an empty lake return no rows rather than failing. Likewise a column added by a later
+schema version (``telemetry.schemas``) that none of the files has yet (a lake written before it) is in
+the view as NULLs of its type, so every query written for the current schema runs on every lake.
 
     from telemetry.query import query
     query(Path("lake"), "SELECT count(*) FROM requests WHERE status = 'ok'")   # -> pyarrow.Table
@@ -48,6 +50,18 @@ def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+def _duck_type(t: pa.DataType) -> str:
+    """DuckDB's name for an Arrow type of our schemas (for a NULL column a lake's files lack)."""
+    if pa.types.is_timestamp(t):
+        return "TIMESTAMPTZ"
+    if pa.types.is_list(t):
+        return _duck_type(t.value_type) + "[]"
+    names = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN"}
+    if t not in names:
+        raise TypeError(f"no DuckDB type for {t}")
+    return names[t]
+
+
 def connect(lake: Path) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per telemetry table over ``lake``."""
     con = duckdb.connect(":memory:")
@@ -55,10 +69,14 @@ def connect(lake: Path) -> duckdb.DuckDBPyConnection:
         files = lake_files(lake, table)
         if files:
             lst = ", ".join(_sql_str(str(p)) for p in files)
-            con.execute(
-                f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{lst}], hive_partitioning = true, "
-                f"hive_types = {_HIVE_TYPES}, union_by_name = true)"
+            source = (
+                f"read_parquet([{lst}], hive_partitioning = true, hive_types = {_HIVE_TYPES}, union_by_name = true)"
             )
+            have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
+            added = "".join(
+                f", CAST(NULL AS {_duck_type(f.type)}) AS {f.name}" for f in SCHEMAS[table] if f.name not in have
+            )
+            con.execute(f"CREATE VIEW {table} AS SELECT *{added} FROM {source}")
         else:
             empty = SCHEMAS[table].empty_table()
             empty = empty.append_column("date", pa.array([], pa.date32()))

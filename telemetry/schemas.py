@@ -31,13 +31,18 @@ so that old parts stay readable; the lake writer conforms older batches to the c
 filling added fields with nulls):
 
     1  first version (this file).
+    2  requests: routing decisions as data (routing_reason_code, routing_decode_reason_code,
+       routing_threshold, routing_load, uncached_tokens); routing_reason stays, as display text;
+       transfer_transport; miss attribution (miss_cold_tokens, miss_evicted_tokens, miss_evicted_node,
+       miss_evicted_tier, miss_evicted_ago_s, miss_elsewhere_tokens, miss_elsewhere_node,
+       miss_elsewhere_reason, miss_undelivered_tokens: router.kv_index.attribution).
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 TS = pa.timestamp("us", tz="UTC")
 
@@ -79,7 +84,48 @@ _REQUESTS = [
     _f("cached_tokens", pa.int64(), "Prompt tokens served from cache, as reported to the client (usage)."),
     _f("routing_policy", pa.string(), "Name of the routing policy that decided (e.g. cache_aware)."),
     _f("routing_decision", pa.string(), "pd (prefill then transfer), colocated, or decode_only."),
-    _f("routing_reason", pa.string(), "Why the policy chose these nodes (e.g. best_prefix, least_loaded)."),
+    _f("routing_reason", pa.string(), "The routing decision in a sentence, for display; group by routing_reason_code."),
+    _f(
+        "routing_reason_code",
+        pa.string(),
+        "Why the node that prefilled was chosen (router.policies.ReasonCode): best_prefix, load_guard, "
+        "session_affinity, local_prefill, prefill_saturated, least_loaded, round_robin, forced_pd. (v2)",
+    ),
+    _f(
+        "routing_decode_reason_code",
+        pa.string(),
+        "Why the decode node was chosen: session_affinity, most_cached, least_busy, ... (v2)",
+    ),
+    _f("routing_threshold", pa.float64(), "The threshold the reason code's rule compared against, if any. (v2)"),
+    _f("routing_load", pa.float64(), "The load figure the reason code's rule compared (see ReasonCode). (v2)"),
+    _f(
+        "uncached_tokens",
+        pa.int64(),
+        "Prompt tokens the engine that prefilled computed (prompt_tokens - engine_cached_tokens); the four "
+        "miss_*_tokens sum to it. (v2)",
+    ),
+    _f("miss_cold_tokens", pa.int64(), "Uncached tokens never in the fleet (within the eviction history). (v2)"),
+    _f("miss_evicted_tokens", pa.int64(), "Uncached tokens the fleet had held and evicted before this request. (v2)"),
+    _f("miss_evicted_node", pa.string(), "Node that last held the evicted block breaking the prefix. (v2)"),
+    _f(
+        "miss_evicted_tier",
+        pa.string(),
+        "Where it was evicted from: the KV event's medium (GPU: the engine's cache), or cleared, events_lost, "
+        "node_left. (v2)",
+    ),
+    _f("miss_evicted_ago_s", pa.float64(), "Seconds between that eviction and this request's routing. (v2)"),
+    _f("miss_elsewhere_tokens", pa.int64(), "Uncached tokens another node held when this request was routed. (v2)"),
+    _f("miss_elsewhere_node", pa.string(), "The node that held them. (v2)"),
+    _f(
+        "miss_elsewhere_reason",
+        pa.string(),
+        "Why the request went elsewhere: the routing reason code (load_guard, best_prefix, ...) or node_down. (v2)",
+    ),
+    _f(
+        "miss_undelivered_tokens",
+        pa.int64(),
+        "Uncached tokens the routed node held per the router's index that its engine did not reuse. (v2)",
+    ),
     _f(
         "fleet_cached_tokens",
         pa.int64(),
@@ -97,6 +143,7 @@ _REQUESTS = [
     ),
     _f("transfer_bytes", pa.int64(), "KV bytes moved from prefill to decode node."),
     _f("transfer_s", pa.float64(), "KV transfer time, seconds."),
+    _f("transfer_transport", pa.string(), "Transport the KV moved over (shm, tcp, ipc, ucx; nixl's own). (v2)"),
     _f("kv_connector", pa.string(), "KV connector used (tandem, nixl, none)."),
     _f("num_tool_calls", pa.int64(), "Tool calls in the answer."),
     _f("finish_reason", pa.string(), "stop, length, tool_calls, cancelled, error."),

@@ -15,22 +15,28 @@ Wiring in the router (one event loop, one of each per process):
     ... when it ends: policy.on_complete(decision); at shutdown: await subscribers.close()
 """
 
+from router.kv_index.attribution import MissAttribution, PrefixView, attribute, prefix_view
 from router.kv_index.block_keys import BlockHasher, BlockKey, block_keys, external_key
 from router.kv_index.ideal import ideal_cached_tokens, ideal_hit_rate
-from router.kv_index.index import FleetIndex, ModelIndex, bench_longest_prefix
+from router.kv_index.index import Eviction, FleetIndex, ModelIndex, bench_longest_prefix
 from router.kv_index.subscriber import KVEventSubscriber, KVEventSubscribers, SubscriberStats
 
 __all__ = [
     "BlockHasher",
     "BlockKey",
+    "Eviction",
     "FleetIndex",
     "KVEventSubscriber",
     "KVEventSubscribers",
+    "MissAttribution",
     "ModelIndex",
+    "PrefixView",
     "SubscriberStats",
+    "attribute",
     "bench_longest_prefix",
     "block_keys",
     "external_key",
     "ideal_cached_tokens",
     "ideal_hit_rate",
+    "prefix_view",
 ]

@@ -11,6 +11,14 @@ Only events that describe the engine's own prefix cache are applied: ``medium`` 
 cache group; hybrid models' other groups are not routed on), and a ``block_size`` equal to the
 model's. Others are counted in ``ignored_events``.
 
+Eviction history (for miss attribution, ``router.kv_index.attribution``): when the last node holding
+a key lets it go, the key goes into ``evicted`` with who held it last, why (``cause``: the event's
+medium, e.g. "GPU", for a BlockRemoved; ``cleared`` for AllBlocksCleared or an engine restart;
+``events_lost`` when the router forgot a node's blocks after losing its events; ``node_left`` when
+the node left the fleet) and when (the router's clock). A key stored again leaves the history. The
+history is bounded (``max_evicted`` keys, oldest forgotten first; ~150 bytes a key), so "evicted"
+means "evicted within the last ``max_evicted`` fleet-wide evictions"; older ones read as cold.
+
 ``longest_prefix(keys)`` walks the keys in order, and-ing the holder masks: a node's match ends at
 the first block it lacks, as the engine's own prefix lookup does. One dict lookup and one ``&`` per
 block, stopping when no node is left: ~25 µs for 512 keys on this machine (``bench_longest_prefix``).
@@ -19,13 +27,26 @@ block, stopping when no node is left: ~25 µs for 512 keys on this machine (``be
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from router.kv_index.block_keys import BlockKey, external_key
 from router.kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})
+DEFAULT_MAX_EVICTED = 200_000
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """The last time the fleet lost a key: the node that held it last, why, and when."""
+
+    node_id: str
+    cause: str
+    """The BlockRemoved event's medium (the tier it left, e.g. "GPU"), or cleared / events_lost / node_left."""
+    at: float
+    """Router wall clock (``time.time()``) when the index applied it."""
 
 
 @dataclass(slots=True)
@@ -38,13 +59,25 @@ class _NodeState:
 class ModelIndex:
     """Blocks of one model across its nodes. Not thread-safe: owned by the router's event loop."""
 
-    def __init__(self, model: str, block_size: int, *, media: frozenset[str | None] = DEFAULT_MEDIA) -> None:
+    def __init__(
+        self,
+        model: str,
+        block_size: int,
+        *,
+        media: frozenset[str | None] = DEFAULT_MEDIA,
+        max_evicted: int = DEFAULT_MAX_EVICTED,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.media = media
+        self.max_evicted = max_evicted
+        self._clock = clock
         self._holders: dict[BlockKey, int] = {}
         self._nodes: dict[str, _NodeState] = {}
         self._bit_owner: dict[int, str] = {}
+        self.evicted: OrderedDict[BlockKey, Eviction] = OrderedDict()
+        """Keys no node holds any more, oldest eviction first (bounded by ``max_evicted``)."""
         self.ignored_events = 0
 
     # --- updates -------------------------------------------------------------------------------
@@ -73,26 +106,30 @@ class ModelIndex:
             if event.medium not in self.media or event.group_idx not in (0, None):
                 self.ignored_events += 1
                 return
-            self.remove_blocks(node_id, [external_key(h) for h in event.block_hashes])
+            self.remove_blocks(node_id, [external_key(h) for h in event.block_hashes], cause=event.medium or "GPU")
         elif isinstance(event, AllBlocksCleared):
             self.clear_node(node_id)
 
     def add_blocks(self, node_id: str, keys: Iterable[BlockKey]) -> None:
         st = self._node(node_id)
         mask = 1 << st.bit
-        holders, blocks = self._holders, st.blocks
+        holders, blocks, evicted = self._holders, st.blocks, self.evicted
         for k in keys:
             n = blocks.get(k, 0)
             blocks[k] = n + 1
             if n == 0:
-                holders[k] = holders.get(k, 0) | mask
+                old = holders.get(k, 0)
+                holders[k] = old | mask
+                if not old and evicted:
+                    evicted.pop(k, None)
 
-    def remove_blocks(self, node_id: str, keys: Iterable[BlockKey]) -> None:
+    def remove_blocks(self, node_id: str, keys: Iterable[BlockKey], *, cause: str = "GPU") -> None:
         st = self._nodes.get(node_id)
         if st is None:
             return
         mask = 1 << st.bit
-        holders, blocks = self._holders, st.blocks
+        holders, blocks, evicted = self._holders, st.blocks, self.evicted
+        now: float | None = None
         for k in keys:
             n = blocks.get(k, 0)
             if n > 1:
@@ -104,20 +141,26 @@ class ModelIndex:
                     holders[k] = rest
                 else:
                     del holders[k]
+                    if self.max_evicted > 0:
+                        now = self._clock() if now is None else now
+                        evicted[k] = Eviction(node_id, cause, now)
+                        evicted.move_to_end(k)
+        while len(evicted) > self.max_evicted:
+            evicted.popitem(last=False)
 
-    def clear_node(self, node_id: str) -> None:
+    def clear_node(self, node_id: str, *, cause: str = "cleared") -> None:
         """Forget the node's blocks (AllBlocksCleared, a restart, a lost event range); keep its slot."""
         st = self._nodes.get(node_id)
         if st is None:
             return
-        self.remove_blocks(node_id, [k for k, n in st.blocks.items() for _ in range(n)])
+        self.remove_blocks(node_id, [k for k, n in st.blocks.items() for _ in range(n)], cause=cause)
 
     def drop_node(self, node_id: str) -> None:
         """The node left: forget its blocks and free its slot."""
         st = self._nodes.get(node_id)
         if st is None:
             return
-        self.clear_node(node_id)
+        self.clear_node(node_id, cause="node_left")
         del self._nodes[node_id]
         del self._bit_owner[st.bit]
 
@@ -149,6 +192,23 @@ class ModelIndex:
             result[owner[low.bit_length() - 1]] = matched
             mask ^= low
 
+    def history_prefix(self, keys: Sequence[BlockKey], start: int = 0) -> tuple[int, Eviction | None]:
+        """From block ``start`` on, how many leading blocks of ``keys`` the fleet has seen (held by some
+        node now, or in the eviction history), and the first eviction among them, the one that broke the
+        fleet's prefix (None if none): (end, eviction) with ``keys[start:end]`` all seen."""
+        holders, evicted = self._holders, self.evicted
+        first: Eviction | None = None
+        end = start
+        for k in keys[start:]:
+            if k not in holders:
+                ev = evicted.get(k)
+                if ev is None:
+                    break
+                if first is None:
+                    first = ev
+            end += 1
+        return end, first
+
     def block_counts(self) -> dict[str, int]:
         """Distinct cached blocks per node."""
         return {node_id: len(st.blocks) for node_id, st in self._nodes.items()}
@@ -164,8 +224,16 @@ class ModelIndex:
 class FleetIndex:
     """Every model's ``ModelIndex``; the router keeps one and shares it with subscribers and policies."""
 
-    def __init__(self, *, media: frozenset[str | None] = DEFAULT_MEDIA) -> None:
+    def __init__(
+        self,
+        *,
+        media: frozenset[str | None] = DEFAULT_MEDIA,
+        max_evicted: int = DEFAULT_MAX_EVICTED,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.media = media
+        self.max_evicted = max_evicted
+        self._clock = clock
         self._models: dict[str, ModelIndex] = {}
 
     def model(self, model: str, block_size: int) -> ModelIndex:
@@ -173,7 +241,9 @@ class FleetIndex:
         another block size gets its events ignored (see ``ModelIndex.apply``)."""
         idx = self._models.get(model)
         if idx is None:
-            idx = self._models[model] = ModelIndex(model, block_size, media=self.media)
+            idx = self._models[model] = ModelIndex(
+                model, block_size, media=self.media, max_evicted=self.max_evicted, clock=self._clock
+            )
         return idx
 
     def get(self, model: str) -> ModelIndex | None:

@@ -269,7 +269,7 @@ class KVEventSubscriber:
     def _lost(self, why: str) -> None:
         self.stats.lost += 1
         log.warning("KV events of node %s lost (%s): forgetting its blocks", self.node_id, why)
-        self.index.clear_node(self.node_id)
+        self.index.clear_node(self.node_id, cause="events_lost")
 
 
 def _identity(info: NodeInfo) -> tuple[object, ...]:

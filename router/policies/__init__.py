@@ -3,7 +3,7 @@ names them (the router's ``policy`` setting, ``TANDEM_ROUTER_POLICY``)."""
 
 import enum
 
-from router.policies.base import Candidate, Decision, RoutingPolicy, RoutingRequest
+from router.policies.base import Candidate, Decision, ReasonCode, RoutingPolicy, RoutingRequest
 from router.policies.cache_aware import CacheAware, CacheAwareConfig, PrefixLookup
 from router.policies.least_loaded import LeastLoaded
 from router.policies.round_robin import RoundRobin
@@ -23,6 +23,7 @@ __all__ = [
     "LeastLoaded",
     "PolicyName",
     "PrefixLookup",
+    "ReasonCode",
     "RoundRobin",
     "RoutingPolicy",
     "RoutingRequest",

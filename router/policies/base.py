@@ -1,12 +1,15 @@
 """The routing-policy interface. Policies know nothing about HTTP, Redis or engines.
 
 A policy receives the request's routing view and the live candidates of each role, and returns a
-``Decision``. The router calls ``on_complete`` when the request ends so that policies keeping their
-own state (round-robin cursors, in-flight counts) can settle it.
+``Decision``: the nodes, a reason code (``ReasonCode``) with the figures its rule compared
+(``threshold``, ``load``), and a sentence for people (``reason``, display only: the lake, the
+report and ``usage.tandem`` group and filter by the code). The router calls ``on_complete`` when the
+request ends so that policies keeping their own state (round-robin cursors, in-flight counts) can settle it.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,6 +41,40 @@ class Candidate:
         return self.node.info.node_id
 
 
+class ReasonCode(enum.StrEnum):
+    """Why a policy chose a node. ``Decision.code`` is the rule that chose the node that prefills (whose
+    cache decides the hit), ``Decision.decode_code`` the one that chose the decode node. Per code, what
+    ``Decision.threshold`` and ``Decision.load`` hold (None where the rule compares nothing):
+
+        best_prefix        the node with the best cached - load_weight * queued score (cache_aware);
+                           threshold None, load = the node's load (requests in flight + waiting)
+        load_guard         the pool's load spread exceeded the guard, so the least loaded node won and
+                           the cache was ignored; threshold = imbalance_threshold, load = the spread
+        session_affinity   the session's previous node, within the guard; threshold =
+                           imbalance_threshold, load = the node's load
+        local_prefill      the decode node prefills itself: few tokens were left to compute there;
+                           threshold = local_prefill_max_tokens, load = the decode node's load
+        prefill_saturated  the decode node prefills itself: every prefill node was at or above
+                           prefill_saturation_load (threshold), load = the least prefill load
+        most_cached        (decode) the decode node holding most of the prompt, within the guard
+        least_busy         (decode) the decode node with the lowest running + waiting + kv cost
+        least_loaded       the least_loaded policy; load = the node's load
+        round_robin        the round_robin policy's turn
+        forced_pd          the client's ``x-tandem-route: disaggregated`` overrode a local prefill
+    """
+
+    BEST_PREFIX = "best_prefix"
+    LOAD_GUARD = "load_guard"
+    SESSION_AFFINITY = "session_affinity"
+    LOCAL_PREFILL = "local_prefill"
+    PREFILL_SATURATED = "prefill_saturated"
+    MOST_CACHED = "most_cached"
+    LEAST_BUSY = "least_busy"
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+    FORCED_PD = "forced_pd"
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where a request goes. ``prefill is None`` means no transfer: ``decode`` prefills itself."""
@@ -45,7 +82,16 @@ class Decision:
     decode: Candidate
     prefill: Candidate | None
     policy: str
-    reason: str
+    code: ReasonCode
+    """The rule that chose the node that prefills (``prefill``, else ``decode``)."""
+    decode_code: ReasonCode
+    """The rule that chose the decode node (equal to ``code`` when one node does both)."""
+    reason: str = ""
+    """The decision in a sentence, for people (logs, ``usage.tandem.reason``); never parsed."""
+    threshold: float | None = None
+    """The threshold ``code``'s rule compared against (see ``ReasonCode``)."""
+    load: float | None = None
+    """The load figure ``code``'s rule compared (see ``ReasonCode``)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

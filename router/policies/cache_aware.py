@@ -28,6 +28,10 @@ Prefill node:
     Load-imbalance guard: if max load - min load over the pool > imbalance_threshold, the least
     loaded node wins instead (as ``least_loaded``).
 
+Reason codes (``ReasonCode``): the prefilling node's is best_prefix, load_guard (the guard above),
+local_prefill or prefill_saturated (the two conditions of conditional disaggregation), or, colocated,
+session_affinity; the decode node's is session_affinity, most_cached (rule 2) or least_busy (rule 3).
+
 ``Decision.extra``: prompt_tokens, fleet_cached_tokens (longest cached prefix on any node of the
 model, candidate or not), routed_cached_tokens (predicted reuse on the node that prefills),
 uncached_tokens, queued_tokens (what this decision added to that node's queue).
@@ -37,10 +41,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from router.policies.base import Candidate, Decision, RoutingRequest
+from router.policies.base import Candidate, Decision, ReasonCode, RoutingRequest
 
 
 class PrefixLookup(Protocol):
@@ -67,6 +71,17 @@ class CacheAwareConfig:
     """Keep a session on its previous decode node while that node is within the imbalance guard."""
     max_sessions: int = 100_000
     """Sessions remembered for affinity (least recently used forgotten first)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Pick:
+    """One rule's choice: the node, the rule's code, a sentence, and the figures it compared."""
+
+    node: Candidate
+    code: ReasonCode
+    text: str
+    threshold: float | None = None
+    load: float | None = None
 
 
 def _load(c: Candidate) -> int:
@@ -97,14 +112,17 @@ class CacheAware:
         floor = min(_load(c) for c in pool)
         return [c for c in pool if _load(c) <= floor + self.config.imbalance_threshold]
 
-    def _score_pool(self, pool: list[Candidate], matches: dict[str, int], prompt_tokens: int) -> tuple[Candidate, str]:
+    def _score_pool(self, pool: list[Candidate], matches: dict[str, int], prompt_tokens: int) -> _Pick:
         loads = [_load(c) for c in pool]
         spread = max(loads) - min(loads)
         if spread > self.config.imbalance_threshold:
             best = min(pool, key=lambda c: (_load(c), c.node.load.kv_usage, c.node_id))
-            return (
+            return _Pick(
                 best,
+                ReasonCode.LOAD_GUARD,
                 f"load guard: spread {spread} > {self.config.imbalance_threshold}, least loaded {best.node_id}",
+                threshold=float(self.config.imbalance_threshold),
+                load=float(spread),
             )
 
         def key(c: Candidate) -> tuple[float, int, str]:
@@ -113,9 +131,11 @@ class CacheAware:
 
         best = min(pool, key=key)
         cached = self._cached(best, matches, prompt_tokens)
-        return (
+        return _Pick(
             best,
+            ReasonCode.BEST_PREFIX,
             f"cache: {best.node_id} holds {cached}/{prompt_tokens} tokens, queue {self._queued_tokens(best)}",
+            load=float(_load(best)),
         )
 
     def _decode_cost(self, c: Candidate) -> float:
@@ -124,14 +144,14 @@ class CacheAware:
 
     def _pick_decode(
         self, request: RoutingRequest, decode: list[Candidate], matches: dict[str, int], prompt_tokens: int
-    ) -> tuple[Candidate, str]:
+    ) -> _Pick:
         cfg = self.config
         ok = self._within_guard(decode)
         if cfg.session_affinity and request.session_id is not None:
             prev = self._sessions.get(request.session_id)
             for c in ok:
                 if c.node_id == prev:
-                    return c, f"session affinity: {c.node_id}"
+                    return _Pick(c, ReasonCode.SESSION_AFFINITY, f"session affinity: {c.node_id}")
         if prompt_tokens > 0:
             local = [
                 c for c in ok if prompt_tokens - self._cached(c, matches, prompt_tokens) <= cfg.local_prefill_max_tokens
@@ -139,9 +159,10 @@ class CacheAware:
             if local:
                 best = max(local, key=lambda c: (self._cached(c, matches, prompt_tokens), -self._decode_cost(c)))
                 left = prompt_tokens - self._cached(best, matches, prompt_tokens)
-                return best, f"decode {best.node_id} holds all but the last {left} tokens"
+                text = f"decode {best.node_id} holds all but the last {left} tokens"
+                return _Pick(best, ReasonCode.MOST_CACHED, text)
         best = min(decode, key=lambda c: (self._decode_cost(c), c.node_id))
-        return best, f"decode {best.node_id} least busy"
+        return _Pick(best, ReasonCode.LEAST_BUSY, f"decode {best.node_id} least busy")
 
     # --- policy ---------------------------------------------------------------------------------
     def select(self, request: RoutingRequest, prefill: list[Candidate], decode: list[Candidate]) -> Decision:
@@ -155,24 +176,44 @@ class CacheAware:
             prev = self._sessions.get(request.session_id) if cfg.session_affinity and request.session_id else None
             sticky = [c for c in self._within_guard(decode) if c.node_id == prev]
             if sticky:
-                d, reason = sticky[0], f"colocated, session affinity: {sticky[0].node_id}"
+                why = _Pick(
+                    sticky[0],
+                    ReasonCode.SESSION_AFFINITY,
+                    f"colocated, session affinity: {sticky[0].node_id}",
+                    threshold=float(cfg.imbalance_threshold),
+                    load=float(_load(sticky[0])),
+                )
             else:
-                d, reason = self._score_pool(decode, matches, prompt_tokens)
-                reason = "colocated, " + reason
-            p = None
+                why = self._score_pool(decode, matches, prompt_tokens)
+                why = replace(why, text="colocated, " + why.text)
+            d, p, decode_why = why.node, None, why
         else:
-            d, reason = self._pick_decode(request, decode, matches, prompt_tokens)
+            decode_why = self._pick_decode(request, decode, matches, prompt_tokens)
+            d = decode_why.node
             uncached_d = prompt_tokens - self._cached(d, matches, prompt_tokens)
             min_p_load = min(_load(c) for c in prefill)
             if prompt_tokens > 0 and uncached_d <= cfg.local_prefill_max_tokens:
                 p = None
-                reason = f"local prefill: {uncached_d} uncached tokens <= {cfg.local_prefill_max_tokens}; {reason}"
+                why = _Pick(
+                    d,
+                    ReasonCode.LOCAL_PREFILL,
+                    f"local prefill: {uncached_d} uncached tokens <= {cfg.local_prefill_max_tokens}; {decode_why.text}",
+                    threshold=float(cfg.local_prefill_max_tokens),
+                    load=float(_load(d)),
+                )
             elif min_p_load >= cfg.prefill_saturation_load:
                 p = None
-                reason = f"local prefill: prefill pool saturated (min load {min_p_load}); {reason}"
+                why = _Pick(
+                    d,
+                    ReasonCode.PREFILL_SATURATED,
+                    f"local prefill: prefill pool saturated (min load {min_p_load}); {decode_why.text}",
+                    threshold=float(cfg.prefill_saturation_load),
+                    load=float(min_p_load),
+                )
             else:
-                p, p_reason = self._score_pool(prefill, matches, prompt_tokens)
-                reason = f"{p_reason}; {reason}"
+                why = self._score_pool(prefill, matches, prompt_tokens)
+                p = why.node
+                why = replace(why, text=f"{why.text}; {decode_why.text}")
 
         prefiller = p if p is not None else d
         routed = self._cached(prefiller, matches, prompt_tokens)
@@ -190,7 +231,17 @@ class CacheAware:
             "uncached_tokens": float(uncached),
             "queued_tokens": float(uncached),
         }
-        return Decision(decode=d, prefill=p, policy=self.name, reason=reason, extra=extra)
+        return Decision(
+            decode=d,
+            prefill=p,
+            policy=self.name,
+            code=why.code,
+            decode_code=decode_why.code,
+            reason=why.text,
+            threshold=why.threshold,
+            load=why.load,
+            extra=extra,
+        )
 
     def on_complete(self, decision: Decision) -> None:
         node = (decision.prefill or decision.decode).node_id

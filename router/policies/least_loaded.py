@@ -8,7 +8,7 @@ then to the node id so the choice is deterministic.
 
 from __future__ import annotations
 
-from router.policies.base import Candidate, Decision, RoutingRequest
+from router.policies.base import Candidate, Decision, ReasonCode, RoutingRequest
 
 
 def _load_key(c: Candidate) -> tuple[float, float, str]:
@@ -21,7 +21,16 @@ class LeastLoaded:
     def select(self, request: RoutingRequest, prefill: list[Candidate], decode: list[Candidate]) -> Decision:
         d = min(decode, key=_load_key)
         p = min(prefill, key=_load_key) if prefill else None
-        return Decision(decode=d, prefill=p, policy=self.name, reason="fewest requests in flight")
+        chosen = p or d
+        return Decision(
+            decode=d,
+            prefill=p,
+            policy=self.name,
+            code=ReasonCode.LEAST_LOADED,
+            decode_code=ReasonCode.LEAST_LOADED,
+            reason="fewest requests in flight",
+            load=float(chosen.inflight + chosen.node.load.waiting),
+        )
 
     def on_complete(self, decision: Decision) -> None:
         return None

@@ -8,7 +8,7 @@ against. With an empty prefill pool the decode node prefills itself.
 
 from __future__ import annotations
 
-from router.policies.base import Candidate, Decision, RoutingRequest
+from router.policies.base import Candidate, Decision, ReasonCode, RoutingRequest
 
 
 class RoundRobin:
@@ -27,7 +27,14 @@ class RoundRobin:
             ps = sorted(prefill, key=lambda c: c.node_id)
             p = ps[self._prefill_turn % len(ps)]
             self._prefill_turn += 1
-        return Decision(decode=d, prefill=p, policy=self.name, reason="round robin")
+        return Decision(
+            decode=d,
+            prefill=p,
+            policy=self.name,
+            code=ReasonCode.ROUND_ROBIN,
+            decode_code=ReasonCode.ROUND_ROBIN,
+            reason="round robin",
+        )
 
     def on_complete(self, decision: Decision) -> None:
         return None

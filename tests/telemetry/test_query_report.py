@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from html.parser import HTMLParser
 
 import pyarrow as pa
 from typer.testing import CliRunner
@@ -117,3 +118,157 @@ def test_cli_help_and_schema():
     assert res.exit_code == 0 and "--consumer" in res.output and "--batch-entries" in res.output
     res = runner.invoke(telemetry_app, ["schema", "requests"])
     assert res.exit_code == 0 and "engine_cached_tokens" in res.output
+
+
+def _served(i: int, **kw: object) -> dict:
+    row = {
+        "request_id": f"q{i}",
+        "model": "m",
+        "decode_node": "d0",
+        "status": "ok",
+        "prompt_tokens": 1000,
+        "fleet_cached_tokens": 800,
+        "routed_cached_tokens": 600,
+        "engine_cached_tokens": 500,
+        "ttft_s": 0.1,
+    }
+    return {**row, **kw}
+
+
+def _write(make_emitter, make_writer, rows: list[dict]) -> None:
+    e = make_emitter(start=False, batch_size=1000)
+    for row in rows:
+        e.emit("requests", row)
+    e.flush()
+    make_writer().drain()
+
+
+def test_a_rejected_request_does_not_move_the_hit_rates(make_emitter, make_writer, lake, tmp_path):
+    _write(make_emitter, make_writer, [_served(i) for i in range(5)])
+    before = render_report(lake, tmp_path / "before")
+    assert before.hit_rates == (0.8, 0.6, 0.5)
+    # One 100 MB prompt refused as too long: counted, tokenized, never sent to an engine.
+    refused = {"request_id": "huge", "status": "rejected", "http_status": 400, "prompt_tokens": 25_000_000}
+    shed = {"request_id": "shed", "status": "rejected", "http_status": 503, "decode_node": "d0", "prompt_tokens": 9}
+    _write(make_emitter, make_writer, [refused, shed])
+    after = render_report(lake, tmp_path / "after")
+    assert after.hit_rates == before.hit_rates and after.requests == 7
+    summary = dict(after.summary)
+    assert summary["hit rate fleet / routed / engine"] == "80.0% / 60.0% / 50.0%"
+    assert summary["reached an engine"] == "5"
+    assert (
+        summary["never reached an engine (not in hit rates or latencies)"] == "2 (2 rejected), 25000009 prompt tokens"
+    )
+    assert summary["outcomes (requests.status)"] == "ok 5, rejected 2"
+    assert after.tables == before.tables
+
+
+def test_outcome_counts_agree_and_component_errors_are_labelled_apart(make_emitter, make_writer, lake, tmp_path):
+    rows = [_served(0), _served(1, status="error"), _served(2, status="cancelled"), _served(3, status="cancelled")]
+    rows.append({"request_id": "r", "status": "rejected", "http_status": 429})
+    _write(make_emitter, make_writer, rows)
+    summary = dict(render_report(lake, tmp_path / "rep").summary)
+    assert summary["outcomes (requests.status)"] == "ok 1, error 1, cancelled 2, rejected 1"
+    assert summary["reached an engine"] == "4"  # an error or a cancel after routing did reach one
+    assert summary["component error reports (errors table; not request outcomes)"] == "0"
+    assert "requests not ok" not in summary and "errors" not in summary
+
+
+def test_hit_rates_per_tenant_session_and_turn_position(make_emitter, make_writer, lake, tmp_path):
+    t0 = time.time() - 100
+    rows = []
+    for s, tenant in (("sA", "acme"), ("sB", "beta")):
+        for turn in range(3):  # turn n: n*400 of 1000 tokens cached by the engine
+            rows.append(
+                _served(
+                    len(rows),
+                    session_id=s,
+                    tenant_id=tenant,
+                    t_arrival=t0 + turn,
+                    fleet_cached_tokens=turn * 400,
+                    routed_cached_tokens=turn * 400,
+                    engine_cached_tokens=turn * 400 if s == "sA" else 0,
+                )
+            )
+    rows.append({"request_id": "x", "session_id": "sA", "status": "rejected", "t_arrival": t0 + 1.5})
+    _write(make_emitter, make_writer, rows)
+    rep = render_report(lake, tmp_path / "rep")
+    assert rep.tables["turn position"] == [("1", 2, 0.0, 0.0, 0.0), ("2", 2, 0.4, 0.4, 0.2), ("3", 2, 0.8, 0.8, 0.4)]
+    assert rep.tables["tenant"] == [("acme", 3, 0.4, 0.4, 0.4), ("beta", 3, 0.4, 0.4, 0.0)]
+    assert [r[:2] for r in rep.tables["session"]] == [("sA", 3), ("sB", 3)]
+    page = rep.index.read_text()
+    assert "<h3>By turn position</h3>" in page and "<td>3</td><td>2</td><td>80.0%</td>" in page
+
+
+def test_reason_chart_counts_codes_not_sentences(make_emitter, make_writer, lake, tmp_path):
+    rows = [
+        _served(i, routing_reason_code="local_prefill", routing_reason=f"local prefill: {i} uncached tokens <= 256")
+        for i in range(4)
+    ]
+    rows += [_served(9, routing_reason_code="load_guard"), _served(10, routing_reason="from a v1 router")]
+    _write(make_emitter, make_writer, rows)
+    rep = render_report(lake, tmp_path / "rep")
+    assert rep.tables["reason code"] == [
+        ("local_prefill", 4, None, None, None),
+        ("(no code)", 1, None, None, None),
+        ("load_guard", 1, None, None, None),
+    ]
+
+
+class _Page(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.images: list[str] = []
+        self.problems: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+        elif tag not in ("meta",):
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        if not self.stack or self.stack.pop() != tag:
+            self.problems.append(f"unbalanced </{tag}>")
+
+
+def test_report_page_is_well_formed_and_every_image_it_shows_exists(make_emitter, make_writer, lake, tmp_path):
+    """No browser on this machine (no playwright, chromium or firefox; one cannot be downloaded here), so
+    no screenshot: the page is parsed instead, and every image it shows must be a PNG beside it."""
+    _fill(make_emitter, make_writer)
+    rep = render_report(lake, tmp_path / "rep")
+    page = _Page()
+    page.feed(rep.index.read_text())
+    assert page.problems == [] and page.stack == []
+    assert sorted(page.images) == sorted(p.name for p in rep.images)
+    for name in page.images:
+        assert (rep.out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_miss_attribution_is_stacked_by_kind_and_tabled_by_reason(make_emitter, make_writer, lake, tmp_path):
+    rows = [
+        _served(
+            i,
+            uncached_tokens=500,
+            miss_cold_tokens=100,
+            miss_evicted_tokens=50,
+            miss_evicted_tier="GPU",
+            miss_elsewhere_tokens=300,
+            miss_elsewhere_reason="load_guard" if i else "node_down",
+            miss_undelivered_tokens=50,
+        )
+        for i in range(3)
+    ]
+    rows.append({"request_id": "huge", "status": "rejected", "uncached_tokens": 10**7, "miss_cold_tokens": 10**7})
+    _write(make_emitter, make_writer, rows)
+    rep = render_report(lake, tmp_path / "rep")
+    assert "miss_attribution.png" in [p.name for p in rep.images]
+    assert rep.tables["miss kind"] == [
+        ("elsewhere (load_guard)", 600, None, None, None),
+        ("cold", 300, None, None, None),
+        ("elsewhere (node_down)", 300, None, None, None),
+        ("evicted (GPU)", 150, None, None, None),
+        ("undelivered", 150, None, None, None),
+    ]
+    assert "<td>elsewhere (load_guard)</td><td>600</td>" in rep.index.read_text()

@@ -6,7 +6,7 @@ import random
 
 from contracts.registry import Role
 from router.kv_index import BlockHasher, FleetIndex
-from router.policies import CacheAware, CacheAwareConfig, RoutingRequest
+from router.policies import CacheAware, CacheAwareConfig, ReasonCode, RoutingRequest
 from tests.router.policies.helpers import cand
 
 BS = 16
@@ -47,7 +47,8 @@ def test_prefers_the_node_holding_the_prefix() -> None:
     assert d.extra["fleet_cached_tokens"] == 1600
     assert d.extra["routed_cached_tokens"] == 1600
     assert d.extra["uncached_tokens"] == 400
-    assert d.reason.startswith("cache: p1")
+    assert (d.code, d.decode_code, d.load, d.threshold) == (ReasonCode.BEST_PREFIX, ReasonCode.LEAST_BUSY, 0, None)
+    assert d.reason.startswith("cache: p1")  # the sentence stays, for display
 
 
 def test_queued_tokens_outweigh_a_small_cache_win() -> None:
@@ -78,7 +79,7 @@ def test_load_guard_falls_back_to_least_loaded() -> None:
     policy = CacheAware(fleet, CacheAwareConfig(imbalance_threshold=4, waiting_request_tokens=0))
     d = policy.select(_req(PROMPT), [cand("p0"), cand("p1", inflight=5)], DECODE)
     assert d.prefill is not None and d.prefill.node_id == "p0"
-    assert d.reason.startswith("load guard")
+    assert (d.code, d.threshold, d.load) == (ReasonCode.LOAD_GUARD, 4, 5)
     within = policy.select(_req(PROMPT), [cand("p0"), cand("p1", inflight=4)], DECODE)
     assert within.prefill is not None and within.prefill.node_id == "p1"
 
@@ -90,7 +91,8 @@ def test_short_uncached_suffix_prefills_on_decode() -> None:
     d = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=256)).select(_req(PROMPT), [cand("p0")], decode)
     assert d.prefill is None and d.decode.node_id == "d1"
     assert d.extra["routed_cached_tokens"] == 1792  # 112 whole blocks of the 1800 tokens
-    assert d.reason.startswith("local prefill: 208 uncached")
+    assert (d.code, d.decode_code, d.threshold, d.load) == (ReasonCode.LOCAL_PREFILL, ReasonCode.MOST_CACHED, 256, 0)
+    assert d.extra["uncached_tokens"] == 208
     # a longer new suffix goes through the prefill pool
     longer = PROMPT + _tokens(400, seed=2)
     d2 = CacheAware(fleet, CacheAwareConfig(local_prefill_max_tokens=256)).select(_req(longer), [cand("p0")], decode)
@@ -109,18 +111,20 @@ def test_saturated_prefill_pool_prefills_on_decode() -> None:
     policy = CacheAware(FleetIndex(), CacheAwareConfig(prefill_saturation_load=4))
     d = policy.select(_req(PROMPT), [cand("p0", waiting=4), cand("p1", inflight=5)], DECODE)
     assert d.prefill is None
-    assert "saturated" in d.reason
+    assert (d.code, d.threshold, d.load) == (ReasonCode.PREFILL_SATURATED, 4, 4)
 
 
 def test_session_affinity_keeps_the_decode_node() -> None:
     policy = CacheAware(FleetIndex(), CacheAwareConfig(imbalance_threshold=2))
     decode = [cand("d0", Role.DECODE), cand("d1", Role.DECODE, running=1)]
     first = policy.select(_req(PROMPT, "s1"), [cand("p0")], decode)
-    assert first.decode.node_id == "d0"
+    assert first.decode.node_id == "d0" and first.decode_code == ReasonCode.LEAST_BUSY
     busier = [cand("d0", Role.DECODE, inflight=2), cand("d1", Role.DECODE)]
-    assert policy.select(_req(PROMPT, "s1"), [cand("p0")], busier).decode.node_id == "d0"
+    kept = policy.select(_req(PROMPT, "s1"), [cand("p0")], busier)
+    assert kept.decode.node_id == "d0" and kept.decode_code == ReasonCode.SESSION_AFFINITY
     too_busy = [cand("d0", Role.DECODE, inflight=3), cand("d1", Role.DECODE)]
-    assert policy.select(_req(PROMPT, "s1"), [cand("p0")], too_busy).decode.node_id == "d1"
+    moved = policy.select(_req(PROMPT, "s1"), [cand("p0")], too_busy)
+    assert moved.decode.node_id == "d1" and moved.decode_code == ReasonCode.LEAST_BUSY
 
 
 def test_colocated_routes_on_the_decode_pool_cache() -> None:
@@ -129,10 +133,18 @@ def test_colocated_routes_on_the_decode_pool_cache() -> None:
     d = CacheAware(fleet).select(_req(PROMPT), [], both)
     assert d.prefill is None and d.decode.node_id == "b1"
     assert d.extra["routed_cached_tokens"] == 992
-    assert d.reason.startswith("colocated, cache: b1")
+    assert d.code == d.decode_code == ReasonCode.BEST_PREFIX
 
 
 def test_unknown_tokens_do_not_force_local_prefill() -> None:
     d = CacheAware(FleetIndex()).select(RoutingRequest(request_id="r", model="m"), [cand("p0")], DECODE)
     assert d.prefill is not None
     assert d.extra["fleet_cached_tokens"] == 0 and d.extra["prompt_tokens"] == 0
+
+
+def test_colocated_session_affinity_carries_its_guard() -> None:
+    policy = CacheAware(FleetIndex(), CacheAwareConfig(imbalance_threshold=2))
+    both = [cand("b0", Role.BOTH), cand("b1", Role.BOTH, running=1)]
+    assert policy.select(_req(PROMPT, "s"), [], both).code == ReasonCode.BEST_PREFIX
+    again = policy.select(_req(PROMPT, "s"), [], [cand("b0", Role.BOTH, inflight=1), cand("b1", Role.BOTH)])
+    assert (again.decode.node_id, again.code, again.threshold, again.load) == ("b0", ReasonCode.SESSION_AFFINITY, 2, 1)

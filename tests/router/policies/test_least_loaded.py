@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
-from router.policies import Candidate, LeastLoaded, RoutingRequest
+from router.policies import Candidate, LeastLoaded, ReasonCode, RoutingRequest
 
 
 def _cand(node_id: str, role: Role, inflight: int = 0, waiting: int = 0, kv: float = 0.0) -> Candidate:
@@ -21,6 +21,7 @@ def test_picks_fewest_inflight_plus_waiting_in_each_pool() -> None:
     assert decision.prefill is not None and decision.prefill.node_id == "p2"
     assert decision.decode.node_id == "d2"
     assert decision.disaggregated
+    assert (decision.code, decision.decode_code, decision.load) == (ReasonCode.LEAST_LOADED, ReasonCode.LEAST_LOADED, 1)
 
 
 def test_ties_break_on_kv_usage_then_id_and_no_prefill_pool_means_colocated() -> None:
