@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from contracts.errors import TandemError
 from kv_transfer.control import is_tandem_params, lease_report
@@ -21,6 +21,10 @@ from router.records import request_record, tool_call_records
 from router.responses import ResponseIndex, ResponseRef
 from router.turns import TurnRecorder
 from telemetry import Emitter
+from telemetry.tracing import record_spans
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 
 class Accounting:
@@ -31,8 +35,11 @@ class Accounting:
         responses: ResponseIndex | None,
         turns: TurnRecorder | None = None,
         spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.metrics = metrics
+        self.tracer = tracer
+        """OpenTelemetry spans of each finished request (``telemetry.tracing``); None: none built."""
         self.emitter = emitter
         self.responses = responses
         self.turns = turns
@@ -72,6 +79,8 @@ class Accounting:
     def _record(self, trace: RequestTrace, endpoint: str, http_status: int, error_type: str | None) -> None:
         record = request_record(trace, endpoint=endpoint, http_status=http_status, error_type=error_type)
         self.metrics.common.observe_request(record)
+        if self.tracer is not None:
+            record_spans(record, self.tracer)  # span objects only; the provider's thread exports them
         if self.emitter is not None:
             self.emitter.emit("requests", record)
             for row in tool_call_records(trace):

@@ -21,6 +21,7 @@ generation request from admission to its record, and lets go of everything it he
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal, TypeVar
@@ -60,6 +61,7 @@ from router.settings import RouterSettings
 from router.tokenizer import PromptTokenizer
 from router.turns import TurnRecorder
 from telemetry import Emitter, EmitterConfig
+from telemetry.tracing import tracer_provider
 
 T = TypeVar("T")
 
@@ -190,7 +192,15 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         app.state.emitter = emitter
         app.state.admission = admission
         app.state.kv_tasks = kv_tasks = TaskSet()
-        app.state.accounting = Accounting(metrics, emitter, responses, turns, spawn=kv_tasks.spawn)
+        spans = tracer_provider(settings.otlp_traces_endpoint)
+        app.state.accounting = Accounting(
+            metrics,
+            emitter,
+            responses,
+            turns,
+            spawn=kv_tasks.spawn,
+            tracer=spans.get_tracer("tandem.router") if spans is not None else None,
+        )
         app.state.orchestrator = Orchestrator(
             settings, fleet, client, policy, PromptTokenizer(), metrics, index, slots=admission.controller
         )
@@ -210,6 +220,8 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             await admission.close()
             if emitter is not None:
                 await emitter.aclose()
+            if spans is not None:
+                await asyncio.to_thread(spans.shutdown)  # exports what is batched
             await redis.aclose()
 
     app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan)

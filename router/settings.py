@@ -47,6 +47,10 @@ class RouterSettings(BaseSettings):
     """Emit a per-request record to the slow path (Redis Stream -> Parquet lake)."""
     telemetry_redis_url: str | None = None
     """Redis for telemetry streams; None uses redis_url."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP/HTTP endpoint (``http://host:4318/v1/traces``) that receives each finished request's spans
+    (``telemetry.tracing``: route, prefill, transfer, decode, stream), exported in batches by a thread
+    of their own. None (the default): no span is built."""
     admission: AdmissionSettings | None = None
     """Keys, rate limits and sessions; None reads them from the environment (TANDEM_*) with this
     router's redis_url."""

@@ -14,9 +14,10 @@ The router already stamps every step of a request (``telemetry.schemas`` request
 
 A step the record has no times for has no span. ``tracer_provider(endpoint)`` gives an SDK provider
 that exports over OTLP (HTTP/protobuf) in batches when an endpoint is configured, and None otherwise:
-with no endpoint nothing is built or sent. Not done yet: handing the trace context to the engines
+with no endpoint nothing is built or sent. The router calls ``record_spans`` from its accounting when
+``TANDEM_ROUTER_OTLP_TRACES_ENDPOINT`` is set. Not done yet: handing the trace context to the engines
 (``traceparent`` on the legs' requests) so that vLLM's own spans (``--otlp-traces-endpoint``) join
-this trace, and calling ``record_spans`` from the router's accounting.
+this trace.
 """
 
 from __future__ import annotations

@@ -1,0 +1,56 @@
+"""Spans leave the router only when an OTLP endpoint is configured: the wiring from a finished
+request (``Accounting.finish``) to the tracer, and from settings to the app."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from router.accounting import Accounting
+from router.app import create_app
+from router.metrics import RouterMetrics
+from router.orchestrator import RequestTrace
+from router.settings import RouterSettings
+
+
+def _pd_trace() -> RequestTrace:
+    t = 1_800_000_000.0
+    tr = RequestTrace(request_id="chatcmpl-spans", kind="chat", model="m", arrival=t)
+    tr.mode, tr.prefill_node, tr.decode_node, tr.decode_role = "disaggregated", "p0", "d0", "decode"
+    tr.routed, tr.prefill_start, tr.prefill_end = t + 0.002, t + 0.003, t + 0.2
+    tr.transfer = {"bytes": 1 << 20, "seconds": 0.03, "transport": "tcp", "start": t + 0.205, "end": t + 0.235}
+    tr.first_token, tr.finish = t + 0.26, t + 1.0
+    return tr
+
+
+def test_a_finished_request_becomes_one_trace_in_order() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    accounting = Accounting(RouterMetrics(), None, None, tracer=provider.get_tracer("test"))
+    accounting.finish(_pd_trace(), "chat", "ok", http_status=200)
+    spans = sorted(exporter.get_finished_spans(), key=lambda s: (s.start_time, s.name != "tandem.request"))
+    assert [s.name for s in spans] == [
+        "tandem.request",
+        "tandem.route",
+        "tandem.prefill",
+        "tandem.decode",
+        "tandem.kv_transfer",
+        "tandem.stream",
+    ]
+    assert len({s.context.trace_id for s in spans}) == 1
+    assert spans[0].attributes["request_id"] == "chatcmpl-spans"
+
+
+def test_no_endpoint_no_tracer_and_an_endpoint_a_tracer(redis_unit_url: str) -> None:
+    with TestClient(create_app(RouterSettings(redis_url=redis_unit_url, registry_refresh_s=60))) as c:
+        assert c.app.state.accounting.tracer is None  # type: ignore[attr-defined]
+    # Nothing listens at the endpoint: export fails in the provider's thread, never in a request.
+    settings = RouterSettings(
+        redis_url=redis_unit_url, registry_refresh_s=60, otlp_traces_endpoint="http://127.0.0.1:1/v1/traces"
+    )
+    with TestClient(create_app(settings)) as c:
+        assert c.app.state.accounting.tracer is not None  # type: ignore[attr-defined]
+        assert c.get("/health").status_code in (200, 503)
