@@ -22,10 +22,12 @@ Invariants (each a function returning its problems, [] when it holds)
       nodes drain on SIGTERM (the agent deregisters, vLLM's --shutdown-timeout finishes what runs) within
       the agent's stop window;
     - NetworkPolicies: computed from the rendered selectors, who can reach which named port of which
-      pods is exactly the intended matrix (routers -> engines, nodes and routers -> block servers, ...);
+      pods is exactly the intended matrix (routers -> engines, nodes and routers -> block servers, ...;
+      with the nixl connector of the GPU values, nodes -> every node port, for UCX);
     - each container's command is a real ``tandem`` sub-command with real options, and each
       ``TANDEM_*`` variable a setting the process reads (``NodeSettings`` is built from the node's env);
-    - GPU values request GPUs and pin to GPU machines; CPU values request none; /dev/shm is sized.
+    - GPU values request GPUs, pin to GPU machines and use the nixl connector (ours refuses device
+      memory); CPU values request none; /dev/shm is sized.
 
 Mutations
     Each invariant is shown to fail on a manifest broken on purpose (``test_invariant_catches``), and the
@@ -264,14 +266,31 @@ def check_drain(objs: list[Obj]) -> list[str]:
 
 
 # Who may open a connection to which named port of which component: "*" is anyone (no `from`),
-# "external" a namespace or IP peer. Derived from the rendered policies' selectors in check_network_policies.
-INTENDED_REACH: dict[tuple[str, str], set[str]] = {
-    **{(role, port): {"router"} for role in NODE_ROLES for port in ("engine", "kv-events", "kv-replay")},
-    **{(role, "kv-blocks"): {"prefill", "decode", "router"} for role in NODE_ROLES},
-    ("router", "http"): {"*"},
-    ("redis", "redis"): {"prefill", "decode", "router", "lake-writer"},
-    ("postgresql", "postgresql"): {"router"},
-}
+# "external" a namespace or IP peer; port ANY_PORT stands for a rule without ports (every port, those UCX
+# picks at run time included). Compared with what the rendered policies' selectors allow.
+ANY_PORT = "<any>"
+
+
+def intended_reach(connector: str) -> dict[tuple[str, str], set[str]]:
+    nodes = set(NODE_ROLES)
+    if connector == "nixl":  # UCX data connections between nodes on ports it picks; routers as with tandem
+        node_rules = {
+            **{
+                (role, port): {"router"} | nodes for role in NODE_ROLES for port in ("engine", "kv-events", "kv-replay")
+            },
+            **{(role, port): nodes for role in NODE_ROLES for port in ("kv-blocks", ANY_PORT)},
+        }
+    else:
+        node_rules = {
+            **{(role, port): {"router"} for role in NODE_ROLES for port in ("engine", "kv-events", "kv-replay")},
+            **{(role, "kv-blocks"): nodes | {"router"} for role in NODE_ROLES},
+        }
+    return {
+        **node_rules,
+        ("router", "http"): {"*"},
+        ("redis", "redis"): nodes | {"router", "lake-writer"},
+        ("postgresql", "postgresql"): {"router"},
+    }
 
 
 def reach(objs: list[Obj]) -> tuple[dict[tuple[str, str], set[str]], list[str]]:
@@ -300,6 +319,8 @@ def reach(objs: list[Obj]) -> tuple[dict[tuple[str, str], set[str]], list[str]]:
                 sources = {"*"}
             for target in targets:
                 declared = {p["name"]: p["containerPort"] for c in pods[target][1] for p in c.get("ports", [])}
+                if not rule.get("ports"):
+                    allowed.setdefault((target, ANY_PORT), set()).update(sources)
                 ports = [p["port"] for p in rule.get("ports") or []] or list(declared)
                 for port in ports:
                     port_name = (
@@ -315,13 +336,17 @@ def reach(objs: list[Obj]) -> tuple[dict[tuple[str, str], set[str]], list[str]]:
 def check_network_policies(objs: list[Obj]) -> list[str]:
     allowed, problems = reach(objs)
     present = {component(w) for w in workloads(objs)}
-    for key, intended in INTENDED_REACH.items():
+    connectors = {env_of(containers(by_component(objs, r))[0])["TANDEM_NODE_CONNECTOR"]["value"] for r in NODE_ROLES}
+    if len(connectors) != 1:
+        return [*problems, f"prefill and decode use different connectors: {sorted(connectors)}"]
+    intended_all = intended_reach(connectors.pop())
+    for key, intended in intended_all.items():
         if key[0] in present and allowed.get(key, set()) != intended:
             problems.append(
                 f"{key[0]}:{key[1]} reachable from {sorted(allowed.get(key, set()))}, intended {sorted(intended)}"
             )
     for key, sources in allowed.items():
-        if key not in INTENDED_REACH:
+        if key not in intended_all:
             problems.append(f"{key[0]}:{key[1]} reachable from {sorted(sources)}, intended from nobody")
     return problems
 
@@ -424,6 +449,9 @@ def check_gpu(objs: list[Obj], gpus: bool) -> list[str]:
                 problems.append(f"{component(w)} asks for a GPU")
         spec = w["spec"]["template"]["spec"]
         if gpus and component(w) in NODE_ROLES:
+            connector = env_of(containers(w)[0])["TANDEM_NODE_CONNECTOR"]["value"]
+            if connector != "nixl":
+                problems.append(f"{component(w)}: connector {connector} on a GPU (ours moves host-memory caches only)")
             if not spec.get("nodeSelector"):
                 problems.append(f"{component(w)}: no nodeSelector for GPU machines")
             if not any(t.get("key") == "nvidia.com/gpu" for t in spec.get("tolerations", [])):
@@ -623,6 +651,10 @@ MUTATIONS: dict[str, tuple[Callable[[list[Obj]], None], Callable[[list[Obj]], li
         lambda o: containers(by_component(o, "router"))[0].update(args=["routers"]),
         check_commands,
     ),
+    "block servers open to every node port (the nixl rule on the tandem connector)": (
+        lambda o: _node_policy(o)["spec"]["ingress"][1].pop("ports"),
+        check_network_policies,
+    ),
     "decode asks for a GPU on CPU values": (
         lambda o: containers(by_component(o, "decode"))[0]["resources"]["limits"].update({"nvidia.com/gpu": 1}),
         lambda o: check_gpu(o, gpus=False),
@@ -645,6 +677,25 @@ def test_invariant_catches(rendered: dict[str, list[Obj]], name: str) -> None:
     assert check(objs) == []
     mutate(objs)
     assert check(objs) != []
+
+
+def test_gpu_values_use_the_connector_that_moves_device_memory(rendered: dict[str, list[Obj]]) -> None:
+    """Why the GPU values switch to nixl: our connector refuses a cache that is not in host memory."""
+    import torch
+
+    from kv_transfer.layout import KVLayout
+
+    with pytest.raises(ValueError, match="host-memory KV caches only"):
+        KVLayout.from_torch({"layer.0": torch.empty(4, 2, 16, 8, device="meta")}, num_blocks=4)
+    objs = copy.deepcopy(rendered["values-gpu.yaml"])
+    assert check_gpu(objs, gpus=True) == [] and check_network_policies(objs) == []
+    _set_env(objs, "decode", "TANDEM_NODE_CONNECTOR", "tandem")
+    assert check_gpu(objs, gpus=True) != []
+    assert check_network_policies(objs) == ["prefill and decode use different connectors: ['nixl', 'tandem']"]
+    # the nixl policy (every node port open to nodes) is wrong for the tandem connector, and the other way round
+    cpu = copy.deepcopy(rendered["values-cpu.yaml"])
+    _node_policy(cpu)["spec"]["ingress"][1] = _node_policy(rendered["values-gpu.yaml"])["spec"]["ingress"][1]
+    assert check_network_policies(cpu) != []
 
 
 def test_gpu_check_catches_gpu_values_without_gpus(rendered: dict[str, list[Obj]]) -> None:

@@ -169,13 +169,15 @@ def test_smoke_script_plan_uses_real_commands_and_splits_the_gpu(tmp_path: Path)
     ).stdout
     lines = dict(line.split(": ", 1) for line in plan.splitlines())
     assert lines["install"].startswith("make install TARGET=gpu")
-    assert '["--gpu-memory-utilization", "0.30"]' in lines["env"]
     from node_agent.settings import NodeSettings
     from tandem.cli import app
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TANDEM_NODE_EXTRA_ENGINE_ARGS", lines["env"].split("=", 1)[1].split(" TANDEM_REDIS_URL")[0])
-        assert NodeSettings().extra_engine_args == ["--gpu-memory-utilization", "0.30"]
+    with pytest.MonkeyPatch.context() as mp:  # what every node agent the benchmarks start will read
+        for name in ("TANDEM_NODE_EXTRA_ENGINE_ARGS", "TANDEM_NODE_CONNECTOR"):
+            mp.setenv(name, lines[name])
+        node = NodeSettings()
+    assert node.extra_engine_args == ["--gpu-memory-utilization", "0.30"]
+    assert node.connector.value == "nixl"
     budget = 0
     for step in ("bench-pd", "bench-kv"):
         words = shlex.split(lines[step])
