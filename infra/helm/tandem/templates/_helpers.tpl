@@ -79,8 +79,11 @@ args: root, secret (name), key, given
 {{- end -}}
 {{- end -}}
 
-{{/* Environment every Tandem process shares: the one Redis URL and the cluster secret. */}}
+{{/* Environment every Tandem process shares: the one Redis URL and the cluster secret, and a writable
+HOME (the pods run as a user the image need not know; vLLM, torch and Hugging Face cache under it). */}}
 {{- define "tandem.commonEnv" -}}
+- name: HOME
+  value: /tmp
 - name: TANDEM_REDIS_URL
   valueFrom:
     secretKeyRef:
