@@ -19,8 +19,8 @@ Invariants (each a function returning its problems, [] when it holds)
     - every probe's port is a port its container declares;
     - every Secret a pod references is rendered, with the key asked for;
     - the drain: the router has a preStop and a grace period that covers it plus the longest stream; the
-      nodes drain on SIGTERM (the agent deregisters, vLLM's --shutdown-timeout finishes what runs) within
-      the agent's stop window;
+      nodes drain on SIGTERM (the agent deregisters, waits for requests and leases: drain_timeout_s; then
+      vLLM's --shutdown-timeout inside the agent's stop window) within their grace period;
     - NetworkPolicies: computed from the rendered selectors, who can reach which named port of which
       pods is exactly the intended matrix (routers -> engines, nodes and routers -> block servers, ...;
       with the nixl connector of the GPU values, nodes -> every node port, for UCX);
@@ -253,6 +253,13 @@ def check_drain(objs: list[Obj]) -> list[str]:
                     f"{role}: the engine is not started with --shutdown-timeout (SIGTERM aborts its streams)"
                 )
                 continue
+            wait = float((env_of(c).get("TANDEM_NODE_DRAIN_TIMEOUT_S") or {}).get("value") or 0)
+            if wait <= 0:
+                problems.append(f"{role}: the agent does not drain (TANDEM_NODE_DRAIN_TIMEOUT_S unset or 0)")
+            elif grace < wait + AGENT_STOP_WINDOW_S:
+                problems.append(
+                    f"{role}: grace {grace} s < drain {wait:.0f} s + the agent's {AGENT_STOP_WINDOW_S:.0f} s"
+                )
             drain = int(args[args.index("--shutdown-timeout") + 1])
             if not 0 < drain < AGENT_STOP_WINDOW_S:
                 problems.append(
@@ -596,6 +603,14 @@ MUTATIONS: dict[str, tuple[Callable[[list[Obj]], None], Callable[[list[Obj]], li
     ),
     "node engine without --shutdown-timeout": (
         lambda o: _set_env(o, "decode", "TANDEM_NODE_EXTRA_ENGINE_ARGS", "[]"),
+        check_drain,
+    ),
+    "node agent without a drain": (
+        lambda o: _set_env(o, "prefill", "TANDEM_NODE_DRAIN_TIMEOUT_S", "0"),
+        check_drain,
+    ),
+    "node grace shorter than its drain": (
+        lambda o: by_component(o, "decode")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=60),
         check_drain,
     ),
     "node drain longer than the agent waits": (
