@@ -4,7 +4,8 @@ and held to the invariants a P/D cluster needs.
 Rendering
     ``helm_python`` (PyPI ``helm-python-sdk``, a dev dependency) binds ``libhelm_c``, a C build of Helm
     v4's own Go SDK: ``Chart.render`` runs the engine ``helm template`` runs (Go templates, Sprig, values
-    coalesced over ``values.yaml``, ``fail``/``required``), with no helm binary and no cluster. So there
+    coalesced over ``values.yaml``, ``fail``/``required``), with no helm binary and no cluster, in a child
+    process (the Go runtime stays out of the test process). So there
     is no home-made renderer and no subset of Go templating to stay inside. ``lookup`` finds nothing here,
     as with ``helm template``, so generated secrets are random on every render.
 
@@ -39,12 +40,13 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import subprocess
+import sys
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
@@ -78,11 +80,49 @@ def _merge(base: Obj, over: Obj) -> Obj:
     return out
 
 
+# Helm runs in a child process: libhelm_c brings a Go runtime (its own threads and signal handlers),
+# which the rest of the suite, with its signals and child processes, should not share.
+_HELM = """
+import json, sys
+import helm_python as helm
+req = json.load(sys.stdin)
+try:
+    if req["op"] == "lint":
+        out = helm.lint(req["chart"])
+    else:
+        with helm.Chart.load(req["chart"]) as chart:
+            out = chart.render(req["values"], name=req["name"], namespace=req["namespace"])
+except helm.HelmError as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+else:
+    print(json.dumps({"ok": out}))
+"""
+
+
+class HelmRefused(Exception):
+    """Helm refused the chart or its values (a template's ``fail``, a parse error)."""
+
+
+def _helm(op: str, values: Obj | None = None) -> Any:
+    request = {"op": op, "chart": str(CHART), "values": values or {}, "name": RELEASE, "namespace": NAMESPACE}
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELM],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    answer = json.loads(proc.stdout)
+    if "error" in answer:
+        raise HelmRefused(answer["error"])
+    return answer["ok"]
+
+
 def render(values_file: str | None = None, overrides: Obj | None = None) -> list[Obj]:
     """``helm template tandem infra/helm/tandem -n serving -f <values_file>`` plus ``overrides``, parsed."""
     values: Obj = yaml.safe_load((CHART / values_file).read_text()) if values_file else {}
-    with helm.Chart.load(str(CHART)) as chart:
-        out = chart.render(_merge(values, overrides or {}), name=RELEASE, namespace=NAMESPACE)
+    out: dict[str, str] = _helm("render", _merge(values, overrides or {}))
     docs: list[Obj] = []
     for path, text in sorted(out.items()):
         if path.endswith(".yaml"):
@@ -519,7 +559,7 @@ def test_every_object_validates(rendered: dict[str, list[Obj]], values_file: str
 
 
 def test_helm_lint_finds_no_error() -> None:
-    assert helm.lint(str(CHART))["errors"] == []
+    assert _helm("lint")["errors"] == []
 
 
 @pytest.mark.parametrize("values_file", VALUE_FILES)
@@ -734,7 +774,7 @@ def test_gpu_check_catches_gpu_values_without_gpus(rendered: dict[str, list[Obj]
     ],
 )
 def test_chart_refuses(overrides: Obj, message: str) -> None:
-    with pytest.raises(helm.HelmError, match=message):
+    with pytest.raises(HelmRefused, match=message):
         render("values-cpu.yaml", overrides)
 
 
