@@ -45,7 +45,7 @@ import sys
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import kubernetes_validate
 import pytest
@@ -583,8 +583,10 @@ def test_external_datastores_render_without_bundled_ones() -> None:
 
 
 def test_no_per_role_image_can_split_prefill_from_decode() -> None:
-    objs = render("values-gpu.yaml", {"prefill": {"image": "tandem:0.0.9-gpu", "tag": "0.0.9"}})
-    assert check_engine_images(objs, "gpu") == []
+    """The roles take their image from `image` alone: a per-role image or tag is refused, not ignored."""
+    for key in ("image", "tag"):
+        with pytest.raises(HelmRefused, match=f"/prefill': additional properties '{key}' not allowed"):
+            render("values-gpu.yaml", {"prefill": {key: "tandem:0.0.9-gpu"}})
 
 
 def _set_env(objs: list[Obj], role: str, name: str, value: str) -> None:
@@ -765,10 +767,13 @@ def test_gpu_check_catches_gpu_values_without_gpus(rendered: dict[str, list[Obj]
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"router": {"replicas": 1, "autoscaling": {"enabled": False}}}, "router.replicas must be at least 2"),
-        ({"router": {"autoscaling": {"minReplicas": 1}}}, "minReplicas must be at least 2"),
+        ({"router": {"replicas": 1, "autoscaling": {"enabled": False}}}, "/router/replicas': minimum: got 1, want 2"),
+        ({"router": {"autoscaling": {"minReplicas": 1}}}, "/router/autoscaling/minReplicas': minimum: got 1, want 2"),
+        ({"routr": {"replicas": 3}}, "additional properties 'routr' not allowed"),
+        ({"prefill": {"connector": "rdma"}}, "/prefill/connector': value must be one of 'tandem', 'nixl', 'none'"),
+        ({"decode": {"kvTransprot": "tcp"}}, "additional properties 'kvTransprot' not allowed"),
         ({"clusterSecret": {"value": "short"}}, "at least 32 characters"),
-        ({"image": {"variant": "tpu"}}, "image.variant must be cpu or gpu"),
+        ({"image": {"variant": "tpu"}}, "/image/variant': value must be one of 'cpu', 'gpu'"),
         ({"decode": {"port": 8200}}, "prefill.port and decode.port must be equal"),
         ({"redis": {"bundled": False}}, "set redis.url or redis.existingSecret"),
     ],
@@ -776,6 +781,19 @@ def test_gpu_check_catches_gpu_values_without_gpus(rendered: dict[str, list[Obj]
 def test_chart_refuses(overrides: Obj, message: str) -> None:
     with pytest.raises(HelmRefused, match=message):
         render("values-cpu.yaml", overrides)
+
+
+def test_values_schema_names_what_the_processes_accept() -> None:
+    """values.schema.json's enums are the settings' own choices, so the chart refuses what a node or a
+    router would refuse at start, and nothing they accept."""
+    from kv_transfer import ConnectorKind
+    from router.policies import PolicyName
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    node = schema["$defs"]["node"]["properties"]
+    assert node["connector"]["enum"] == [c.value for c in ConnectorKind]
+    assert tuple(node["kvTransport"]["enum"]) == get_args(NodeSettings.model_fields["kv_transport"].annotation)
+    assert schema["properties"]["router"]["properties"]["policy"]["enum"] == [p.value for p in PolicyName]
 
 
 def test_router_autoscaler_has_no_fixed_count_and_a_fixed_one_without_it() -> None:
