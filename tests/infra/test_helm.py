@@ -18,7 +18,8 @@ Invariants (each a function returning its problems, [] when it holds)
     - prefill and decode run one image, tagged ``<appVersion>-<variant>``;
     - the router has at least 2 replicas (or an autoscaler whose floor is 2);
     - every probe's port is a port its container declares;
-    - every Secret a pod references is rendered, with the key asked for;
+    - every Secret a pod references is rendered, with the key asked for, and each key reaches only the
+      components that use it (the cluster secret: nodes and routers; the database URL: routers);
     - the drain: the router has a preStop and a grace period that covers it plus the longest stream; the
       nodes drain on SIGTERM (the agent deregisters, waits for requests and leases: drain_timeout_s; then
       vLLM's --shutdown-timeout inside the agent's stop window) within their grace period;
@@ -257,6 +258,29 @@ def check_secret_refs(objs: list[Obj], external: frozenset[str] = frozenset()) -
                     problems.append(
                         f"{w['metadata']['name']}/{c['name']} {e['name']}: Secret {ref['name']} has no {ref['key']}"
                     )
+    return problems
+
+
+# Which components may read which Secret key: each process gets the credentials it uses, no more.
+SECRET_SCOPE = {
+    "cluster-secret": {"prefill", "decode", "router"},  # the KV wire's HMAC: nodes and the routers' control calls
+    "redis-url": {"prefill", "decode", "router", "lake-writer"},
+    "database-url": {"router"},  # keys, tenants, sessions
+    "redis-password": {"redis"},
+    "postgres-password": {"postgresql"},
+}
+
+
+def check_secret_scope(objs: list[Obj]) -> list[str]:
+    problems = []
+    for w in workloads(objs):
+        for c in containers(w):
+            for e in c.get("env", []):
+                ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+                if ref is not None and component(w) not in SECRET_SCOPE.get(ref["key"], set()):
+                    problems.append(f"{component(w)} reads Secret key {ref['key']}, which is not its to read")
+            if c.get("envFrom"):
+                problems.append(f"{component(w)} takes a whole Secret or ConfigMap (envFrom)")
     return problems
 
 
@@ -531,6 +555,7 @@ def all_problems(objs: list[Obj], values_file: str) -> list[str]:
         *check_router_replicas(objs),
         *check_probe_ports(objs),
         *check_secret_refs(objs),
+        *check_secret_scope(objs),
         *check_drain(objs),
         *check_network_policies(objs),
         *check_settings_env(objs),
@@ -637,6 +662,18 @@ MUTATIONS: dict[str, tuple[Callable[[list[Obj]], None], Callable[[list[Obj]], li
             "secretKeyRef"
         ].update(key="secret"),
         check_secret_refs,
+    ),
+    "cluster secret handed to the lake writer": (
+        lambda o: containers(by_component(o, "lake-writer"))[0]["env"].append(
+            env_of(containers(by_component(o, "router"))[0])["TANDEM_CLUSTER_SECRET"]
+        ),
+        check_secret_scope,
+    ),
+    "database URL handed to a decode node": (
+        lambda o: containers(by_component(o, "decode"))[0]["env"].append(
+            env_of(containers(by_component(o, "router"))[0])["TANDEM_DATABASE_URL"]
+        ),
+        check_secret_scope,
     ),
     "router preStop removed": (lambda o: containers(by_component(o, "router"))[0].pop("lifecycle"), check_drain),
     "router grace shorter than a stream": (

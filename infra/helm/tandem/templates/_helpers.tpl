@@ -79,9 +79,9 @@ args: root, secret (name), key, given
 {{- end -}}
 {{- end -}}
 
-{{/* Environment every Tandem process shares: the one Redis URL and the cluster secret, and a writable
-HOME (the pods run as a user the image need not know; vLLM, torch and Hugging Face cache under it). */}}
-{{- define "tandem.commonEnv" -}}
+{{/* Environment every Tandem process has: the one Redis URL, and a writable HOME (the pods run as a user
+the image need not know; vLLM, torch and Hugging Face cache under it). */}}
+{{- define "tandem.redisEnv" -}}
 - name: HOME
   value: /tmp
 - name: TANDEM_REDIS_URL
@@ -89,6 +89,11 @@ HOME (the pods run as a user the image need not know; vLLM, torch and Hugging Fa
     secretKeyRef:
       name: {{ include "tandem.redisSecretName" . }}
       key: redis-url
+{{- end -}}
+
+{{/* ... and for the processes on the KV wire (nodes, routers), the cluster secret. */}}
+{{- define "tandem.commonEnv" -}}
+{{ include "tandem.redisEnv" . }}
 - name: TANDEM_CLUSTER_SECRET
   valueFrom:
     secretKeyRef:
