@@ -28,6 +28,19 @@ def redis_url(*, db: int | None = None) -> str:
     return url if db is None else with_db(url, db)
 
 
+def redacted(url: str) -> str:
+    """``url`` fit for a log line: a password in it (``redis://:secret@host``, as a Kubernetes Secret
+    hands it over) becomes ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
+    netloc = f"{user}***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
 def with_db(url: str, db: int) -> str:
     """``url`` pointing at database ``db`` of the same server (``redis://h:p/0`` -> ``redis://h:p/9``)."""
     parts = urlsplit(url)

@@ -20,8 +20,11 @@ class EngineSnapshot:
     prompt_tokens_by_source: dict[str, float]
     """vllm:prompt_tokens_by_source_total: local_compute / local_cache_hit / external_kv_transfer."""
     generation_tokens: float
+    leases_active: int = 0
+    """tandem_kv_leases_active: KV leases the engine's connector holds for decode nodes (prefill side)."""
 
 
+LEASES = "tandem_kv_leases_active"
 _WANTED = frozenset(
     {
         "vllm:num_requests_running",
@@ -46,7 +49,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
     by_source: dict[str, float] = {}
     blocks = block_size = 0
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        if not line.startswith(("vllm:", LEASES)):
             continue  # comments (# HELP, # TYPE), other exporters' samples
         end = len(line)
         for sep in ("{", " "):
@@ -54,7 +57,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
             if 0 <= i < end:
                 end = i
         name = line[:end]
-        if name not in _WANTED:
+        if name not in _WANTED and name != LEASES:
             continue
         labels: dict[str, str] = {}
         rest = line[end:]
@@ -83,6 +86,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
         block_size=block_size,
         prompt_tokens_by_source=by_source,
         generation_tokens=values.get("vllm:generation_tokens_total", 0.0),
+        leases_active=int(values.get(LEASES, 0)),
     )
 
 

@@ -78,6 +78,11 @@ class NodeSettings(BaseSettings):
     stops restarting, marks the node unhealthy and exits non-zero, instead of looping."""
     failure_window_s: float = 600.0
     """Sliding window in which ``max_failures`` is counted; older failures are forgotten."""
+    drain_timeout_s: float = 0.0
+    """On SIGTERM/SIGINT, after deregistering (routers stop sending within their next registry read):
+    how long to wait, at most, for the engine to finish its requests and for its KV leases to end (the
+    decode nodes pulling what it prefilled) before stopping it. 0: stop it at once. Kubernetes pods
+    set it below their grace period (infra/helm)."""
     health_timeout_s: float = 5.0
     """Timeout of one probe of the engine (GET /health and /metrics)."""
     health_failures: int = 3

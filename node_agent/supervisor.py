@@ -16,7 +16,7 @@ it never saw the id leave the registry.
                                                ▼
                                            UNHEALTHY: deregistered, status record says so, exit 3
 
-    any state ── SIGTERM / SIGINT ──▶ deregister, stop the engine's group, STOPPED, exit 0
+    any state ── SIGTERM / SIGINT ──▶ deregister, [drain], stop the engine's group, STOPPED, exit 0
 
 Failures. An engine *fails* when it exits while serving, exits or times out during start-up, or
 *hangs*: ``health_failures`` probes in a row fail (a probe is GET /health plus GET /metrics, each
@@ -230,11 +230,40 @@ class EngineSupervisor:
                 # Routers stop sending before anything else happens to the engine.
                 with contextlib.suppress(StoreError):
                     await self.registry.deregister(s.node_id)
+                if outcome.ending is Ending.STOP and s.drain_timeout_s > 0:
+                    await self._drain(engine, client)
             if outcome.hung:
                 await asyncio.to_thread(engine.kill)
             else:
                 await asyncio.to_thread(engine.stop)
             self.engine = None
+
+    async def _drain(self, engine: Engine, client: httpx.AsyncClient) -> None:
+        """Stopping, deregistered: let the engine finish what it runs and its leases end (decode nodes
+        pull what it prefilled) before it is stopped, for at most ``drain_timeout_s``. An engine that
+        stops answering or exits ends the wait."""
+        s = self.settings
+        deadline = time.monotonic() + s.drain_timeout_s
+        while engine.exited() is None:
+            try:
+                snap = await asyncio.wait_for(read_snapshot(client, s.url), s.health_timeout_s)
+            except (UpstreamError, TimeoutError):
+                return
+            if snap.running + snap.waiting + snap.leases_active == 0:
+                log.info("node %s drained", s.node_id)
+                return
+            if time.monotonic() > deadline:
+                log.warning(
+                    "node %s: drain timed out after %.0f s with %d running, %d waiting, %d leases",
+                    s.node_id,
+                    s.drain_timeout_s,
+                    snap.running,
+                    snap.waiting,
+                    snap.leases_active,
+                )
+                return
+            # Polling a child that has no completion callback (the stop event is already set).
+            await asyncio.sleep(0.2)
 
     async def _next_epoch(self) -> int:
         try:

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from contracts.config import DEFAULT_LAKE_DIR, LAKE_DIR_ENV, lake_dir
+from contracts.config import DEFAULT_LAKE_DIR, LAKE_DIR_ENV, lake_dir, redacted
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import StoreError
 from telemetry.emitter import DEFAULT_STREAM_PREFIX
@@ -154,7 +154,7 @@ def consume(
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         _console.print(
-            f"consuming {', '.join(cfg.tables)} from {redis_url} into {lake} as {group}/{consumer} "
+            f"consuming {', '.join(cfg.tables)} from {redacted(redis_url)} into {lake} as {group}/{consumer} "
             f"(CPU priority: {priority})"
         )
         total = writer.run(stop, recover_every_s=recover_every_s)

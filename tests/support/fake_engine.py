@@ -8,25 +8,28 @@ stopped, hold ports, and leave helpers behind.
 --helper       also start a helper process in the same process group that listens on P+2 (like
                vLLM's engine core holding a side port), so killing only the leader leaves it behind
 --busy         report one running request whose token counters never move (a stalled engine)
+--busy-until F report one running request and one KV lease until file F exists (a node draining)
 --exit-status  exit with this status at once (an engine that cannot start)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
 import time
 
 
-def _metrics(busy: bool) -> str:
+def _metrics(busy: bool, leases: int = 0) -> str:
     return (
         f'vllm:num_requests_running{{model_name="fake"}} {1 if busy else 0}\n'
         'vllm:num_requests_waiting{model_name="fake"} 0\n'
         'vllm:kv_cache_usage_perc{model_name="fake"} 0.0\n'
         'vllm:generation_tokens_total{model_name="fake"} 7\n'
         'vllm:cache_config_info{block_size="16",num_gpu_blocks="64"} 1.0\n'
+        f'tandem_kv_leases_active{{engine="0",model_name="fake"}} {float(leases)}\n'
     )
 
 
@@ -35,6 +38,7 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--helper", action="store_true")
     p.add_argument("--busy", action="store_true")
+    p.add_argument("--busy-until", default=None)
     p.add_argument("--exit-status", type=int, default=None)
     p.add_argument("--listen-only", action="store_true", help="(internal) the helper: hold the port, sleep")
     a = p.parse_args()
@@ -59,9 +63,14 @@ def main() -> None:
 
     from bench.standin_engine import StandInEngine
 
+    def draining() -> bool:
+        return a.busy_until is not None and not os.path.exists(a.busy_until)
+
     app = StandInEngine().app
     app.router.routes += [
-        Route("/metrics", lambda _: PlainTextResponse(_metrics(a.busy)), methods=["GET"]),
+        Route(
+            "/metrics", lambda _: PlainTextResponse(_metrics(a.busy or draining(), int(draining()))), methods=["GET"]
+        ),
         Route("/v1/models", lambda _: JSONResponse({"data": [{"id": "fake", "max_model_len": 512}]}), methods=["GET"]),
     ]
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning", access_log=False)
