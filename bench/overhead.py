@@ -16,7 +16,7 @@ Load, per arm and round:
     2. Our agent workload (multi-turn sessions that resend a growing context, SSE), a new salt for
        every arm and round.
 Rounds alternate the arm order (plain, peer, node, tandem, then reversed). Router CPU per request is
-the router process's user+system time over the ``vllm bench serve`` part divided by its requests
+the user+system time of the router processes (every replica) over the ``vllm bench serve`` part divided by its requests
 (background work included: a router that idles expensively pays for it here).
 
 The router's own ceiling: SSE chunks relayed per second with the router on one core, over the labelled
@@ -114,13 +114,13 @@ def _cpu_s(pid: int) -> float:
 
 
 class _CpuMeter:
-    """Samples a process tree's CPU seconds every 100 ms in a thread, so that its CPU over any window
-    of the run can be read afterwards."""
+    """Samples the CPU seconds of one or more process trees (every router replica) every 100 ms in a
+    thread, so that their CPU over any window of the run can be read afterwards."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, *pids: int) -> None:
         import threading
 
-        self.pid = pid
+        self.pids = pids
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
@@ -128,13 +128,16 @@ class _CpuMeter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic(), _cpu_s(self.pid)))
+            self.samples.append((time.monotonic(), self._total()))
             self._stop.wait(0.1)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append((time.monotonic(), _cpu_s(self.pid)))
+        self.samples.append((time.monotonic(), self._total()))
+
+    def _total(self) -> float:
+        return sum(_cpu_s(pid) for pid in self.pids)
 
     def between(self, start: float, end: float) -> float:
         """CPU seconds used between two monotonic times (to the nearest samples)."""
@@ -150,7 +153,8 @@ class Served:
 
     url: str
     model: str
-    router_pid: int | None = None
+    router_pids: tuple[int, ...] = ()
+    """Every router replica's process (their CPU is summed)."""
 
 
 @contextlib.contextmanager
@@ -200,7 +204,7 @@ def serve_arm(arm: str, cfg: OverheadBenchConfig, slot: int) -> Iterator[Served]
                 workers=[PeerWorker(url, "", "")],
             ) as peer:
                 assert peer.proc is not None
-                yield Served(peer.url, model, router_pid=peer.proc.pid)
+                yield Served(peer.url, model, router_pids=(peer.proc.pid,))
             return
     spec = ClusterSpec(
         prefill=0,
@@ -219,8 +223,8 @@ def serve_arm(arm: str, cfg: OverheadBenchConfig, slot: int) -> Iterator[Served]
         if arm == "node":
             yield Served(node_url, model)
         else:
-            router = next(p for name, p in cluster.procs if name == "router")
-            yield Served(cluster.url, model, router_pid=router.pid)
+            routers = tuple(p.pid for name, p in cluster.procs if name.startswith("router"))
+            yield Served(cluster.url, model, router_pids=routers)
 
 
 # -- load ---------------------------------------------------------------------------------------------
@@ -269,7 +273,7 @@ def vllm_bench_serve(served: Served, cfg: OverheadBenchConfig, seed: int, out_di
         "--disable-tqdm",
     ]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    meter = _CpuMeter(served.router_pid) if served.router_pid else None
+    meter = _CpuMeter(*served.router_pids) if served.router_pids else None
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     ended = time.monotonic()
     if meter is not None:

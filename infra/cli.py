@@ -41,6 +41,14 @@ def up(
     colocated: Annotated[bool, typer.Option(help="Colocated mode: one `both` node, no P/D pair.")] = False,
     model: Annotated[str | None, typer.Option(help="Model folder (default: prepared SmolLM2-135M-Instruct).")] = None,
     port: Annotated[int, typer.Option(help="Router port.")] = 8000,
+    routers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Router replicas sharing the port (SO_REUSEPORT): if one dies the other keeps serving while it "
+            "restarts. Each holds about 0.7 GB.",
+        ),
+    ] = 2,
     node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 8100,
     redis_url: Annotated[
         str | None,
@@ -84,6 +92,7 @@ def up(
         both=both,
         model=model,
         router_port=port,
+        routers=routers,
         node_base_port=node_base_port,
         redis_url=redis_url,
         dtype=dtype,

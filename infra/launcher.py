@@ -1,5 +1,6 @@
 """``tandem up``: a whole cluster on this machine (Redis if needed, N prefill, M decode, K colocated
-nodes, one router, the lake writer) as child processes, kept up, stopped together on Ctrl-C / SIGTERM.
+nodes, two router replicas sharing one port, the lake writer) as child processes, kept up, stopped
+together on Ctrl-C / SIGTERM.
 
 Also the fixture behind the end-to-end tests and benchmarks, which need the same real processes.
 
@@ -119,6 +120,9 @@ class ClusterSpec:
     startup_timeout_s: float = 600.0
     extra_node_args: tuple[str, ...] = ()
     router_env: tuple[tuple[str, str], ...] = ()
+    routers: int = 2
+    """Router replicas sharing router_port (SO_REUSEPORT): one that dies, or restarts, leaves the other
+    serving. The first is named ``router``, the others ``router-1``..."""
 
     @property
     def roles(self) -> list[Role]:
@@ -239,7 +243,12 @@ class Cluster:
                 args += ["--engine-arg", extra]
             both_slot += role is Role.BOTH
             self._spawn(node_id, args)
-        self.add_router(spec.router_port, spec.policy, name="router")
+        if spec.routers < 1:
+            raise ConfigError("a cluster needs at least one router")
+        for i in range(spec.routers):
+            self.add_router(
+                spec.router_port, spec.policy, name="router" if i == 0 else f"router-{i}", reuse_port=spec.routers > 1
+            )
         # The slow path never takes CPU from the fast path: the writer runs SCHED_IDLE on any core
         # (every core belongs to an engine here), only where an engine would leave it idle.
         self._spawn(
@@ -258,13 +267,15 @@ class Cluster:
             ],
         )
 
-    def add_router(self, port: int, policy: str | None, name: str | None = None) -> str:
+    def add_router(self, port: int, policy: str | None, name: str | None = None, *, reuse_port: bool = False) -> str:
         """Start a router process over this cluster's registry (the cluster's own, or another replica
         with its own policy, e.g. for a benchmark); returns its base URL. Every replica subscribes to
         the nodes' KV events itself. Stopped with the cluster."""
         args = ["router", "--port", str(port), "--redis-url", self.redis_url]
         if policy is not None:
             args += ["--policy", policy]
+        if reuse_port:
+            args.append("--reuse-port")
         self._spawn(
             name or f"router-{port}",
             args,

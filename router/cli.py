@@ -18,6 +18,13 @@ def router(
     port: Annotated[int | None, typer.Option(help="HTTP port of the OpenAI-compatible API (default 8000).")] = None,
     redis_url: Annotated[str | None, typer.Option(help="Registry Redis (default: $TANDEM_REDIS_URL).")] = None,
     policy: Annotated[PolicyName | None, typer.Option(help="Routing policy (default cache_aware).")] = None,
+    reuse_port: Annotated[
+        bool | None,
+        typer.Option(
+            "--reuse-port/--no-reuse-port",
+            help="Share the port with other router replicas on this host (SO_REUSEPORT; default off).",
+        ),
+    ] = None,
     log_level: str = "info",
 ) -> None:
     """Run the router: OpenAI API (SSE), P/D orchestration over the nodes in the registry.
@@ -37,8 +44,8 @@ def router(
     from router.settings import RouterSettings
 
     setup_logging(log_level)
-    given: dict[str, Any] = dict(host=host, port=port, redis_url=redis_url, policy=policy)
+    given: dict[str, Any] = dict(host=host, port=port, redis_url=redis_url, policy=policy, reuse_port=reuse_port)
     settings = RouterSettings(**{k: v for k, v in given.items() if v is not None})
     with clean_errors():
         app_ = create_app(settings)
-    serve(app_, host=settings.host, port=settings.port, log_level=log_level)
+    serve(app_, host=settings.host, port=settings.port, log_level=log_level, reuse_port=settings.reuse_port)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from types import FrameType
 from typing import Any
 
@@ -41,7 +42,17 @@ class RouterServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._wake.set)
 
 
-def serve(app: Any, *, host: str, port: int, log_level: str) -> None:
-    """Run ``app`` until SIGINT or SIGTERM."""
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on (host, port) that other processes of this user may bind too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def serve(app: Any, *, host: str, port: int, log_level: str, reuse_port: bool = False) -> None:
+    """Run ``app`` until SIGINT or SIGTERM; with ``reuse_port``, on a port shared with other replicas."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, proxy_headers=False)
-    RouterServer(config).run()
+    RouterServer(config).run(sockets=[shared_socket(host, port)] if reuse_port else None)

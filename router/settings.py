@@ -31,6 +31,10 @@ class RouterSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    reuse_port: bool = False
+    """Bind with SO_REUSEPORT, so several router replicas on one host share ``port``: the kernel spreads
+    new connections over the live ones, and a replica that dies takes only its own streams with it
+    (``tandem up`` runs two). Linux only lets processes of the same user share a port this way."""
     redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=REDIS_URL_ENV)
     policy: PolicyName = PolicyName.CACHE_AWARE
     """cache_aware (default), least_loaded or round_robin (router.policies)."""

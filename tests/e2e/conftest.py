@@ -64,6 +64,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
             REDIS_E2E_URL,
             "--workdir",
             str(workdir),
+            # One router: tests read its /metrics and /cluster, which two replicas would split between
+            # them (tests/router/test_router_replicas.py covers replicas).
+            "--routers",
+            "1",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

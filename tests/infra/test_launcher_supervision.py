@@ -69,8 +69,10 @@ class Up:
         return procs
 
     def child(self, needle: str) -> psutil.Process:
-        [p] = [p for p in self.descendants() if needle in " ".join(p.cmdline())]
-        return p
+        """The child whose command line holds ``needle``; of several (router replicas), the first started."""
+        matches = [p for p in self.descendants() if needle in " ".join(p.cmdline())]
+        assert matches, f"no child {needle!r}"
+        return min(matches, key=lambda p: (p.create_time(), p.pid))
 
     def epoch(self) -> int:
         raw = redis.Redis.from_url(REDIS_URL).get(node_key(self.node_id))
