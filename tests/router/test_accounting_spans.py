@@ -11,18 +11,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from router.accounting import Accounting
 from router.app import create_app
 from router.metrics import RouterMetrics
-from router.orchestrator import RequestTrace
 from router.settings import RouterSettings
-
-
-def _pd_trace() -> RequestTrace:
-    t = 1_800_000_000.0
-    tr = RequestTrace(request_id="chatcmpl-spans", kind="chat", model="m", arrival=t)
-    tr.mode, tr.prefill_node, tr.decode_node, tr.decode_role = "disaggregated", "p0", "d0", "decode"
-    tr.routed, tr.prefill_start, tr.prefill_end = t + 0.002, t + 0.003, t + 0.2
-    tr.transfer = {"bytes": 1 << 20, "seconds": 0.03, "transport": "tcp", "start": t + 0.205, "end": t + 0.235}
-    tr.first_token, tr.finish = t + 0.26, t + 1.0
-    return tr
+from tests.telemetry.test_tracing import _pd_trace
 
 
 def test_a_finished_request_becomes_one_trace_in_order() -> None:
@@ -41,7 +31,7 @@ def test_a_finished_request_becomes_one_trace_in_order() -> None:
         "tandem.stream",
     ]
     assert len({s.context.trace_id for s in spans}) == 1
-    assert spans[0].attributes["request_id"] == "chatcmpl-spans"
+    assert spans[0].attributes["request_id"] == "chatcmpl-1"
 
 
 def test_no_endpoint_no_tracer_and_an_endpoint_a_tracer(redis_unit_url: str) -> None:
