@@ -110,6 +110,15 @@ class RateLimited(RequestError):
         self.retry_after = retry_after
 
 
+class ClientStalled(RequestError):
+    """The client read nothing of its stream for the router's send timeout: the stream is cut so that
+    the node slot and the engine request it holds go back (a client that never reads must not keep
+    them). Never sent to the client, who is not reading; it is what the record says."""
+
+    status_code = 408
+    code = "client_stalled"
+
+
 class Unavailable(TandemError):
     status_code = 503
     error_type = "service_unavailable"

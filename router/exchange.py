@@ -232,6 +232,7 @@ class Exchange:
             include_usage,
             self._relayed,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+            send_timeout_s=self.settings.client_send_timeout_s,
         )
 
     def _relayed(self, status: str, error: TandemError | None) -> None:

@@ -23,12 +23,15 @@ the upstream connection's own callback, with no task wake-up per chunk. The ASGI
 hand; it completes at once unless the server holds the write because the client reads slowly. Then
 reading from the engine pauses, a task finishes that send and any batches already parsed, and reading
 resumes: a slow client slows its own engine stream and never makes the router buffer without bound.
+A client that takes nothing for ``send_timeout_s`` (``TANDEM_ROUTER_CLIENT_SEND_TIMEOUT_S``) has its
+stream cut (``ClientStalled``, recorded, never sent): otherwise it would hold its node slot forever.
 Other sources (tests) are pulled with ``async for``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -37,11 +40,12 @@ import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Send
 
-from contracts.errors import TandemError
+from contracts.errors import ClientStalled, TandemError
 from router.openai_errors import error_from_exception
 from router.orchestrator import RequestTrace, record_usage
 from router.sse_upstream import SseStream
 
+log = logging.getLogger("tandem.router.sse")
 _encode = msgspec.json.Encoder().encode
 
 
@@ -156,8 +160,11 @@ class RelayResponse(StreamingResponse):
         include_usage: bool,
         on_finish: OnFinish,
         headers: dict[str, str] | None = None,
+        send_timeout_s: float | None = None,
     ) -> None:
         self.batches = batches
+        self.send_timeout_s = send_timeout_s
+        """Longest one write may wait on a client that does not read (None: no bound)."""
         self.state = _Relay(trace, include_usage)
         self.on_finish = on_finish
         self.status_code = 200
@@ -180,14 +187,24 @@ class RelayResponse(StreamingResponse):
                     await self._push(source, send)
                 else:
                     async for payloads in source:
-                        await self._write(send, payloads)
+                        await self._bounded(self._write(send, payloads))
                 end = _DONE
+            except ClientStalled as exc:
+                # It reads nothing, so no error event could reach it: end here, without the final write
+                # (uvicorn then closes the connection); ``finally`` records why.
+                status, error = "error", exc
+                log.warning("%s: %s", state.trace.request_id, exc.message)
+                return
             except TandemError as exc:
                 # As OpenAI ends a stream that fails after its status line: an error event, then [DONE],
                 # so a client's SSE loop ends normally instead of on a cut connection.
                 status, error = "error", exc
                 end = sse_event(error_from_exception(exc)) + _DONE
-            await send({"type": "http.response.body", "body": end, "more_body": False})
+            try:
+                await self._bounded(send({"type": "http.response.body", "body": end, "more_body": False}))
+            except ClientStalled as exc:  # everything went out but the end, which it does not take
+                status, error = "error", exc
+                log.warning("%s: %s", state.trace.request_id, exc.message)
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
             raise
@@ -241,11 +258,15 @@ class RelayResponse(StreamingResponse):
     ) -> None:
         """Run a send that suspended (the server's flow control) to its end, then the backlog; then
         read from the engine again."""
+        deadline = None if self.send_timeout_s is None else time.monotonic() + self.send_timeout_s
         try:
             while True:
                 if isinstance(blocker, asyncio.Future):
                     blocker._asyncio_future_blocking = False  # as a Task does with what a coroutine yields
-                    await asyncio.wait([blocker])  # without taking its result: the send reads it below
+                    # Without taking its result: the send reads it below.
+                    done, _ = await asyncio.wait([blocker], timeout=self._time_left(deadline))
+                    if not done:
+                        raise self._stalled()
                 else:  # a bare yield
                     await asyncio.sleep(0)
                 try:
@@ -253,7 +274,7 @@ class RelayResponse(StreamingResponse):
                 except StopIteration:
                     break
             while self._backlog:
-                await self._write(send, self._backlog.pop(0))
+                await self._bounded(self._write(send, self._backlog.pop(0)), deadline)
         except asyncio.CancelledError:
             pending.close()
             raise
@@ -264,6 +285,23 @@ class RelayResponse(StreamingResponse):
         finally:
             self._draining = None
         source.resume()
+
+
+    def _stalled(self) -> ClientStalled:
+        return ClientStalled(f"the client read nothing for {self.send_timeout_s:g} s; stream cut")
+
+    @staticmethod
+    def _time_left(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    async def _bounded(self, write: Coroutine[Any, Any, None], deadline: float | None = None) -> None:
+        """One write, within the send timeout (from ``deadline`` when given, else from now)."""
+        if deadline is None and self.send_timeout_s is not None:
+            deadline = time.monotonic() + self.send_timeout_s
+        try:
+            await asyncio.wait_for(write, self._time_left(deadline))
+        except TimeoutError:
+            raise self._stalled() from None
 
 
 def _body(data: bytes) -> Message:

@@ -80,15 +80,19 @@ async def standin_cluster(
     *,
     dead: dict[str, Role] | None = None,
     policy: str = "cache_aware",
+    engine: dict[str, object] | None = None,
+    router: dict[str, object] | None = None,
+    max_model_len: int = 4096,
     **admission: object,
 ) -> AsyncIterator[StandInCluster]:
     """Stand-in engines for ``roles`` (node id → role), registered; a router over them, started.
     ``dead`` nodes are registered at a loopback port nobody listens on (a node whose engine is gone).
-    ``admission`` overrides ``AdmissionSettings`` fields (``node_max_concurrency=1``, ...)."""
+    ``admission`` overrides ``AdmissionSettings`` fields (``node_max_concurrency=1``, ...); ``engine``
+    ``StandInEngine`` fields (``stream_tokens``, ...) and ``router`` ``RouterSettings`` fields."""
     tag = uuid.uuid4().hex[:10]
     model, prefix = f"standin-{tag}", f"test-{tag}:"
     node_ids = {name: f"{name}-{tag}" for name in [*roles, *(dead or {})]}
-    engines = {name: StandInEngine() for name in roles}
+    engines = {name: StandInEngine(**(engine or {})) for name in roles}  # type: ignore[arg-type]
     settings = AdmissionSettings(
         redis_url=REDIS_URL,
         key_prefix=prefix,
@@ -108,7 +112,7 @@ async def standin_cluster(
                 model=model,
                 url=urls[name],
                 block_size=16,
-                max_model_len=4096,
+                max_model_len=max_model_len,
                 kv_connector="nixl" if role is not Role.BOTH else "none",
             )
             for name, role in [*roles.items(), *(dead or {}).items()]
@@ -116,10 +120,15 @@ async def standin_cluster(
         stack.push_async_callback(delete_prefix, REDIS_URL, prefix)
         stack.push_async_callback(_deregister, list(node_ids.values()))
         await _register(nodes)
-        router = RouterSettings(
-            redis_url=REDIS_URL, registry_refresh_s=60, telemetry=False, admission=settings, policy=policy
+        router_settings = RouterSettings(
+            redis_url=REDIS_URL,
+            registry_refresh_s=60,
+            telemetry=False,
+            admission=settings,
+            policy=policy,
+            **(router or {}),  # type: ignore[arg-type]
         )
-        url = stack.enter_context(ServerThread(create_app(router)))
+        url = stack.enter_context(ServerThread(create_app(router_settings)))
         yield StandInCluster(url=url, model=model, engines=engines, node_ids=node_ids, admission=settings)
 
 
