@@ -286,7 +286,6 @@ class RelayResponse(StreamingResponse):
             self._draining = None
         source.resume()
 
-
     def _stalled(self) -> ClientStalled:
         return ClientStalled(f"the client read nothing for {self.send_timeout_s:g} s; stream cut")
 

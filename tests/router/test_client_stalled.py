@@ -69,8 +69,8 @@ async def test_a_client_that_stops_reading_is_cut_and_its_slot_returned(tmp_path
             # The router goes on serving: another client's whole answer.
             async with httpx.AsyncClient(timeout=30) as client:
                 resp = await client.post(f"{c.url}/v1/chat/completions", json=c.chat("hi", max_tokens=4))
+                page = (await client.get(f"{c.url}/metrics")).text
             assert resp.status_code == 200
-            page = httpx.get(f"{c.url}/metrics", timeout=10).text
             assert metric(page, "tandem_errors_total", type="ClientStalled") == 1.0
         finally:
             sock.close()
