@@ -276,11 +276,14 @@ class Cluster:
             args += ["--policy", policy]
         if reuse_port:
             args.append("--reuse-port")
-        self._spawn(
-            name or f"router-{port}",
-            args,
-            {"TANDEM_SQLITE_PATH": str(self.spec.workdir / "tandem.db"), **dict(self.spec.router_env)},
-        )
+        name = name or f"router-{port}"
+        env = {
+            "TANDEM_SQLITE_PATH": str(self.spec.workdir / "tandem.db"),
+            # Its own journal, kept across its restarts: a restarted replica sends what the dead one had not.
+            "TANDEM_ROUTER_TELEMETRY_JOURNAL_DIR": str((self.spec.workdir / "journal" / name).resolve()),
+            **dict(self.spec.router_env),
+        }
+        self._spawn(name, args, env)
         return f"http://127.0.0.1:{port}"
 
     def live_node_ids(self) -> set[str]:

@@ -167,7 +167,9 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         if settings.telemetry:
             emitter = Emitter(
                 EmitterConfig(
-                    redis_url=settings.telemetry_redis_url or settings.redis_url, source=f"router-{settings.port}"
+                    redis_url=settings.telemetry_redis_url or settings.redis_url,
+                    source=f"router-{settings.port}",
+                    journal_dir=settings.telemetry_journal_dir,
                 ),
                 metrics=metrics.common,
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -55,6 +56,11 @@ class RouterSettings(BaseSettings):
     """Emit a per-request record to the slow path (Redis Stream -> Parquet lake)."""
     telemetry_redis_url: str | None = None
     """Redis for telemetry streams; None uses redis_url."""
+    telemetry_journal_dir: Path | None = None
+    """Journal of this router's telemetry (``telemetry.journal``): records of a router killed before it
+    flushed are sent by the next one started with the same directory. One directory per replica
+    (``tandem up`` gives each its own); None: no journal, the last half second of records dies with
+    the process."""
     otlp_traces_endpoint: str | None = None
     """OTLP/HTTP endpoint (``http://host:4318/v1/traces``) that receives each finished request's spans
     (``telemetry.tracing``: route, prefill, transfer, decode, stream), exported in batches by a thread

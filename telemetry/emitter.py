@@ -31,8 +31,11 @@ Drops, each counted in ``tandem_telemetry_dropped_events_total{table,reason}``:
     invalid            unknown table, or a record whose values do not fit the schema
     closed             emit() after close()
 
-The emitter never retries a batch, so each event id reaches the stream at most once; the lake writer's
-de-duplication handles its own retries (see lake_writer).
+Without a journal the emitter never retries a batch, so each event id reaches the stream at most once;
+the lake writer's de-duplication handles its own retries (see lake_writer). With one (``journal_dir``,
+``telemetry.journal``), each event is also appended to a file as it is emitted, with its event id, and
+segments that did not reach Redis (Redis down, or the process killed before its flush) are sent again,
+by this process or the next one with the directory: at least once, and once per id in the lake.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -57,6 +61,7 @@ import redis
 from redis.exceptions import RedisError
 
 from contracts.config import DEFAULT_REDIS_URL
+from telemetry.journal import Journal, read_segment
 from telemetry.metrics import METRICS, TandemMetrics
 from telemetry.schemas import SCHEMA_VERSION, SCHEMAS, TIMESTAMP_FIELDS, TS
 
@@ -101,6 +106,12 @@ class EmitterConfig:
     """Redis connect and read timeout of the flusher."""
     max_backoff_s: float = 5.0
     """Longest pause between Redis attempts while Redis is down."""
+    journal_dir: Path | None = None
+    """Also append every event to files here (``telemetry.journal``), so that events of a process that
+    dies before flushing are sent by the next one started with the same directory; None: no journal.
+    One directory per process."""
+    journal_max_bytes: int = 256 << 20
+    """Most bytes of undelivered journal kept while Redis is down; beyond it the oldest are dropped."""
 
 
 def _struct_type(table: str) -> pa.StructType:
@@ -237,6 +248,16 @@ class Emitter:
         )
         self._xadd = self._redis.register_script(_XADD_BOUNDED)
         self._thread: threading.Thread | None = None
+        self._journal: Journal | None = None
+        self._journal_lock = threading.Lock()
+        self._undelivered: list[Path] = []
+        """Journal segments whose events did not reach Redis (or left by a dead predecessor): sent
+        again, oldest first, before anything newer."""
+        if cfg.journal_dir is not None:
+            self._journal = Journal(cfg.journal_dir, max_bytes=cfg.journal_max_bytes)
+            self._undelivered = list(self._journal.leftovers)
+            if self._undelivered:
+                log.info("telemetry journal: %d segments left by a previous process", len(self._undelivered))
         if start:
             self.start()
 
@@ -255,8 +276,26 @@ class Emitter:
         if len(q) >= self._capacity:
             self._drop(table, "buffer_full")
             return False
+        if self._journal is not None:
+            return self._emit_journaled(table, record)
         q.append((table, record, time.time()))
         if len(q) >= self._batch_size and not self._wake.is_set():
+            self._wake.set()
+        return True
+
+    def _emit_journaled(self, table: str, record: Mapping[str, Any]) -> bool:
+        # The id is fixed now, so that an event sent again from the journal is the same event.
+        if not record.get("event_id"):
+            record = {**record, "event_id": self._new_id()}
+        t = time.time()
+        with self._journal_lock:  # with flush's take-and-rotate: each event in the segment taken with it
+            assert self._journal is not None
+            try:
+                self._journal.append(table, record, t)
+            except (OSError, TypeError, ValueError) as exc:  # disk full, or a value msgpack cannot hold
+                log.warning("telemetry journal: %s event not journaled: %s", table, exc)
+            self._queue.append((table, record, t))
+        if len(self._queue) >= self._batch_size and not self._wake.is_set():
             self._wake.set()
         return True
 
@@ -295,6 +334,8 @@ class Emitter:
 
     def flush(self) -> int:
         """Send everything queued now (blocking; not for the fast path). Returns events sent."""
+        if self._journal is not None:
+            return self._flush_journaled()
         sent = 0
         with self._flush_lock:
             pending = len(self._queue)
@@ -312,6 +353,65 @@ class Emitter:
                 sent += self._send(items)
             self._metrics.telemetry_queue_length.set(len(self._queue))
         return sent
+
+    def _flush_journaled(self) -> int:
+        assert self._journal is not None
+        with self._flush_lock:
+            sent, delivered = self._resend_undelivered()
+            with self._journal_lock:
+                items = list(self._queue)
+                self._queue.clear()
+                segment = self._journal.rotate()
+            if not items:
+                self._journal.release(segment)
+                return sent
+            if delivered:  # nothing older waits: send in order
+                ok = True
+                for i in range(0, len(items), self._batch_size):
+                    n, batch_ok = self._deliver(items[i : i + self._batch_size])
+                    sent, ok = sent + n, ok and batch_ok
+            else:
+                ok = False
+                for table, _, _ in items:
+                    self._drop(table, "redis_unavailable")
+            if ok:
+                self._journal.release(segment)
+            else:
+                self._undelivered.append(segment)
+                self._undelivered, lost = self._journal.trim(self._undelivered)
+                if lost:
+                    self._drop("unknown", "journal_full", lost)
+            self._metrics.telemetry_queue_length.set(len(self._queue))
+        return sent
+
+    def _resend_undelivered(self) -> tuple[int, bool]:
+        """Send the kept segments, oldest first; stop at the first that fails. Returns events sent and
+        whether none is left."""
+        assert self._journal is not None
+        sent = 0
+        while self._undelivered:
+            if time.monotonic() < self._retry_at:
+                return sent, False
+            segment = self._undelivered[0]
+            events = list(read_segment(segment))
+            ok = True
+            for i in range(0, len(events), self._batch_size):
+                n, batch_ok = self._deliver(events[i : i + self._batch_size])
+                sent, ok = sent + n, ok and batch_ok
+                if not ok:
+                    break
+            if not ok:
+                return sent, False
+            self._journal.release(segment)
+            self._undelivered.pop(0)
+        return sent, True
+
+    def _deliver(self, items: list[tuple[str, Mapping[str, Any], float]]) -> tuple[int, bool]:
+        """``_send``, and whether Redis took the batch (refused as stream_full counts as taken: the
+        writer is far behind, and sending it again would not help)."""
+        retry_before = self._retry_at
+        n = self._send(items)
+        return n, not (self._retry_at > retry_before or (self._retry_at and time.monotonic() < self._retry_at))
 
     def _send(self, items: list[tuple[str, Mapping[str, Any], float]]) -> int:
         by_table: dict[str, tuple[list[Mapping[str, Any]], list[float]]] = {}
@@ -401,6 +501,9 @@ class Emitter:
         if left:
             self._queue.clear()
             self._drop("unknown", "closed", left)
+        if self._journal is not None:
+            # What was not delivered stays in the directory for the next process to send.
+            self._journal.close(delete_open=True)
         self._redis.close()
 
     async def aclose(self, timeout_s: float = 10.0) -> None:
