@@ -57,7 +57,8 @@ def up(
     dtype: Annotated[
         str | None,
         typer.Option(
-            help="Engine dtype of every node (default: the node's own setting, TANDEM_NODE_DTYPE, else bfloat16)."
+            help="Engine dtype of every node (default: the node's own setting, TANDEM_NODE_DTYPE, else auto: "
+            "bfloat16 where the CPU has native bf16, else float32)."
         ),
     ] = None,
     kv_cache_gib: Annotated[

@@ -44,7 +44,11 @@ def node(
         ),
     ] = None,
     dtype: Annotated[
-        str | None, typer.Option(help="bfloat16 (default), or float32 for bit-stable greedy output.")
+        str | None,
+        typer.Option(
+            help="auto (default: bfloat16 where the CPU has native bf16, else float32), bfloat16, or float32 "
+            "(bit-stable greedy output)."
+        ),
     ] = None,
     kv_cache_gib: Annotated[
         int | None, typer.Option(help="KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE; default 1).")

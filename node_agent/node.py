@@ -30,6 +30,7 @@ import decode_nodes
 import prefill_nodes
 from contracts.registry import NodeInfo, NodeRegistry, Role
 from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
+from node_agent.dtype import resolve_dtype
 from node_agent.engine_metrics import read_snapshot
 from node_agent.lifetime import die_with_parent, stop_group
 from node_agent.model import resolve_model
@@ -55,7 +56,7 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
         "--served-model-name",
         name,
         "--dtype",
-        settings.dtype,
+        resolve_dtype(settings.dtype),
         "--max-model-len",
         str(settings.max_model_len),
         "--enable-prefix-caching",

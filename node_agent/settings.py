@@ -49,8 +49,10 @@ class NodeSettings(BaseSettings):
     """Tandem connector: how long a decode node waits for one pull before prefilling itself."""
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     """When a pull fails: recompute the prompt on the decode node, or fail the request."""
-    dtype: str = "bfloat16"
-    """Weights/activations dtype. Tests use float32, where greedy outputs are bit-stable."""
+    dtype: str = "auto"
+    """Weights/activations dtype. ``auto``: bfloat16 where the CPU computes it natively (or on GPU
+    builds, vLLM's own choice), else float32 (``node_agent.dtype``). Tests use float32, where greedy
+    outputs are bit-stable."""
     max_model_len: int = 8192
     block_size: int | None = None
     """KV block size in tokens; None keeps the engine's default (128 on CPU)."""
