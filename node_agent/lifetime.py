@@ -54,14 +54,18 @@ def group_pids(pgid: int) -> list[int]:
     return pids
 
 
-def stopped_pids(pgid: int) -> list[int]:
-    """Members of group ``pgid`` that are stopped (SIGSTOP/SIGTSTP, state T)."""
-    out = []
+def group_state(pgid: int) -> tuple[list[int], float]:
+    """Members of group ``pgid`` that are stopped (state T), and the group's CPU seconds (user+system)
+    so far: one walk of the group for both of the supervisor's per-probe questions."""
+    stopped, cpu = [], 0.0
     for pid in group_pids(pgid):
         with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
-                out.append(pid)
-    return out
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_STOPPED:
+                stopped.append(pid)
+            t = p.cpu_times()
+            cpu += t.user + t.system
+    return stopped, cpu
 
 
 def signal_group(pgid: int, sig: signal.Signals) -> None:

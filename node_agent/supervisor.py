@@ -21,7 +21,10 @@ it never saw the id leave the registry.
 Failures. An engine *fails* when it exits while serving, exits or times out during start-up, or
 *hangs*: ``health_failures`` probes in a row fail (a probe is GET /health plus GET /metrics, each
 within ``health_timeout_s``), or it has requests running or waiting while its token counters stay
-still for ``stall_timeout_s``, or one of its processes is stopped (state T) for that long. vLLM's
+still for ``stall_timeout_s`` and it computes nothing (its process group uses under half a core), or
+for ``stall_compute_timeout_s`` whatever it computes (a long prefill step on a slow CPU moves no
+counter until it ends; a spinning deadlock never does), or one of its processes is stopped (state T)
+for ``stall_timeout_s``. vLLM's
 API server answers /health as long as the engine core has not *died*, so a stopped or deadlocked core
 is only visible through the last two. A core stopped while the engine is idle stays invisible until a
 request arrives; that request then stalls and is caught.
@@ -53,7 +56,7 @@ import httpx
 from contracts.errors import PortInUse, StoreError, UpstreamError
 from contracts.registry import NodeInfo, NodeLoad, NodeRegistry, NodeState, NodeStatus
 from node_agent.engine_metrics import read_snapshot
-from node_agent.lifetime import stopped_pids
+from node_agent.lifetime import group_state
 from node_agent.ports import check_ports_free
 from node_agent.settings import NodeSettings
 
@@ -61,6 +64,8 @@ log = logging.getLogger("tandem.node.supervisor")
 
 EXIT_UNHEALTHY = 3
 """Exit status of a node agent that gave up on its engine (``max_failures`` in the window)."""
+COMPUTING_CORES = 0.5
+"""CPU use (in cores) of the engine's process group above which it counts as computing."""
 
 
 class Engine(Protocol):
@@ -295,6 +300,8 @@ class EngineSupervisor:
         s = self.settings
         failed_probes = 0
         progress = (-1.0, time.monotonic())  # (token counter, when it last moved or the engine was idle)
+        computed_at = time.monotonic()  # when the engine's processes last used COMPUTING_CORES or more
+        cpu_mark: tuple[float, float] | None = None  # (group CPU seconds, when read)
         stopped_since: float | None = None
         while not stop.is_set():
             code = engine.exited()
@@ -322,13 +329,17 @@ class EngineSupervisor:
                 failed_probes = 0
                 tokens = snap.generation_tokens + sum(snap.prompt_tokens_by_source.values())
                 busy = snap.running + snap.waiting > 0
+                still = now - progress[1]
                 if not busy or tokens != progress[0]:
                     progress = (tokens, now)
-                elif now - progress[1] > s.stall_timeout_s:
+                elif still > s.stall_compute_timeout_s or (
+                    still > s.stall_timeout_s and now - computed_at > s.stall_timeout_s
+                ):
+                    doing = "computing" if now - computed_at <= s.stall_timeout_s else "idle CPU"
                     return Outcome(
                         Ending.FAILED,
                         f"hung: {snap.running} running, {snap.waiting} waiting and no "
-                        f"token for {now - progress[1]:.0f} s",
+                        f"token for {still:.0f} s ({doing})",
                         hung=True,
                     )
                 load = NodeLoad(
@@ -340,7 +351,14 @@ class EngineSupervisor:
                     # A missed beat is not fatal: the TTL covers a few; a dead engine is caught above.
                     log.warning("heartbeat skipped: %s", exc)
             pid = engine.pid
-            stopped = await asyncio.to_thread(stopped_pids, pid) if pid is not None else []
+            stopped, cpu = await asyncio.to_thread(group_state, pid) if pid is not None else ([], 0.0)
+            if (
+                cpu_mark is not None
+                and now > cpu_mark[1]
+                and (cpu - cpu_mark[0]) / (now - cpu_mark[1]) >= COMPUTING_CORES
+            ):
+                computed_at = now
+            cpu_mark = (cpu, now)
             if stopped:
                 stopped_since = stopped_since or now
                 if now - stopped_since > s.stall_timeout_s:

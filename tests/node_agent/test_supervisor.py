@@ -185,6 +185,20 @@ async def test_an_engine_with_requests_but_no_progress_counts_as_hung(redis_unit
     async with agent(redis_unit_url, lambda n: ["--busy"] if n == 1 else []) as a:
         await until(lambda: a.epoch_at_least(2), 30, "restart of the stalled engine")
         assert a.sup.last_exit is not None and "no token for" in a.sup.last_exit, a.sup.last_exit
+        assert "(idle CPU)" in a.sup.last_exit
+
+
+async def test_an_engine_that_computes_without_a_token_gets_the_longer_limit(redis_unit_url: str) -> None:
+    # A long prefill step on a slow CPU: busy, a core in use, no counter moving. Not hung after
+    # stall_timeout_s (1 s here), only after stall_compute_timeout_s.
+    async with agent(
+        redis_unit_url, lambda n: ["--busy", "--burn"] if n == 1 else [], stall_compute_timeout_s=6.0
+    ) as a:
+        await until(lambda: a.epoch_at_least(1), 30, "first start")
+        started = time.monotonic()
+        await until(lambda: a.epoch_at_least(2), 60, "restart after the compute limit")
+        assert time.monotonic() - started >= 5.0  # the 1 s idle-CPU limit did not apply
+        assert a.sup.last_exit is not None and "(computing)" in a.sup.last_exit, a.sup.last_exit
 
 
 def _alive(pid: int) -> bool:

@@ -8,6 +8,7 @@ stopped, hold ports, and leave helpers behind.
 --helper       also start a helper process in the same process group that listens on P+2 (like
                vLLM's engine core holding a side port), so killing only the leader leaves it behind
 --busy         report one running request whose token counters never move (a stalled engine)
+--burn         with --busy: also keep a core busy (an engine in one long prefill step, not a deadlock)
 --busy-until F report one running request and one KV lease until file F exists (a node draining)
 --exit-status  exit with this status at once (an engine that cannot start)
 """
@@ -39,6 +40,7 @@ def main() -> None:
     p.add_argument("--helper", action="store_true")
     p.add_argument("--busy", action="store_true")
     p.add_argument("--busy-until", default=None)
+    p.add_argument("--burn", action="store_true", help="with --busy: also use a core (a long prefill step)")
     p.add_argument("--exit-status", type=int, default=None)
     p.add_argument("--listen-only", action="store_true", help="(internal) the helper: hold the port, sleep")
     a = p.parse_args()
@@ -62,6 +64,15 @@ def main() -> None:
     from starlette.routing import Route
 
     from bench.standin_engine import StandInEngine
+
+    if a.burn:
+        import threading
+
+        def burn() -> None:
+            while True:  # a forward pass that takes long: CPU used, no counter moves
+                sum(i * i for i in range(10_000))
+
+        threading.Thread(target=burn, daemon=True).start()
 
     def draining() -> bool:
         return a.busy_until is not None and not os.path.exists(a.busy_until)
