@@ -21,7 +21,7 @@ it never saw the id leave the registry.
 Failures. An engine *fails* when it exits while serving, exits or times out during start-up, or
 *hangs*: ``health_failures`` probes in a row fail (a probe is GET /health plus GET /metrics, each
 within ``health_timeout_s``), or it has requests running or waiting while its token counters stay
-still for ``stall_timeout_s`` and it computes nothing (its process group uses under half a core), or
+still for ``stall_timeout_s`` and it computes nothing (its process group uses under 0.2 of a core), or
 for ``stall_compute_timeout_s`` whatever it computes (a long prefill step on a slow CPU moves no
 counter until it ends; a spinning deadlock never does), or one of its processes is stopped (state T)
 for ``stall_timeout_s``. vLLM's
@@ -64,7 +64,7 @@ log = logging.getLogger("tandem.node.supervisor")
 
 EXIT_UNHEALTHY = 3
 """Exit status of a node agent that gave up on its engine (``max_failures`` in the window)."""
-COMPUTING_CORES = 0.5
+COMPUTING_CORES = 0.2
 """CPU use (in cores) of the engine's process group above which it counts as computing."""
 
 
