@@ -8,6 +8,7 @@ import typer
 from bench.cli import bench_app
 from infra.cli import cluster_app, model_app, up
 from node_agent.cli import node
+from replay.cli import replay
 from router.admission.cli import keys_app
 from router.cli import router
 from telemetry.cli import lake_app, telemetry_app
@@ -17,6 +18,7 @@ app = typer.Typer(help="Tandem: prefill/decode disaggregated LLM serving on vLLM
 app.command()(node)
 app.command()(router)
 app.command()(up)
+app.command()(replay)
 app.add_typer(model_app, name="model")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(bench_app, name="bench")
