@@ -18,7 +18,6 @@ from typing import Annotated
 
 import httpx
 import typer
-from rich.console import Console
 
 from contracts.cli import clean_errors
 from contracts.errors import UpstreamError
@@ -27,8 +26,6 @@ from replay.results import render, summarize, to_table, write_results
 from replay.runner import Mode, ReplaySettings, run
 from traces.hashing import TraceError
 from traces.schema import read_trace
-
-_out = Console()
 
 
 def _model_info(url: str, api_key: str | None, model: str | None) -> tuple[str, int | None]:
@@ -84,8 +81,8 @@ def replay(
         planned, scaling = plan(
             trace, block_size=block_size, context_window=window, unit_tokens=unit_tokens, vocab=_vocab(vocab)
         )
-        _out.print(f"replaying {len(planned)} requests of {trace.meta.source} against {url} ({model_name})")
-        _out.print(f"rescaling: {scaling.describe()}", highlight=False)
+        typer.echo(f"replaying {len(planned)} requests of {trace.meta.source} against {url} ({model_name})")
+        typer.echo(f"rescaling: {scaling.describe()}")
         settings = ReplaySettings(
             url=url,
             model=model_name,
@@ -107,5 +104,5 @@ def replay(
                 "scaling": scaling.describe(),
             },
         )
-    _out.print(render(summarize(table)), highlight=False)
-    _out.print(f"results: {out}")
+    typer.echo(render(summarize(table)))
+    typer.echo(f"results: {out}")

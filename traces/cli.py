@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from contracts.cli import clean_errors
 from traces.lake import from_lake as lake_to_trace
@@ -29,16 +28,15 @@ synth_app = typer.Typer(help="Generate a synthetic trace.", no_args_is_help=True
 trace_app.add_typer(import_app, name="import")
 trace_app.add_typer(synth_app, name="synth")
 
-_out = Console()
 Out = Annotated[Path, typer.Option("--out", "-o", help="Trace file to write (Parquet).")]
 
 
 def _written(trace: Trace, out: Path) -> None:
     write_trace(trace, out)
     sessions = len({s for s in trace.table.column("session_id").to_pylist() if s is not None})
-    _out.print(f"wrote {out}: {len(trace)} requests, {sessions} sessions, {trace.meta.block_tokens}-token blocks")
+    typer.echo(f"wrote {out}: {len(trace)} requests, {sessions} sessions, {trace.meta.block_tokens}-token blocks")
     if trace.meta.notes:
-        _out.print(f"notes: {trace.meta.notes}")
+        typer.echo(f"notes: {trace.meta.notes}")
 
 
 @import_app.command("mooncake")
@@ -135,4 +133,4 @@ def stats(
         d["ceiling"].update(by_tokens=s.ceiling.by_tokens, by_blocks=s.ceiling.by_blocks)
         print(json.dumps(d))
     else:
-        _out.print(render_stats(trace, s), highlight=False)
+        typer.echo(render_stats(trace, s))
