@@ -15,6 +15,7 @@ import tests.support.standin_cluster as standin
 from contracts.registry import Role
 from replay import Mode, ReplaySettings, plan, run, summarize, to_table
 from tandem.cli import app
+from tests.support.helpers import wait_for
 from tests.support.standin_cluster import standin_cluster
 from traces import TraceMeta, make_trace, write_trace
 from traces.hashing import chain_ids
@@ -139,3 +140,39 @@ async def test_cli_against_nothing_says_so(tmp_path):
     write_trace(synth_agentic(SPEC), trace_file)
     result = CliRunner().invoke(app, ["replay", str(trace_file), "--url", "http://127.0.0.1:1"])
     assert result.exit_code == 1 and "cannot list the models" in result.output
+
+
+async def test_closed_loop_without_a_recorded_gap_keeps_the_spacing_but_waits_for_the_answer(tmp_path):
+    # Mooncake-like: no gaps recorded. b follows a 0.1 s after it in the trace, c follows b 0.5 s later
+    cols = {
+        "request_id": ["a", "b", "c"],
+        "session_id": ["s", "s", "s"],
+        "parent_request_id": [None, "a", "b"],
+        "turn": [0, 1, 2],
+        "arrival_s": [0.0, 0.1, 0.6],
+        "gap_s": [None] * 3,
+        "input_tokens": [20, 40, 60],
+        "output_tokens": [3, 3, 3],
+        "block_hashes": [chain_ids([0, 1]), chain_ids([0, 1, 2]), chain_ids([0, 1, 2, 3])],
+        "cached_tokens": [None] * 3,
+        "cancel_after_s": [None] * 3,
+    }
+    trace = make_trace(cols, TraceMeta(16, "test"))
+    async with standin_cluster(tmp_path, {"n": Role.BOTH}) as c:
+        engine = c.engines["n"]
+        planned, _ = plan(trace, block_size=16, context_window=4096)
+        engine.close_gate()  # a's answer is held: b must wait for it although its spacing has passed
+        task = asyncio.create_task(run(planned, ReplaySettings(url=c.url, model=c.model, mode=Mode.CLOSED)))
+        assert await asyncio.to_thread(wait_for, lambda: engine.in_flight >= 1, 10, 0.01)  # a reached the engine
+        # not a synchronisation: time has to pass, well beyond b's recorded spacing (0.1 s), to show
+        # that b does not leave before a's answer
+        await asyncio.sleep(0.3)
+        assert len(engine.bodies("/v1/completions")) == 1
+        engine.open_gate()
+        table = to_table(await task)
+    rows = _by_id(table)
+    assert all(r["status"] == "ok" for r in rows.values())
+    assert rows["b"]["sent_s"] >= rows["a"]["end_s"]
+    # b was answered at once (gate open), so c keeps its recorded 0.5 s after b's sending
+    assert rows["c"]["sent_s"] == pytest.approx(rows["b"]["sent_s"] + 0.5, abs=0.05)
+    assert rows["c"]["sent_s"] >= rows["b"]["end_s"]
