@@ -4,6 +4,7 @@ trace, a lake folder written with the telemetry schema, a synthetic trace."""
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from traces.lake import from_lake
 from traces.mooncake import import_mooncake
 from traces.synth import AgenticSpec, synth_agentic
 
-MOONCAKE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+# The shared Mooncake trace (``../shared/data/traces`` of the checkout's parent; another place by env)
+MOONCAKE = Path(os.environ.get("TANDEM_TRACE_DIR", "/work/shared/data/traces")) / "mooncake_conversation_trace.jsonl"
 runner = CliRunner()
 
 
