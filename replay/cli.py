@@ -60,7 +60,7 @@ def replay(
     mode: Annotated[Mode, typer.Option(help="open: by timestamps; closed: per session, answer + gap.")] = Mode.OPEN,
     speed: Annotated[float, typer.Option(help="Time compression (2: twice as fast).")] = 1.0,
     out: Annotated[Path, typer.Option(help="Per-request results (Parquet).")] = Path("replay.parquet"),
-    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests (by arrival).")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Replay only the first N requests (by arrival).")] = None,
     model: Annotated[str | None, typer.Option(help="Model to ask for (default: the server's first).")] = None,
     context_window: Annotated[int | None, typer.Option(help="Tokens (default: the model's max_model_len).")] = None,
     block_size: Annotated[int, typer.Option(help="The engines' KV block size, tokens.")] = 16,

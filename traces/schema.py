@@ -106,6 +106,8 @@ def make_trace(columns: dict[str, list[object]], meta: TraceMeta) -> Trace:
 def validate(trace: Trace) -> None:
     """Raise ``TraceError`` naming the first rule a trace breaks."""
     t, meta = trace.table, trace.meta
+    if t.num_rows == 0:
+        raise TraceError("a trace needs at least one request")
     if meta.block_tokens <= 0:
         raise TraceError(f"block_tokens must be positive, got {meta.block_tokens}")
     ids = t.column("request_id").to_pylist()

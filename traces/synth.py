@@ -138,6 +138,11 @@ def synth_agentic(spec: AgenticSpec) -> Trace:
             segments += [(f"{rid}-answer", n_out), (f"{rid}-tool", tool)]
             arrival += spec.nominal_ttft_s + spec.nominal_tpot_s * n_out + gap
             parent = rid
+    if not cols["request_id"]:
+        raise TraceError(
+            f"no session fits max_input_tokens={spec.max_input_tokens}: a first prompt is at least "
+            f"{spec.system_tokens + spec.repo_tokens[0] + spec.user_tokens[0]} tokens"
+        )
     source = f"synth:agentic seed={spec.seed} sessions={spec.sessions}"
     notes = (
         f"arrival_s of later turns assumes {spec.nominal_ttft_s} s + {spec.nominal_tpot_s} s/token of service; "

@@ -110,6 +110,14 @@ def test_synthetic_agentic_trace_is_seeded_and_shares_prefixes(tmp_path):
     assert s.sessions == 12 and s.ceiling.by_tokens > 0.5
 
 
+def test_synth_refuses_a_spec_no_session_fits(tmp_path):
+    result = runner.invoke(
+        app, ["trace", "synth", "agentic", "--out", str(tmp_path / "a.parquet"), "--max-input-tokens", "1000"]
+    )
+    assert result.exit_code == 1 and "no session fits max_input_tokens=1000" in " ".join(result.output.split())
+    assert not (tmp_path / "a.parquet").exists()
+
+
 def test_cli_synth_then_stats(tmp_path):
     out = tmp_path / "a.parquet"
     result = runner.invoke(app, ["trace", "synth", "agentic", "--out", str(out), "--sessions", "5", "--seed", "1"])
