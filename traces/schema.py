@@ -145,6 +145,8 @@ def write_trace(trace: Trace, path: Path) -> None:
 
 def read_trace(path: Path) -> Trace:
     """A trace file, checked: its schema version, its columns, its rows (``validate``)."""
+    if not path.is_file():
+        raise TraceError(f"{path}: no such trace file")
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowInvalid) as exc:

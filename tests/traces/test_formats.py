@@ -184,6 +184,8 @@ def test_read_trace_refuses_foreign_and_broken_files(tmp_path):
     pq.write_table(pa.table({"a": [1]}), plain)
     with pytest.raises(TraceError, match="not a Tandem trace"):
         read_trace(plain)
+    with pytest.raises(TraceError, match="no such trace file"):
+        read_trace(tmp_path / "missing.parquet")
     junk = tmp_path / "junk.parquet"
     junk.write_bytes(b"not parquet")
     with pytest.raises(TraceError, match="not a readable Parquet file"):
