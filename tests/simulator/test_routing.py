@@ -107,10 +107,10 @@ def test_a_changed_lookup_is_caught():
 def test_pool_choice_equals_the_orchestrators():
     specs = [NodeSpec(Role.PREFILL), NodeSpec(Role.DECODE), NodeSpec(Role.BOTH)]
     sim = FleetSim(specs, lambda lookup: LeastLoaded(), record=True)
-    sim.run(synth_agentic(AgenticSpec(sessions=3, seed=1, max_input_tokens=3000)))
+    sim.run(synth_agentic(AgenticSpec(sessions=3, seed=1, max_input_tokens=8000)))
     orch = Orchestrator(RouterSettings(), fleet=None, client=None, policy=LeastLoaded(), tokenizer=None, metrics=None)  # type: ignore[arg-type]
-    for kind, item in sim.log:
-        if kind == "route":
-            rr, pools, decision = item
-            for p in (pools, type(pools)([], pools.decode, pools.colocated), type(pools)([], [], pools.colocated)):
-                assert _key(select_pools(LeastLoaded(), rr, p))[:2] == _key(orch._select(rr, p, None))[:2]
+    routes = [item for kind, item in sim.log if kind == "route"]
+    assert len(routes) >= 3
+    for rr, pools, _ in routes:
+        for p in (pools, type(pools)([], pools.decode, pools.colocated), type(pools)([], [], pools.colocated)):
+            assert _key(select_pools(LeastLoaded(), rr, p))[:2] == _key(orch._select(rr, p, None))[:2]
