@@ -8,19 +8,23 @@ import typer
 from bench.cli import bench_app
 from infra.cli import cluster_app, model_app, up
 from node_agent.cli import node
+from replay.cli import replay
 from router.admission.cli import keys_app
 from router.cli import router
 from telemetry.cli import lake_app, telemetry_app
+from traces.cli import trace_app
 
 app = typer.Typer(help="Tandem: prefill/decode disaggregated LLM serving on vLLM.", no_args_is_help=True)
 app.command()(node)
 app.command()(router)
 app.command()(up)
+app.command()(replay)
 app.add_typer(model_app, name="model")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(bench_app, name="bench")
 app.add_typer(keys_app, name="keys")
 app.add_typer(telemetry_app, name="telemetry")
 app.add_typer(lake_app, name="lake")
+app.add_typer(trace_app, name="trace")
 
 __all__ = ["app"]
