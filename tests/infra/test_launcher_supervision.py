@@ -5,6 +5,7 @@ The same with vLLM engines: tests/e2e/test_supervision.py. Redis DB 12."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -93,8 +94,9 @@ class Up:
         return out
 
 
-@pytest.fixture
-def up(tmp_path: Path) -> Iterator[Up]:
+@contextlib.contextmanager
+def run_up(cwd: Path, *args: str) -> Iterator[Up]:
+    """``tandem up --colocated`` in ``cwd`` (with ``args``), its engine a stand-in; killed afterwards."""
     redis.Redis.from_url(REDIS_URL).flushdb()
     router_port, node_port = free_port_block(), free_port_block()
     env = {
@@ -106,28 +108,11 @@ def up(tmp_path: Path) -> Iterator[Up]:
         "TANDEM_NODE_HEARTBEAT_S": "0.2",
         "TANDEM_NODE_RESTART_BACKOFF_S": "0.1",
     }
+    env.pop("TANDEM_LAKE_DIR", None)
+    command = [PY, "-m", "tandem", "up", "--colocated", "--port", str(router_port)]
+    command += ["--node-base-port", str(node_port), "--redis-url", REDIS_URL, *args]
     proc = subprocess.Popen(
-        [
-            PY,
-            "-m",
-            "tandem",
-            "up",
-            "--colocated",
-            "--port",
-            str(router_port),
-            "--node-base-port",
-            str(node_port),
-            "--redis-url",
-            REDIS_URL,
-            "--workdir",
-            str(tmp_path),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env=env,
-        cwd=ROOT,
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env, cwd=cwd
     )
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None
@@ -143,6 +128,43 @@ def up(tmp_path: Path) -> Iterator[Up]:
         proc.wait()
         for pid in u.alive():
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[Up]:
+    with run_up(ROOT, "--workdir", str(tmp_path)) as u:
+        yield u
+
+
+def test_after_tandem_up_lake_commands_with_no_flags_see_its_requests(tmp_path: Path) -> None:
+    """The README's path: `tandem up` (default workdir), some requests, then `tandem lake query` and
+    `tandem lake report` with no flags, from the same directory."""
+    with run_up(tmp_path) as u:
+        for i in range(3):
+            body = {"model": "fake", "messages": [{"role": "user", "content": f"lake {i}"}], "max_tokens": 4}
+            assert httpx.post(f"{u.url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+        env = {k: v for k, v in os.environ.items() if k != "TANDEM_LAKE_DIR"} | {"PYTHONPATH": str(ROOT)}
+
+        def lake(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [PY, "-m", "tandem", "lake", *args], cwd=tmp_path, env=env, capture_output=True, text=True
+            )
+
+        def counted() -> bool:
+            # 3 requests and the launcher's own warm-up request
+            out = lake("query", "SELECT 'rows=' || count(*) AS n FROM requests WHERE status = 'ok'")
+            return out.returncode == 0 and "rows=4" in out.stdout
+
+        assert wait_for(counted, timeout_s=60), lake("query", "SELECT count(*) AS n FROM requests").stderr
+        report = lake("report", "--out", str(tmp_path / "report"))
+        assert report.returncode == 0, report.stderr
+    # And pointed at no lake, it says so and fails.
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    out = subprocess.run(
+        [PY, "-m", "tandem", "lake", "query", "SELECT 1"], cwd=empty, env=env, capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "no lake" in out.stderr
 
 
 def test_dead_children_are_restarted_and_shown_and_sigterm_stops_everything(up: Up) -> None:
