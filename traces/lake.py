@@ -25,7 +25,7 @@ import duckdb
 
 from telemetry.query import query
 from traces.hashing import Segment, TraceError, chain_segments
-from traces.schema import Trace, TraceMeta, make_trace
+from traces.schema import Trace, TraceMeta, empty_columns, make_trace
 
 
 def _prefix(segments: list[Segment], n: int) -> list[Segment]:
@@ -53,22 +53,7 @@ def from_lake(lake: Path, *, block_tokens: int = 16, where: str | None = None) -
     if not rows:
         raise TraceError(f"no requests in the lake at {lake}" + (f" where {where}" if where else ""))
     t0 = rows[0]["arrival_us"]
-    cols: dict[str, list[object]] = {
-        k: []
-        for k in (
-            "request_id",
-            "session_id",
-            "parent_request_id",
-            "turn",
-            "arrival_s",
-            "gap_s",
-            "input_tokens",
-            "output_tokens",
-            "block_hashes",
-            "cached_tokens",
-            "cancel_after_s",
-        )
-    }
+    cols = empty_columns()
     # session -> (request id, turn, finish_us, the segments of its prompt and answer)
     last: dict[str, tuple[str, int, int | None, list[Segment]]] = {}
     for i, r in enumerate(rows):

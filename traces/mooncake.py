@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from traces.hashing import TraceError, chain_ids
-from traces.schema import Trace, TraceMeta, make_trace
+from traces.schema import Trace, TraceMeta, empty_columns, make_trace
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -52,22 +52,7 @@ def import_mooncake(path: Path, *, infer_sessions: bool = True, min_shared_block
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
 
-    cols: dict[str, list[object]] = {
-        k: []
-        for k in (
-            "request_id",
-            "session_id",
-            "parent_request_id",
-            "turn",
-            "arrival_s",
-            "gap_s",
-            "input_tokens",
-            "output_tokens",
-            "block_hashes",
-            "cached_tokens",
-            "cancel_after_s",
-        )
-    }
+    cols = empty_columns()
     # hash of a request's last full block -> (request id, session id, turn): the requests a later one
     # may extend
     ends: dict[int, tuple[str, str, int]] = {}

@@ -91,6 +91,11 @@ class Trace:
         return int(self.table.num_rows)
 
 
+def empty_columns() -> dict[str, list[object]]:
+    """One empty list per trace column, in schema order: what importers fill before ``make_trace``."""
+    return {name: [] for name in TRACE_SCHEMA.names}
+
+
 def make_trace(columns: dict[str, list[object]], meta: TraceMeta) -> Trace:
     """A trace from plain columns (every column of ``TRACE_SCHEMA``), checked and sorted by arrival."""
     missing = [f.name for f in TRACE_SCHEMA if f.name not in columns]

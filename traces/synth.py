@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from traces.hashing import Segment, TraceError, chain_segments
-from traces.schema import Trace, TraceMeta, make_trace
+from traces.schema import Trace, TraceMeta, empty_columns, make_trace
 
 
 @dataclass(frozen=True)
@@ -88,22 +88,7 @@ def synth_agentic(spec: AgenticSpec) -> Trace:
     repo_len = rng.integers(spec.repo_tokens[0], spec.repo_tokens[1] + 1, size=spec.repositories)
     starts = np.cumsum(rng.exponential(1.0 / spec.session_rate, size=spec.sessions))
     starts -= starts[0]
-    cols: dict[str, list[object]] = {
-        k: []
-        for k in (
-            "request_id",
-            "session_id",
-            "parent_request_id",
-            "turn",
-            "arrival_s",
-            "gap_s",
-            "input_tokens",
-            "output_tokens",
-            "block_hashes",
-            "cached_tokens",
-            "cancel_after_s",
-        )
-    }
+    cols = empty_columns()
     for s in range(spec.sessions):
         sysp = int(rng.choice(spec.system_prompts, p=_zipf_weights(spec.system_prompts)))
         repo = int(rng.choice(spec.repositories, p=_zipf_weights(spec.repositories)))
