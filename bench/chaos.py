@@ -21,6 +21,12 @@ Per fault:
                      process, a running engine after a stop) *and* full service: every child running,
                      every node registered and seen by the router, one request down each route answered
     failed           requests that ended without an answer between the fault and recovery + 5 s
+    failed_elsewhere those of them that were not on the killed component: the lake row of a failed
+                     request names its prefill and decode node; a node fault's failures must be on
+                     that node. A killed router's streams are cut (its process holds their sockets)
+                     while the surviving replica's failures are error events, so after a router fault
+                     only a cut or refused request counts as its own. Requests with no lake row (none
+                     got an id) are counted in ``failed_unattributed`` and judged by outcome alone.
     survived         recovery within ``recovery_timeout_s`` with no one touching the cluster
 Whole run:
     hung_streams     requests that went ``hang_s`` without a byte (the client's read timeout)
@@ -32,7 +38,7 @@ Whole run:
 Output: JSON (config, per-fault rows, timeline), a PNG timeline of answers/s and failures/s with the
 faults marked, and the RESULT line
 ``RESULT faults=… survived=… hung_streams=… stranded_blocks=… lost_lake_rows=… failed_requests=…
-recovery_p50_s=… recovery_max_s=…``.
+failed_elsewhere=… recovery_p50_s=… recovery_max_s=…``.
 """
 
 from __future__ import annotations
@@ -116,6 +122,10 @@ class FaultResult:
     survived: bool = False
     failed: int = 0
     failed_outcomes: dict[str, int] = field(default_factory=dict)
+    target: str = ""
+    """The component the fault hit: a node id, or router, lake-writer, redis."""
+    failed_elsewhere: int = 0
+    failed_unattributed: int = 0
 
 
 class Workload:
@@ -285,6 +295,16 @@ class Chaos:
 
     # ---- faults -------------------------------------------------------------------------------------
 
+    def target_of(self, fault: str) -> str:
+        """The component ``fault`` hits (see ``inject``)."""
+        if fault in ("sigkill_decode_engine", "sigstop_engine"):
+            return self.node_name("decode")
+        if fault == "sigkill_prefill_engine":
+            return self.node_name("prefill")
+        if fault == "sigkill_node_agent":
+            return self.node_name("both")
+        return {"sigkill_router": "router", "sigkill_lake_writer": "lake-writer", "restart_redis": "redis"}[fault]
+
     def inject(self, fault: str) -> Callable[[], bool]:
         """Fire ``fault``; returns the check that its component is back."""
         if fault in ("sigkill_decode_engine", "sigkill_prefill_engine"):
@@ -338,6 +358,7 @@ class Chaos:
                 ok = self.wait_until(lambda back=back: back() and self.full_service(), cfg.recovery_timeout_s)
                 res = FaultResult(
                     fault,
+                    target=self.target_of(fault),
                     at_s=round(t_fault - self.t0, 1),
                     survived=ok,
                     recovery_s=round(time.monotonic() - t_fault, 1) if ok else None,
@@ -351,9 +372,10 @@ class Chaos:
             t_end = time.monotonic()
             stranded = self.stranded_blocks()
             lost, answered = self.lost_lake_rows(load.snapshot())
+            nodes_of = self.failed_nodes(load.snapshot())
         finally:
             self.cluster.stop()
-        return self.summarise(cfg, results, load.snapshot(), t_end, stranded, lost, answered)
+        return self.summarise(cfg, results, load.snapshot(), t_end, stranded, lost, answered, nodes_of)
 
     def stranded_blocks(self) -> int:
         """KV blocks held once every engine is idle (polled up to 60 s: leases end within their TTL)."""
@@ -400,6 +422,40 @@ class Chaos:
         self.wait_until(drained, 120, every_s=2.0)
         return missing[0], len(answered)
 
+    def failed_nodes(self, requests: list[Request]) -> dict[str, set[str]]:
+        """Response id of each failed request -> the nodes its lake row names (prefill and decode)."""
+        import duckdb
+
+        from telemetry.query import query
+
+        ids = sorted({r.response_id for r in requests if r.outcome not in ("ok", "running") and r.response_id})
+        if not ids:
+            return {}
+        listed = ", ".join("'" + i.replace("'", "''") + "'" for i in ids)
+        try:
+            table = query(
+                self.cluster.lake,
+                f"SELECT response_id, prefill_node, decode_node FROM requests WHERE response_id IN ({listed})",
+            )
+        except (duckdb.Error, OSError) as exc:
+            console.print(f"  could not read the failed requests' lake rows: {exc}")
+            return {}
+        out: dict[str, set[str]] = {}
+        for rid, pre, dec in zip(*(table.column(i).to_pylist() for i in range(3)), strict=True):
+            out.setdefault(rid, set()).update(n for n in (pre, dec) if n)
+        return out
+
+    @staticmethod
+    def on_target(res: FaultResult, req: Request, nodes_of: dict[str, set[str]]) -> bool | None:
+        """Whether a failed request was on the component ``res`` hit; None when nothing tells."""
+        if res.target in ("router", "lake-writer", "redis"):
+            # The killed router's own streams are the ones cut; nothing else ever justifies a failure.
+            return res.target == "router" and req.outcome in ("cut", "refused")
+        nodes = nodes_of.get(req.response_id or "")
+        if nodes is None:
+            return None
+        return res.target in nodes
+
     def summarise(
         self,
         cfg: ChaosConfig,
@@ -409,6 +465,7 @@ class Chaos:
         stranded: int,
         lost: int,
         answered: int,
+        nodes_of: dict[str, set[str]] | None = None,
     ) -> dict[str, Any]:
         for res in results:
             lo = self.t0 + res.at_s
@@ -416,6 +473,9 @@ class Chaos:
             bad = [r for r in requests if r.outcome not in ("ok", "running") and lo <= r.end <= hi]
             res.failed = len(bad)
             res.failed_outcomes = {o: sum(1 for r in bad if r.outcome == o) for o in sorted({r.outcome for r in bad})}
+            verdicts = [self.on_target(res, r, nodes_of or {}) for r in bad]
+            res.failed_elsewhere = sum(1 for v in verdicts if v is False)
+            res.failed_unattributed = sum(1 for v in verdicts if v is None)
         recoveries = [r.recovery_s for r in results if r.recovery_s is not None]
         summary = {
             "faults": len(cfg.faults),
@@ -424,6 +484,7 @@ class Chaos:
             "stranded_blocks": stranded,
             "lost_lake_rows": lost,
             "failed_requests": sum(1 for r in requests if r.outcome not in ("ok", "running")),
+            "failed_elsewhere": sum(r.failed_elsewhere for r in results),
             "recovery_p50_s": round(statistics.median(recoveries), 1) if recoveries else None,
             "recovery_max_s": max(recoveries) if recoveries else None,
         }
@@ -513,6 +574,7 @@ def result_line(summary: dict[str, Any]) -> str:
         "stranded_blocks",
         "lost_lake_rows",
         "failed_requests",
+        "failed_elsewhere",
         "recovery_p50_s",
         "recovery_max_s",
     )

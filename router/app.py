@@ -306,12 +306,12 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     @app.get(
         "/health",
         response_model=Health,
-        responses={503: {"model": Health, "description": "No node can serve (no decode or colocated node)"}},
+        responses={503: {"model": Health, "description": "No node can serve (none is live)"}},
     )
     async def health(request: Request) -> JSONResponse:
         fleet: Fleet = request.app.state.fleet
         roles = {r.value: sum(1 for n in fleet.nodes if n.info.role is r) for r in Role}
-        serving = roles["both"] > 0 or roles["decode"] > 0
+        serving = any(roles.values())  # with every decode node gone, prefill nodes serve whole requests
         return JSONResponse(
             {"status": "ok" if serving else "no_nodes", "nodes": roles}, status_code=200 if serving else 503
         )

@@ -187,8 +187,12 @@ class Orchestrator:
             return self.policy.select(rr, [], pools.colocated)
         if pools.decode:  # decode nodes can prefill for themselves; slower, but serves
             return self.policy.select(rr, [], pools.decode)
+        if pools.prefill:
+            # Every decode node is gone (a crash, a restart): a prefill engine runs the whole request
+            # itself (its connector is kv_both, and with no kv_transfer_params it is a plain engine).
+            return self.policy.select(rr, [], pools.prefill)
         raise Unavailable(
-            f"no node can serve `{rr.model}` now (no decode or colocated node is live)",
+            f"no node can serve `{rr.model}` now (no node of it is live)",
             retry_after=self.settings.retry_after_s,
         )
 

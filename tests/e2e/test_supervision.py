@@ -6,8 +6,10 @@
 * the router's KV index holds nothing of the old engine;
 * the cluster serves again, and a SIGTERM to `tandem up` then leaves no process of it alive.
 
-What the router does with requests while no decode node is left (fall back to colocated serving,
-retry, SSE error events) is the router's part of issue 12 and is not asserted here. Redis DB 13."""
+* every stream the dead engine was serving ends with an OpenAI-shaped error event, never a cut connection;
+* while no decode node is left, a request falls back to colocated serving on the prefill node.
+
+Redis DB 13."""
 
 from __future__ import annotations
 
@@ -169,6 +171,15 @@ def test_a_killed_decode_engine_comes_back_with_a_new_epoch_and_nothing_stale(tm
             t.join(120)
         assert not any(t.is_alive() for t in threads), "a client is still waiting"
         assert load.count("hung") == 0, load.outcomes
+        # A stream the dead engine was serving ends with an OpenAI error event and [DONE], never a cut.
+        assert not [o for o in load.outcomes if o.startswith("cut")], load.outcomes
+
+        # With no decode node left, a P/D request falls back to colocated serving on the prefill node.
+        body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Still there?"}]}
+        alone = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert alone.status_code == 200, alone.text
+        if _epoch(r, DECODE_ID) is None:  # still away when it was answered (a restart takes tens of s)
+            assert alone.json()["usage"]["tandem"]["mode"] == "colocated", alone.json()["usage"]
 
         assert wait_for(lambda: (_epoch(r, DECODE_ID) or 0) > first_epoch, timeout_s=300), (
             "the decode node did not come back with a new epoch"
