@@ -418,12 +418,13 @@ class Orchestrator:
         return Leg(replace(leg.decision, decode=target, prefill=None), target.node.info.url + path, body)
 
     def _another_node(self, model: str, failed: str) -> Candidate | None:
-        """The least busy node other than ``failed`` that serves ``model`` alone (colocated, else decode)."""
+        """The least busy node other than ``failed`` that serves ``model`` alone: colocated, else decode,
+        else prefill (a prefill engine serves whole requests when no decode node is left)."""
         try:
             pools = self.fleet.pools(model, exclude=frozenset({failed}))
         except TandemError:
             return None
-        for pool in (pools.colocated, pools.decode):
+        for pool in (pools.colocated, pools.decode, pools.prefill):
             options = [c for c in pool if c.node_id != failed]
             if options:
                 return min(options, key=lambda c: c.inflight)

@@ -34,3 +34,32 @@ async def test_with_no_other_node_the_failure_is_a_502(tmp_path) -> None:
         async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:
             r = await client.post(CHAT, json=c.chat("alone"))
             assert r.status_code == 502 and r.json()["error"]["message"]
+
+
+async def test_a_dead_decode_node_with_only_a_prefill_node_left_is_served_by_the_prefill_node(tmp_path) -> None:
+    # What a killed decode engine leaves: the request that found it dead before its first token is
+    # served whole by the prefill engine, streamed or not, and never reaches the client as a 5xx.
+    async with standin_cluster(tmp_path, {"pre": Role.PREFILL}, dead={"dec": Role.DECODE}) as c:
+        async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:
+            for i in range(2):
+                stream = i == 1
+                r = await client.post(CHAT, json=c.chat(f"alone {i}", stream=stream))
+                assert r.status_code == 200, r.text
+                if stream:
+                    assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+                else:
+                    assert r.json()["usage"]["tandem"]["mode"] == "colocated"
+            # The first went P/D (its prefill leg on "pre"), found "dec" dead and was served whole by "pre";
+            # "dec" was then out of routing, so the second went straight to "pre" alone.
+            whole = [b for b in c.engines["pre"].bodies() if "kv_transfer_params" not in b]
+            assert len(whole) == 2
+
+
+async def test_a_dead_decode_node_that_was_to_prefill_itself_falls_back_to_the_prefill_node(tmp_path) -> None:
+    # No prefill leg (the decode node was to serve the request alone): the retry finds no colocated or
+    # decode node, and a prefill node serves it rather than the client getting the 502.
+    async with standin_cluster(tmp_path, {"pre": Role.PREFILL}, dead={"dec": Role.DECODE}) as c:
+        async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:
+            r = await client.post(CHAT, json=c.chat("alone"), headers={"x-tandem-route": "colocated"})
+            assert r.status_code == 200, r.text
+            assert [b for b in c.engines["pre"].bodies() if "kv_transfer_params" not in b]
