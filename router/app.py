@@ -44,6 +44,7 @@ from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
 from router.background import TaskSet
+from router.cache_salt import CacheSalts
 from router.edge import BodyLimit
 from router.exchange import GenerationRoute, document_generation_routes, parse_body
 from router.fleet import Fleet
@@ -193,6 +194,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         app.state.responses = responses
         app.state.emitter = emitter
         app.state.admission = admission
+        app.state.cache_salts = CacheSalts.from_cluster_secret(settings.shared_cache_tenants)
         app.state.kv_tasks = kv_tasks = TaskSet()
         spans = tracer_provider(settings.otlp_traces_endpoint)
         app.state.accounting = Accounting(

@@ -38,6 +38,7 @@ from router.admission.context import AdmissionContext
 from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.keys import Tenant
 from router.admission.ratelimit import Admission
+from router.cache_salt import CacheSalts, take_client_salt
 from router.edge import check_chat, parse_json
 from router.openai_errors import document_error_schema, error_responses, response_for
 from router.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
@@ -134,6 +135,7 @@ class Exchange:
         self.orch: Orchestrator = state.orchestrator
         self.accounting: Accounting = state.accounting
         self.ctx: AdmissionContext = state.admission
+        self.salts: CacheSalts = state.cache_salts
         self.spawn = state.kv_tasks.spawn
         self.holds = AsyncExitStack()
         """Everything the request holds that must be let go (upstream call, slots, policy count)."""
@@ -173,6 +175,10 @@ class Exchange:
             request.headers.get("authorization"), priority_header=request.headers.get("x-tandem-priority")
         )
         req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
+        tenant = admission.tenant
+        cache_salt = self.salts.salt(
+            tenant.tenant_id, authenticated=tenant.key_id is not None, client_salt=take_client_salt(req.model_extra)
+        )
         prefer = route_preference(request, admission.tenant, self.settings)
         deadline = request_deadline(
             request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s, arrival=arrival
@@ -218,7 +224,8 @@ class Exchange:
 
         # No token bucket, no charge: the prompt is then tokenized only if routing needs it.
         charges = charge if ctx.gate.charges_tokens(admission) else None
-        leg = self.leg = await cancel_on_disconnect(request, self.orch.plan(self.kind, req, trace, prefer, charges))  # type: ignore[arg-type]
+        plan = self.orch.plan(self.kind, req, trace, prefer, charges, cache_salt)  # type: ignore[arg-type]
+        leg = self.leg = await cancel_on_disconnect(request, plan)
         self.holds.push_async_callback(leg.release)
         if not req.stream:
             answer = await cancel_on_disconnect(request, self.orch.complete(leg, trace, self.spawn))

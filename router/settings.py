@@ -98,6 +98,11 @@ class RouterSettings(BaseSettings):
     )
     """Names a client may give in ``chat_template_kwargs`` (scalar values only); any other is a 400.
     In the environment, a JSON list."""
+    shared_cache_tenants: frozenset[str] = frozenset()
+    """Tenants whose requests share one prefix cache (``router.cache_salt``): once auth is on, every other
+    tenant's requests carry a ``cache_salt`` of their own, so no tenant's prompts reuse (or reveal)
+    another's cached blocks. ``["*"]``: every tenant shares, as with auth off. In the environment
+    (``TANDEM_ROUTER_SHARED_CACHE_TENANTS``), a JSON list."""
     route_header: Literal["auto", "always", "never"] = "auto"
     """Who may force the path with ``x-tandem-route``: auto (default) while auth is off or for admin keys;
     always; never. A request that may not gets 403."""

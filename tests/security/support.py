@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
@@ -38,6 +39,9 @@ class Router:
     admission: AdmissionSettings
     engine: StandInEngine | None = None
     keys: dict[str, str] = field(default_factory=dict)
+    app: Any = None
+    """The router's FastAPI app (its ``state`` holds the fleet index, once started)."""
+    node: NodeInfo | None = None
 
     async def create_key(self, tenant: str, *, admin: bool = False) -> dict[str, str]:
         """``Authorization`` headers of a new real key (auth turns on for this router's prefix)."""
@@ -75,7 +79,7 @@ async def router(
     )  # type: ignore[arg-type]
     async with AsyncExitStack() as stack:
         stack.push_async_callback(delete_prefix, REDIS_URL, prefix)
-        eng = None
+        eng = node = None
         if engine:
             eng = StandInEngine()
             url = stack.enter_context(ServerThread(eng.app))
@@ -98,7 +102,8 @@ async def router(
         app = create_app(
             RouterSettings(redis_url=REDIS_URL, registry_refresh_s=60, telemetry=False, admission=adm, **settings)
         )  # type: ignore[arg-type]
-        yield Router(url=stack.enter_context(ServerThread(app)), model=model, admission=adm, engine=eng)
+        url = stack.enter_context(ServerThread(app))
+        yield Router(url=url, model=model, admission=adm, engine=eng, app=app, node=node)
 
 
 async def _deregister(node_id: str) -> None:
