@@ -4,14 +4,15 @@
 ASGI app, so the response is sent inside the exchange's own ``try``/``finally`` (a FastAPI endpoint
 returns its response and loses hold of it before the response is sent)::
 
-    admit      key, requests/min                           401, 429 (before anything else is judged)
+    admit      key, requests/min, a tenant stream slot     401, 429 (before anything else is judged)
     read       body, edge rules, session and history       400, 413, 422
     plan       route, token charge, node slots, prefill    400, 429, 503, 502
     open       the decode leg, up to its first events      502 (retried once on another node first)
     respond    SSE relay (router.sse) or one JSON answer
     exit       exactly once, whatever happened: close the upstream call (which aborts the engine's
-               request), release the node slots and the policy's count, free a prefill lease no decode
-               leg took, then one record (metrics, lake, response index, session turn, token settle)
+               request), release the node slots, the tenant's stream slot and the policy's count, free
+               a prefill lease no decode leg took, then one record (metrics, lake, response index,
+               session turn, token settle)
 
 A client that disconnects before the answer starts is noticed while plan and open run (they are
 raced against the disconnect and cancelled, ``cancel_on_disconnect``); after that the relay notices
@@ -174,6 +175,8 @@ class Exchange:
         admission = self.admission = await ctx.gate.admit(
             request.headers.get("authorization"), priority_header=request.headers.get("x-tandem-priority")
         )
+        # One of the tenant's stream slots, held until ``_exit`` (every way a request ends goes through it).
+        self.holds.callback(ctx.streams.acquire(admission.tenant.tenant_id))
         req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
         tenant = admission.tenant
         cache_salt = self.salts.salt(
