@@ -206,7 +206,14 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             tracer=spans.get_tracer("tandem.router") if spans is not None else None,
         )
         app.state.orchestrator = Orchestrator(
-            settings, fleet, client, policy, PromptTokenizer(), metrics, index, slots=admission.controller
+            settings,
+            fleet,
+            client,
+            policy,
+            PromptTokenizer(render_timeout_s=settings.template_render_timeout_s),
+            metrics,
+            index,
+            slots=admission.controller,
         )
         metrics.admission.source = admission.controller.snapshot
         app.state.index, app.state.subscribers = index, subscribers

@@ -93,6 +93,10 @@ class RouterSettings(BaseSettings):
     trust_request_chat_template: bool = False
     """Accept a client's ``chat_template`` (as vLLM's ``--trust-request-chat-template``; the engine
     must be started with it too). Off: such a request is a 400 before the router renders anything."""
+    template_render_timeout_s: float = 2.0
+    """Longest the router may spend rendering one prompt with a chat template (``router.template_deadline``);
+    past it the request is a 400 ``invalid_prompt``, so no template (the model's, or a trusted client's)
+    holds a router thread for longer. Real templates take about a millisecond. 0: unbounded."""
     chat_template_kwargs: frozenset[str] = frozenset(
         {"add_generation_prompt", "continue_final_message", "enable_thinking", "thinking", "reasoning_effort"}
     )
