@@ -73,7 +73,7 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
                 "endpoint": settings.kv_events_bind,
-                "replay_endpoint": settings.kv_replay_endpoint,
+                "replay_endpoint": settings.kv_replay_bind,
                 "topic": "kv-events",
             }
         ),
@@ -102,7 +102,8 @@ def engine_env(settings: NodeSettings) -> dict[str, str]:
         Path(settings.kv_events_endpoint[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
-    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = settings.host
+    # NIXL binds its side channel there and hands the same address to peers: the advertised one.
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = settings.advertised_host
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(settings.nixl_port)
     if settings.cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cores
@@ -221,7 +222,7 @@ async def describe(settings: NodeSettings, client: httpx.AsyncClient, model_path
         node_id=settings.node_id,
         role=settings.role,
         model=models[0]["id"],
-        url=settings.url,
+        url=settings.advertised_url,
         block_size=snap.block_size or (settings.block_size or 0),
         max_model_len=int(models[0].get("max_model_len") or settings.max_model_len),
         kv_connector=settings.connector.value if settings.role is not Role.BOTH else "none",
