@@ -30,6 +30,7 @@ import decode_nodes
 import prefill_nodes
 from contracts.registry import NodeInfo, NodeRegistry, Role
 from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
+from kv_transfer.auth import cluster_engine_api_key
 from node_agent.dtype import resolve_dtype
 from node_agent.engine_metrics import read_snapshot
 from node_agent.lifetime import die_with_parent, stop_group
@@ -107,6 +108,9 @@ def engine_env(settings: NodeSettings) -> dict[str, str]:
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(settings.nixl_port)
     if settings.cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cores
+    env.pop("VLLM_API_KEY", None)
+    if settings.engine_auth:  # in the environment: a command line is visible to every user in ps
+        env["VLLM_API_KEY"] = cluster_engine_api_key(loopback_only=settings.is_loopback)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_* variables UCX itself may not use
     if settings.connector is ConnectorKind.NIXL and settings.role is not Role.BOTH:
@@ -240,6 +244,7 @@ async def run_node(settings: NodeSettings, *, ready: asyncio.Event | None = None
     0 after a signal, ``supervisor.EXIT_UNHEALTHY`` when it gave up; raises ``PortInUse`` (a
     ``ConfigError``) when a port is taken at start."""
     model_path = resolve_model(settings.model)  # a missing model fails the node at once, not per restart
+    settings.engine_headers()  # so does a missing cluster secret (ConfigError)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

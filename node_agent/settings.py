@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from contracts.registry import Role
 from kv_transfer import ConnectorKind
+from kv_transfer.auth import engine_auth_headers
 
 WILDCARDS = frozenset({"0.0.0.0", "::", "*"})
 """Bind addresses that mean every interface: never an address to register."""
@@ -115,8 +116,18 @@ class NodeSettings(BaseSettings):
     """Replaces the whole ``vllm serve`` command line (a wrapper script, another build); ``{port}`` in
     an argument becomes ``port``. The supervision tests run a stand-in engine through it
     (``TANDEM_NODE_ENGINE_COMMAND='["python", "-m", "tests.support.fake_engine", "--port", "{port}"]'``)."""
+    engine_auth: bool = True
+    """Start the engine with an API key (``VLLM_API_KEY``, derived from the cluster secret:
+    ``kv_transfer.auth.engine_api_key``) that only node agents and routers hold, so that whoever else
+    reaches the engine's port gets 401 on ``/v1/*``. Passed in the environment, never on the command
+    line (``ps`` shows it). False: an open engine (a benchmark's plain-vLLM arm)."""
     log_dir: Path | None = None
     """Where the engine's stdout/stderr go; None inherits the node's."""
+
+    def engine_headers(self) -> dict[str, str]:
+        """Headers of this node's own calls to its engine (the API key, when ``engine_auth``). Raises
+        ``ConfigError`` for a node on a non-loopback address without an explicit cluster secret."""
+        return engine_auth_headers(loopback_only=self.is_loopback) if self.engine_auth else {}
 
     @property
     def advertised_host(self) -> str:

@@ -39,6 +39,7 @@ from contracts.errors import (
     PermissionDenied,
 )
 from contracts.registry import NodeRegistry, Role
+from kv_transfer.auth import engine_auth_headers
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
@@ -163,7 +164,13 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = aioredis.from_url(settings.redis_url)
-        client = NodeClient(connect_timeout_s=settings.connect_timeout_s, request_timeout_s=settings.request_timeout_s)
+        # The engines' API key derives from the cluster secret; the per-user default file is accepted here
+        # (as for cache salts): nodes on other hosts need an explicit secret, which the router then shares.
+        client = NodeClient(
+            connect_timeout_s=settings.connect_timeout_s,
+            request_timeout_s=settings.request_timeout_s,
+            auth_headers=engine_auth_headers(loopback_only=True),
+        )
         emitter = activity = None
         if settings.telemetry:
             emitter = Emitter(

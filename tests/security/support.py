@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,10 +63,12 @@ async def router(
     engine: bool = True,
     max_model_len: int = 4096,
     admission_overrides: dict[str, object] | None = None,
+    engine_wrapper: Callable[[Any], Any] | None = None,
     **settings: object,
 ) -> AsyncIterator[Router]:
     """A router (in a uvicorn thread) over at most one stand-in engine; ``settings`` override
-    ``RouterSettings`` fields, ``admission_overrides`` ``AdmissionSettings`` fields."""
+    ``RouterSettings`` fields, ``admission_overrides`` ``AdmissionSettings`` fields;
+    ``engine_wrapper`` wraps the engine's ASGI app (vLLM's own middleware, say)."""
     tag = uuid.uuid4().hex[:10]
     model, prefix = f"sec-{tag}", f"sec-{tag}:"
     adm = AdmissionSettings(
@@ -82,7 +84,7 @@ async def router(
         eng = node = None
         if engine:
             eng = StandInEngine()
-            url = stack.enter_context(ServerThread(eng.app))
+            url = stack.enter_context(ServerThread(engine_wrapper(eng.app) if engine_wrapper else eng.app))
             node = NodeInfo(
                 node_id=f"n-{tag}",
                 role=Role.BOTH,
