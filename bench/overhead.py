@@ -166,6 +166,7 @@ def _plain_engine(cfg: OverheadBenchConfig, port: int, logs: Path) -> Iterator[s
         kv_cache_gib=cfg.kv_cache_gib,
         log_dir=logs,
         node_id=f"plain-{port}",
+        engine_auth=False,  # plain vLLM: no API key
         redis_url=cfg.redis_url,
     )
     engine = EngineProcess(settings)
@@ -216,6 +217,7 @@ def serve_arm(arm: str, cfg: OverheadBenchConfig, slot: int) -> Iterator[Served]
         kv_cache_gib=cfg.kv_cache_gib,
         workdir=cfg.workdir / f"cluster-{port}",
         router_env=(("TANDEM_DATABASE_URL", f"sqlite:///{cfg.workdir}/router-{port}.db"),),
+        node_env=(("TANDEM_NODE_ENGINE_AUTH", "false"),) if arm == "node" else (),  # load goes to the engine
     )
     with Cluster(spec) as cluster:
         node_url = cluster.role_urls("both")[0]

@@ -28,6 +28,7 @@ import httpx
 import zmq
 
 from contracts.errors import ConfigError
+from kv_transfer.auth import cluster_engine_api_key
 
 VLLM_ROUTER_VERSION = "0.1.17"
 
@@ -130,6 +131,10 @@ class VllmRouter:
             *[w.url for w in self.workers],
             "--worker-startup-check-interval",
             "1",
+            # Tandem's engines want the cluster's engine key (an open engine ignores it). On the command
+            # line: vllm-router has no other way to take it, and this is a loopback benchmark.
+            "--api-key",
+            cluster_engine_api_key(loopback_only=True),
         ]
         if self.metrics_port is not None:
             cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port)]

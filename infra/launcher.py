@@ -120,6 +120,8 @@ class ClusterSpec:
     startup_timeout_s: float = 600.0
     extra_node_args: tuple[str, ...] = ()
     router_env: tuple[tuple[str, str], ...] = ()
+    node_env: tuple[tuple[str, str], ...] = ()
+    """Environment of every node process on top of this one's (``TANDEM_NODE_*`` settings)."""
     routers: int = 2
     """Router replicas sharing router_port (SO_REUSEPORT): one that dies, or restarts, leaves the other
     serving. The first is named ``router``, the others ``router-1``..."""
@@ -242,7 +244,7 @@ class Cluster:
             for extra in spec.extra_node_args:
                 args += ["--engine-arg", extra]
             both_slot += role is Role.BOTH
-            self._spawn(node_id, args)
+            self._spawn(node_id, args, dict(spec.node_env))
         if spec.routers < 1:
             raise ConfigError("a cluster needs at least one router")
         for i in range(spec.routers):

@@ -33,11 +33,14 @@ and nothing on the KV wire is encrypted. Across untrusted networks put the nodes
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 import stat
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import zmq
@@ -79,6 +82,25 @@ def load_cluster_secret(*, secret_file: str | Path | None = None, loopback_only:
             f"the cluster secret from {source} has {len(text)} characters; at least {MIN_SECRET_CHARS} are needed"
         )
     return text.encode()
+
+
+def engine_api_key(secret: bytes) -> str:
+    """The API key of every engine of the cluster (vLLM's ``VLLM_API_KEY``): a derivation of the cluster
+    secret, so the node agents that start engines and the routers that call them hold it with no setup
+    of their own, and nothing else does. vLLM checks it on ``/v1/*`` only (not ``/health``,
+    ``/metrics``, ``/tokenize``): an engine port reached from outside serves no generation."""
+    return hmac.new(secret, b"tandem engine api key v1", hashlib.sha256).hexdigest()
+
+
+@cache
+def cluster_engine_api_key(*, loopback_only: bool) -> str:
+    """``engine_api_key`` of this process's cluster secret (``load_cluster_secret``; read once)."""
+    return engine_api_key(load_cluster_secret(loopback_only=loopback_only))
+
+
+def engine_auth_headers(*, loopback_only: bool) -> dict[str, str]:
+    """What a caller of an engine's ``/v1/*`` sends."""
+    return {"Authorization": f"Bearer {cluster_engine_api_key(loopback_only=loopback_only)}"}
 
 
 def _read_private(path: Path) -> str:

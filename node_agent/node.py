@@ -30,6 +30,7 @@ import decode_nodes
 import prefill_nodes
 from contracts.registry import NodeInfo, NodeRegistry, Role
 from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
+from kv_transfer.auth import cluster_engine_api_key
 from node_agent.dtype import resolve_dtype
 from node_agent.engine_metrics import read_snapshot
 from node_agent.lifetime import die_with_parent, stop_group
@@ -73,7 +74,7 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
                 "endpoint": settings.kv_events_bind,
-                "replay_endpoint": settings.kv_replay_endpoint,
+                "replay_endpoint": settings.kv_replay_bind,
                 "topic": "kv-events",
             }
         ),
@@ -102,10 +103,14 @@ def engine_env(settings: NodeSettings) -> dict[str, str]:
         Path(settings.kv_events_endpoint[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
-    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = settings.host
+    # NIXL binds its side channel there and hands the same address to peers: the advertised one.
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = settings.advertised_host
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(settings.nixl_port)
     if settings.cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cores
+    env.pop("VLLM_API_KEY", None)
+    if settings.engine_auth:  # in the environment: a command line is visible to every user in ps
+        env["VLLM_API_KEY"] = cluster_engine_api_key(loopback_only=settings.is_loopback)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_* variables UCX itself may not use
     if settings.connector is ConnectorKind.NIXL and settings.role is not Role.BOTH:
@@ -221,7 +226,7 @@ async def describe(settings: NodeSettings, client: httpx.AsyncClient, model_path
         node_id=settings.node_id,
         role=settings.role,
         model=models[0]["id"],
-        url=settings.url,
+        url=settings.advertised_url,
         block_size=snap.block_size or (settings.block_size or 0),
         max_model_len=int(models[0].get("max_model_len") or settings.max_model_len),
         kv_connector=settings.connector.value if settings.role is not Role.BOTH else "none",
@@ -239,6 +244,7 @@ async def run_node(settings: NodeSettings, *, ready: asyncio.Event | None = None
     0 after a signal, ``supervisor.EXIT_UNHEALTHY`` when it gave up; raises ``PortInUse`` (a
     ``ConfigError``) when a port is taken at start."""
     model_path = resolve_model(settings.model)  # a missing model fails the node at once, not per restart
+    settings.engine_headers()  # so does a missing cluster secret (ConfigError)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -14,6 +14,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from contracts.registry import Role
 from kv_transfer import ConnectorKind
+from kv_transfer.auth import engine_auth_headers
+
+WILDCARDS = frozenset({"0.0.0.0", "::", "*"})
+"""Bind addresses that mean every interface: never an address to register."""
 
 
 class NodeSettings(BaseSettings):
@@ -32,6 +36,11 @@ class NodeSettings(BaseSettings):
     served_model_name: str | None = None
     """Name clients use in ``model``; defaults to the folder name."""
     host: str = "127.0.0.1"
+    """Address the engine and the node's KV sockets bind (``0.0.0.0``: every interface)."""
+    advertise_host: str | None = None
+    """Address other hosts reach this node at, as registered for routers and decode nodes (engine URL,
+    KV events, event replay, block server, NIXL side channel); None: ``host``. Needed when ``host`` is a
+    wildcard, or an address peers cannot use (a container's own, behind a mapped one)."""
     port: int = 8100
     """HTTP port of the engine. Side ports: port+1 KV events (PUB), port+2 event replay, port+3 KV block
     server (tandem connector) or NIXL side channel."""
@@ -107,12 +116,33 @@ class NodeSettings(BaseSettings):
     """Replaces the whole ``vllm serve`` command line (a wrapper script, another build); ``{port}`` in
     an argument becomes ``port``. The supervision tests run a stand-in engine through it
     (``TANDEM_NODE_ENGINE_COMMAND='["python", "-m", "tests.support.fake_engine", "--port", "{port}"]'``)."""
+    engine_auth: bool = True
+    """Start the engine with an API key (``VLLM_API_KEY``, derived from the cluster secret:
+    ``kv_transfer.auth.engine_api_key``) that only node agents and routers hold, so that whoever else
+    reaches the engine's port gets 401 on ``/v1/*``. Passed in the environment, never on the command
+    line (``ps`` shows it). False: an open engine (a benchmark's plain-vLLM arm)."""
     log_dir: Path | None = None
     """Where the engine's stdout/stderr go; None inherits the node's."""
 
+    def engine_headers(self) -> dict[str, str]:
+        """Headers of this node's own calls to its engine (the API key, when ``engine_auth``). Raises
+        ``ConfigError`` for a node on a non-loopback address without an explicit cluster secret."""
+        return engine_auth_headers(loopback_only=self.is_loopback) if self.engine_auth else {}
+
+    @property
+    def advertised_host(self) -> str:
+        return self.advertise_host or self.host
+
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Where this node's agent reaches its own engine (a wildcard bind is reached on loopback)."""
+        host = "127.0.0.1" if self.host in WILDCARDS else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def advertised_url(self) -> str:
+        """The engine's URL as registered: where routers send requests."""
+        return f"http://{self.advertised_host}:{self.port}"
 
     @property
     def is_loopback(self) -> bool:
@@ -125,7 +155,7 @@ class NodeSettings(BaseSettings):
         real interface binds tcp://*:port+1 (see kv_events_bind)."""
         if self.is_loopback:
             return f"ipc://{Path(tempfile.gettempdir()) / 'tandem'}/kv-events-{self.port}.sock"
-        return f"tcp://{self.host}:{self.port + 1}"
+        return f"tcp://{self.advertised_host}:{self.port + 1}"
 
     @property
     def kv_events_bind(self) -> str:
@@ -134,7 +164,13 @@ class NodeSettings(BaseSettings):
 
     @property
     def kv_replay_endpoint(self) -> str:
-        return f"tcp://{self.host}:{self.port + 2}"
+        """Where subscribers ask for missed KV events (registered)."""
+        return f"tcp://{self.advertised_host}:{self.port + 2}"
+
+    @property
+    def kv_replay_bind(self) -> str:
+        """The replay endpoint given to vLLM, which binds it."""
+        return f"tcp://{'*' if self.host in WILDCARDS else self.host}:{self.port + 2}"
 
     @property
     def nixl_port(self) -> int:
@@ -154,11 +190,14 @@ class NodeSettings(BaseSettings):
     @property
     def kv_connector_extra(self) -> dict[str, object]:
         """The tandem connector's ``kv_connector_extra_config`` (kv_transfer.settings.ConnectorSettings)."""
-        return {
-            "host": self.host,
+        extra: dict[str, object] = {
+            "host": self.advertised_host,
             "port": self.nixl_port,
             "transport": self.kv_transport,
             "checksum": self.kv_checksum,
             "lease_s": self.kv_lease_s,
             "transfer_timeout_s": self.kv_transfer_timeout_s,
         }
+        if self.advertise_host and self.host not in WILDCARDS:
+            extra["bind_host"] = self.host  # else: the connector binds every interface for a non-loopback host
+        return extra

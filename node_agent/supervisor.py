@@ -141,7 +141,8 @@ class EngineSupervisor:
         Raises ``PortInUse`` if a port is taken before the first start."""
         s = self.settings
         first = True
-        async with httpx.AsyncClient() as client:
+        # The engine's API key on every call (its /v1/models needs it; /health and /metrics do not).
+        async with httpx.AsyncClient(headers=s.engine_headers()) as client:
             while not stop.is_set():
                 try:
                     check_ports_free(s.host, s.engine_ports)

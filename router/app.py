@@ -39,11 +39,13 @@ from contracts.errors import (
     PermissionDenied,
 )
 from contracts.registry import NodeRegistry, Role
+from kv_transfer.auth import engine_auth_headers
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
 from router.background import TaskSet
+from router.cache_salt import CacheSalts
 from router.edge import BodyLimit
 from router.exchange import GenerationRoute, document_generation_routes, parse_body
 from router.fleet import Fleet
@@ -162,7 +164,13 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = aioredis.from_url(settings.redis_url)
-        client = NodeClient(connect_timeout_s=settings.connect_timeout_s, request_timeout_s=settings.request_timeout_s)
+        # The engines' API key derives from the cluster secret; the per-user default file is accepted here
+        # (as for cache salts): nodes on other hosts need an explicit secret, which the router then shares.
+        client = NodeClient(
+            connect_timeout_s=settings.connect_timeout_s,
+            request_timeout_s=settings.request_timeout_s,
+            auth_headers=engine_auth_headers(loopback_only=True),
+        )
         emitter = activity = None
         if settings.telemetry:
             emitter = Emitter(
@@ -193,6 +201,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         app.state.responses = responses
         app.state.emitter = emitter
         app.state.admission = admission
+        app.state.cache_salts = CacheSalts.from_cluster_secret(settings.shared_cache_tenants)
         app.state.kv_tasks = kv_tasks = TaskSet()
         spans = tracer_provider(settings.otlp_traces_endpoint)
         app.state.accounting = Accounting(
@@ -204,7 +213,14 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             tracer=spans.get_tracer("tandem.router") if spans is not None else None,
         )
         app.state.orchestrator = Orchestrator(
-            settings, fleet, client, policy, PromptTokenizer(), metrics, index, slots=admission.controller
+            settings,
+            fleet,
+            client,
+            policy,
+            PromptTokenizer(render_timeout_s=settings.template_render_timeout_s),
+            metrics,
+            index,
+            slots=admission.controller,
         )
         metrics.admission.source = admission.controller.snapshot
         app.state.index, app.state.subscribers = index, subscribers

@@ -4,14 +4,15 @@
 ASGI app, so the response is sent inside the exchange's own ``try``/``finally`` (a FastAPI endpoint
 returns its response and loses hold of it before the response is sent)::
 
-    admit      key, requests/min                           401, 429 (before anything else is judged)
+    admit      key, requests/min, a tenant stream slot     401, 429 (before anything else is judged)
     read       body, edge rules, session and history       400, 413, 422
     plan       route, token charge, node slots, prefill    400, 429, 503, 502
     open       the decode leg, up to its first events      502 (retried once on another node first)
     respond    SSE relay (router.sse) or one JSON answer
     exit       exactly once, whatever happened: close the upstream call (which aborts the engine's
-               request), release the node slots and the policy's count, free a prefill lease no decode
-               leg took, then one record (metrics, lake, response index, session turn, token settle)
+               request), release the node slots, the tenant's stream slot and the policy's count, free
+               a prefill lease no decode leg took, then one record (metrics, lake, response index,
+               session turn, token settle)
 
 A client that disconnects before the answer starts is noticed while plan and open run (they are
 raced against the disconnect and cancelled, ``cancel_on_disconnect``); after that the relay notices
@@ -38,6 +39,7 @@ from router.admission.context import AdmissionContext
 from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.keys import Tenant
 from router.admission.ratelimit import Admission
+from router.cache_salt import CacheSalts, take_client_salt
 from router.edge import check_chat, parse_json
 from router.openai_errors import document_error_schema, error_responses, response_for
 from router.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
@@ -134,6 +136,7 @@ class Exchange:
         self.orch: Orchestrator = state.orchestrator
         self.accounting: Accounting = state.accounting
         self.ctx: AdmissionContext = state.admission
+        self.salts: CacheSalts = state.cache_salts
         self.spawn = state.kv_tasks.spawn
         self.holds = AsyncExitStack()
         """Everything the request holds that must be let go (upstream call, slots, policy count)."""
@@ -172,7 +175,13 @@ class Exchange:
         admission = self.admission = await ctx.gate.admit(
             request.headers.get("authorization"), priority_header=request.headers.get("x-tandem-priority")
         )
+        # One of the tenant's stream slots, held until ``_exit`` (every way a request ends goes through it).
+        self.holds.callback(ctx.streams.acquire(admission.tenant.tenant_id))
         req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
+        tenant = admission.tenant
+        cache_salt = self.salts.salt(
+            tenant.tenant_id, authenticated=tenant.key_id is not None, client_salt=take_client_salt(req.model_extra)
+        )
         prefer = route_preference(request, admission.tenant, self.settings)
         deadline = request_deadline(
             request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s, arrival=arrival
@@ -218,7 +227,8 @@ class Exchange:
 
         # No token bucket, no charge: the prompt is then tokenized only if routing needs it.
         charges = charge if ctx.gate.charges_tokens(admission) else None
-        leg = self.leg = await cancel_on_disconnect(request, self.orch.plan(self.kind, req, trace, prefer, charges))  # type: ignore[arg-type]
+        plan = self.orch.plan(self.kind, req, trace, prefer, charges, cache_salt)  # type: ignore[arg-type]
+        leg = self.leg = await cancel_on_disconnect(request, plan)
         self.holds.push_async_callback(leg.release)
         if not req.stream:
             answer = await cancel_on_disconnect(request, self.orch.complete(leg, trace, self.spawn))

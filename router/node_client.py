@@ -20,14 +20,18 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from contracts.errors import UpstreamError
+from contracts.errors import EngineRejected, UpstreamError
 from router.sse_upstream import SseStream, StreamPool, engine_error
 
 _encode = msgspec.json.Encoder().encode
 
 
 class NodeClient:
-    def __init__(self, *, connect_timeout_s: float, request_timeout_s: float) -> None:
+    def __init__(
+        self, *, connect_timeout_s: float, request_timeout_s: float, auth_headers: dict[str, str] | None = None
+    ) -> None:
+        self._auth = dict(auth_headers or {})
+        """The engines' API key (``kv_transfer.auth.engine_auth_headers``), sent on every call."""
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -57,13 +61,14 @@ class NodeClient:
 
     async def post_json(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         try:
-            async with self._client().post(url, data=_encode(body), headers=_json_headers(headers)) as resp:
+            headers = _json_headers({**self._auth, **headers})
+            async with self._client().post(url, data=_encode(body), headers=headers) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamError(f"node {url} unreachable: {type(exc).__name__}: {exc}") from exc
         if status >= 400:
-            raise engine_error(status, raw.decode(errors="replace"))
+            raise _not_the_clients(url, engine_error(status, raw.decode(errors="replace")))
         try:
             return msgspec.json.decode(raw)  # type: ignore[no-any-return]
         except msgspec.DecodeError as exc:
@@ -79,11 +84,24 @@ class NodeClient:
             self._streams = StreamPool(
                 connect_timeout_s=self._connect_timeout_s, request_timeout_s=self._request_timeout_s
             )
-        stream = await self._streams.open(url, _encode(body), headers)
+        try:
+            stream = await self._streams.open(url, _encode(body), {**self._auth, **headers})
+        except EngineRejected as exc:
+            raise _not_the_clients(url, exc) from exc
         try:
             yield stream
         finally:
             stream.close()
+
+
+def _not_the_clients(url: str, exc: EngineRejected) -> EngineRejected:
+    """An engine's 401 refuses the router's key, not the client's: a cluster-secret mismatch between
+    router and node, answered as a 502 (another node may still serve), never as the client's 401."""
+    if exc.status_code != 401:
+        return exc
+    return EngineRejected(
+        502, f"engine {url} refused the router's API key: do the router and its node share the cluster secret?"
+    )
 
 
 def _json_headers(headers: dict[str, str]) -> dict[str, str]:

@@ -257,13 +257,13 @@ class Orchestrator:
         )
         trace.fleet_cached_tokens, trace.routed_cached_tokens = view.fleet_tokens, view.routed_tokens
 
-    def _keys(self, node: NodeInfo, ids: list[int] | None) -> tuple[int, ...]:
+    def _keys(self, node: NodeInfo, ids: list[int] | None, cache_salt: str | None) -> tuple[int, ...]:
         if ids is None or self.index is None or node.block_size <= 0:
             return ()
         hasher = self._hashers.get((node.model, node.block_size))
         if hasher is None:
             hasher = self._hashers[(node.model, node.block_size)] = BlockHasher(node.block_size, "sha256_cbor")
-        return tuple(hasher.keys(ids))
+        return tuple(hasher.keys(ids, cache_salt=cache_salt))
 
     # -- legs ---------------------------------------------------------------------------------------
     async def plan(
@@ -273,12 +273,17 @@ class Orchestrator:
         trace: RequestTrace,
         prefer: RouteMode | None = None,
         charge: TokenCharge | None = None,
+        cache_salt: str | None = None,
     ) -> Leg:
         """Validate, route and run the prefill leg. Returns the decode leg to run. ``charge`` is called
-        with (prompt tokens, max_tokens) once they are known, before any node works (token limits)."""
+        with (prompt tokens, max_tokens) once they are known, before any node works (token limits).
+        ``cache_salt`` (``router.cache_salt``) goes to every engine leg and into the routing keys, so
+        that the fleet index matches the engines' salted block hashes."""
         req.check_supported()
         pools = self.fleet.pools(req.model)
         body = req.body()
+        if cache_salt:
+            body["cache_salt"] = cache_salt
         if self.settings.default_max_tokens and req.requested_max_tokens() is None:
             body["max_tokens"] = self.settings.default_max_tokens
         reference = (pools.decode or pools.colocated or pools.prefill)[0].node.info  # same model everywhere
@@ -294,7 +299,7 @@ class Orchestrator:
             model=trace.model,
             prompt_token_ids=tuple(ids or ()),
             session_id=trace.session_id,
-            block_keys=self._keys(reference, ids),
+            block_keys=self._keys(reference, ids, cache_salt),
         )
         decision = self._select(rr, pools, prefer)
         trace.routed = time.time()

@@ -93,11 +93,20 @@ class RouterSettings(BaseSettings):
     trust_request_chat_template: bool = False
     """Accept a client's ``chat_template`` (as vLLM's ``--trust-request-chat-template``; the engine
     must be started with it too). Off: such a request is a 400 before the router renders anything."""
+    template_render_timeout_s: float = 2.0
+    """Longest the router may spend rendering one prompt with a chat template (``router.template_deadline``);
+    past it the request is a 400 ``invalid_prompt``, so no template (the model's, or a trusted client's)
+    holds a router thread for longer. Real templates take about a millisecond. 0: unbounded."""
     chat_template_kwargs: frozenset[str] = frozenset(
         {"add_generation_prompt", "continue_final_message", "enable_thinking", "thinking", "reasoning_effort"}
     )
     """Names a client may give in ``chat_template_kwargs`` (scalar values only); any other is a 400.
     In the environment, a JSON list."""
+    shared_cache_tenants: frozenset[str] = frozenset()
+    """Tenants whose requests share one prefix cache (``router.cache_salt``): once auth is on, every other
+    tenant's requests carry a ``cache_salt`` of their own, so no tenant's prompts reuse (or reveal)
+    another's cached blocks. ``["*"]``: every tenant shares, as with auth off. In the environment
+    (``TANDEM_ROUTER_SHARED_CACHE_TENANTS``), a JSON list."""
     route_header: Literal["auto", "always", "never"] = "auto"
     """Who may force the path with ``x-tandem-route``: auto (default) while auth is off or for admin keys;
     always; never. A request that may not gets 403."""

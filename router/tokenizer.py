@@ -11,6 +11,11 @@ would bypass both the context check and the token limits. The template arguments
 request's ``add_generation_prompt`` (default true) and ``continue_final_message``, overridden by its
 ``chat_template_kwargs`` (names from an allowlist, ``router.edge``), and a client ``chat_template`` only
 when the operator trusts them.
+
+Rendering is bounded in time (``render_timeout_s``, ``router.template_deadline``): a template that loops
+long over a request is cut there and the request refused with a 400 (``invalid_prompt``), so that no
+template holds a router thread, or the event loop, for longer. A client's template is always rendered
+in a thread, whatever the prompt's length: it is the one an operator cannot vouch for.
 """
 
 from __future__ import annotations
@@ -25,12 +30,15 @@ from jinja2 import TemplateError
 
 from contracts.errors import InvalidRequest
 from contracts.registry import NodeInfo
+from router.template_deadline import RenderTimeout, bound_template, deadline
 
 log = logging.getLogger("tandem.router.tokenizer")
 
 
 class PromptTokenizer:
-    def __init__(self) -> None:
+    def __init__(self, *, render_timeout_s: float | None = None) -> None:
+        self.render_timeout_s = render_timeout_s
+        """Longest one chat-template rendering may take (None: unbounded)."""
         self._tokenizers: dict[str, Any] = {}
         self._lock = asyncio.Lock()
 
@@ -49,10 +57,18 @@ class PromptTokenizer:
         tok = await self._get(node)
         if tok is None:
             return None
+        timeout = self.render_timeout_s
         try:
-            if _prompt_chars(body) <= INLINE_CHARS:
-                return _token_ids(tok, body)  # shorter than the hand-off to a thread would cost
-            return await asyncio.to_thread(_token_ids, tok, body)
+            if _prompt_chars(body) <= INLINE_CHARS and body.get("chat_template") is None:
+                return _token_ids(tok, body, timeout)  # shorter than the hand-off to a thread would cost
+            return await asyncio.to_thread(_token_ids, tok, body, timeout)
+        except RenderTimeout as exc:
+            log.warning("rendering a prompt for %s passed %s s: refused", node.model, timeout)
+            raise InvalidRequest(
+                f"rendering the prompt with the chat template took longer than the router allows ({timeout} s)",
+                param="messages",
+                code="invalid_prompt",
+            ) from exc
         except (TemplateError, ValueError, TypeError, KeyError) as exc:
             # The engine renders the same template and would refuse it too; serving it uncounted would
             # skip the context check and charge 0 tokens against the tenant's limits.
@@ -119,19 +135,26 @@ def _content_text(content: Any) -> Any:
     return content or ""
 
 
-def _token_ids(tok: Any, body: dict[str, Any]) -> list[int]:
+def _token_ids(tok: Any, body: dict[str, Any], render_timeout_s: float | None = None) -> list[int]:
     if "messages" in body:
         # As vLLM does before rendering: a message without content (an assistant turn that only calls
         # tools) renders as empty text, not as a missing attribute.
         messages = [{**m, "content": _content_text(m.get("content"))} for m in body["messages"]]
+        tools, kwargs = body.get("tools"), template_kwargs(body)
         rust = getattr(tok, "_tokenizer", None)
-        if rust is not None and hasattr(rust, "encode"):
-            # Render, then encode with the Rust tokenizer directly: what apply_chat_template(tokenize=True)
-            # does (no special tokens added to a rendered chat, as vLLM), without the BatchEncoding and
-            # padding machinery around it, which cost as much as the encoding on every request.
-            text = tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=False, **template_kwargs(body))
+        with deadline(render_timeout_s):
+            if render_timeout_s:
+                bound_template(tok, kwargs.get("chat_template"), tools)
+            if rust is not None and hasattr(rust, "encode"):
+                # Render, then encode with the Rust tokenizer directly: what apply_chat_template(tokenize=True)
+                # does (no special tokens added to a rendered chat, as vLLM), without the BatchEncoding and
+                # padding machinery around it, which cost as much as the encoding on every request.
+                text = tok.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+            else:
+                text = None
+                ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, **kwargs)
+        if text is not None:
             return list(rust.encode(text, add_special_tokens=False).ids)
-        ids = tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=True, **template_kwargs(body))
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping)
             ids = ids["input_ids"]
         return list(ids)

@@ -16,6 +16,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.config import DEFAULT_REDIS_URL
+from router.admission.concurrency import TenantStreams
 from router.admission.keys import ANONYMOUS_TENANT, KeyStore, Tenant
 from router.admission.priority import AdmissionController
 from router.admission.ratelimit import ClockMs, Gatekeeper, GlobalLimits
@@ -65,6 +66,13 @@ class AdmissionSettings(BaseSettings):
     most this long (otherwise revocation is immediate). 0: refuse everything (503) while the store is
     unreachable."""
 
+    tenant_max_streams: int = 0
+    """Generation requests (streamed or not) one tenant may have in flight at once through one router
+    process (``router.admission.concurrency``); one more is a 429 ``rate_limit_exceeded``. 0 = unlimited.
+    With several router replicas a tenant may hold this many on each."""
+    tenant_max_streams_overrides: dict[str, int] = Field(default_factory=dict)
+    """Per-tenant exceptions to ``tenant_max_streams``, as JSON: ``{"acme": 100, "batch-team": 0}``."""
+
     node_max_concurrency: int = 64
     """Requests one router sends to one node at once (a P/D request holds a slot on its decode node for
     the whole answer and one on its prefill node for the prefill leg); the rest queue by class then
@@ -107,6 +115,7 @@ class AdmissionContext:
     gate: Gatekeeper
     controller: AdmissionController
     sessions: SessionStore
+    streams: TenantStreams
     closed: bool = False
 
     @classmethod
@@ -162,6 +171,7 @@ class AdmissionContext:
                 max_concurrency=settings.node_max_concurrency, max_queue=settings.node_max_queue
             ),
             sessions=sessions,
+            streams=TenantStreams(settings.tenant_max_streams, settings.tenant_max_streams_overrides),
         )
         try:
             await keys.init_schema()

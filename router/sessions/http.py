@@ -48,8 +48,9 @@ async def session_params(
     x_tandem_history: Annotated[str | None, Header()] = None,
 ) -> SessionParams:
     """Dependency for completion routes: the request's session id and history mode."""
+    # Exactly the documented values (the OpenAPI enum): "Server" or an empty value is a 400, not a guess.
     try:
-        mode = HistoryMode((x_tandem_history or "client").lower())
+        mode = HistoryMode("client" if x_tandem_history is None else x_tandem_history)
     except ValueError as exc:
         raise InvalidRequest(f"{HISTORY_HEADER} must be 'client' or 'server'", param=HISTORY_HEADER) from exc
     if x_session_id:

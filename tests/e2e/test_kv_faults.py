@@ -32,7 +32,7 @@ import redis
 import zmq
 
 from kv_transfer import wire
-from kv_transfer.auth import load_cluster_secret
+from kv_transfer.auth import engine_auth_headers, load_cluster_secret
 from tests.e2e.conftest import engine_metric
 from tests.support.helpers import wait_for
 
@@ -201,7 +201,8 @@ def reference(fc: FaultCluster, messages: list[dict[str, str]], max_tokens: int 
     (not the decode node) so that the decode node's cache stays cold and the faulted transfer moves
     every block of the prompt."""
     body = {"model": fc.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    return text(httpx.post(f"{node_url(P_PORT)}/v1/chat/completions", json=body, timeout=DEADLINE_S))
+    url, headers = f"{node_url(P_PORT)}/v1/chat/completions", engine_auth_headers(loopback_only=True)
+    return text(httpx.post(url, json=body, headers=headers, timeout=DEADLINE_S))
 
 
 def outcome(port: int, name: str) -> float:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from kv_transfer.auth import engine_auth_headers
 from router.app import create_app
 from router.settings import RouterSettings
 from tests.e2e.conftest import LiveCluster
@@ -74,7 +75,8 @@ def test_killed_node_leaves_the_index_and_returns_without_stale_hits(cluster: Li
                 return state.index.block_counts().get(cluster.model, {}).get(NODE_ID, 0)
 
             def fill_node_cache() -> None:  # straight to the node's engine, so the blocks land there
-                resp = httpx.post(f"http://127.0.0.1:{PORT}/v1/chat/completions", json=body, timeout=120)
+                url, key = f"http://127.0.0.1:{PORT}/v1/chat/completions", engine_auth_headers(loopback_only=True)
+                resp = httpx.post(url, json=body, headers=key, timeout=120)
                 assert resp.status_code == 200, resp.text
 
             assert wait_for(lambda: NODE_ID in ids(), timeout_s=600), (tmp_path / "node.log").read_text()[-2000:]

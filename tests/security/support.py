@@ -11,10 +11,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
@@ -38,6 +39,9 @@ class Router:
     admission: AdmissionSettings
     engine: StandInEngine | None = None
     keys: dict[str, str] = field(default_factory=dict)
+    app: Any = None
+    """The router's FastAPI app (its ``state`` holds the fleet index, once started)."""
+    node: NodeInfo | None = None
 
     async def create_key(self, tenant: str, *, admin: bool = False) -> dict[str, str]:
         """``Authorization`` headers of a new real key (auth turns on for this router's prefix)."""
@@ -59,10 +63,12 @@ async def router(
     engine: bool = True,
     max_model_len: int = 4096,
     admission_overrides: dict[str, object] | None = None,
+    engine_wrapper: Callable[[Any], Any] | None = None,
     **settings: object,
 ) -> AsyncIterator[Router]:
     """A router (in a uvicorn thread) over at most one stand-in engine; ``settings`` override
-    ``RouterSettings`` fields, ``admission_overrides`` ``AdmissionSettings`` fields."""
+    ``RouterSettings`` fields, ``admission_overrides`` ``AdmissionSettings`` fields;
+    ``engine_wrapper`` wraps the engine's ASGI app (vLLM's own middleware, say)."""
     tag = uuid.uuid4().hex[:10]
     model, prefix = f"sec-{tag}", f"sec-{tag}:"
     adm = AdmissionSettings(
@@ -75,10 +81,10 @@ async def router(
     )  # type: ignore[arg-type]
     async with AsyncExitStack() as stack:
         stack.push_async_callback(delete_prefix, REDIS_URL, prefix)
-        eng = None
+        eng = node = None
         if engine:
             eng = StandInEngine()
-            url = stack.enter_context(ServerThread(eng.app))
+            url = stack.enter_context(ServerThread(engine_wrapper(eng.app) if engine_wrapper else eng.app))
             node = NodeInfo(
                 node_id=f"n-{tag}",
                 role=Role.BOTH,
@@ -98,7 +104,8 @@ async def router(
         app = create_app(
             RouterSettings(redis_url=REDIS_URL, registry_refresh_s=60, telemetry=False, admission=adm, **settings)
         )  # type: ignore[arg-type]
-        yield Router(url=stack.enter_context(ServerThread(app)), model=model, admission=adm, engine=eng)
+        url = stack.enter_context(ServerThread(app))
+        yield Router(url=url, model=model, admission=adm, engine=eng, app=app, node=node)
 
 
 async def _deregister(node_id: str) -> None:
