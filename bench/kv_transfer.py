@@ -41,6 +41,7 @@ from bench.loadgen import run_level
 from contracts.config import redis_url as configured_redis_url
 from infra.launcher import Cluster, ClusterSpec
 from kv_transfer import prefill_request_params
+from kv_transfer.auth import engine_auth_headers
 from kv_transfer.hugepages import advise_huge_pages
 
 console = Console(stderr=True)
@@ -133,7 +134,8 @@ def measure_transfers(
         else ("tandem_kv_transfer_seconds_sum", "tandem_kv_transfer_bytes_total")
     )
     samples: list[Sample] = []
-    with httpx.Client(timeout=1800) as client:
+    # The legs go straight to the engines, which take only the cluster's engine key (kv_transfer.auth).
+    with httpx.Client(timeout=1800, headers=engine_auth_headers(loopback_only=True)) as client:
         for size in cfg.sizes:
             prompt = prompt_text(size, uuid.uuid4().hex)
             with console.status(f"{label}: prefilling {size} tokens once…"):
