@@ -52,6 +52,21 @@ STATUS_TTL_S = 3600.0
 """How long a node's status record outlives its last update (an unhealthy node stays visible)."""
 
 
+_LIVE_NODES_LUA = """
+local ids = redis.call('SMEMBERS', KEYS[1])
+local out = {}
+for _, id in ipairs(ids) do
+  out[#out + 1] = id
+  out[#out + 1] = redis.call('GET', ARGV[1] .. id) or false
+  out[#out + 1] = redis.call('GET', ARGV[2] .. id) or false
+end
+return out
+"""
+"""The whole fleet in one round trip: each id of the set with its info and load entries (false where
+gone). Every router reads it every ``registry_refresh_s``; as SMEMBERS then MGET it was two round
+trips, most of an idle router's CPU (redis-py's client costs more per command than the command)."""
+
+
 def node_key(node_id: str) -> str:
     return f"tandem:node:{node_id}"
 
@@ -165,6 +180,7 @@ class NodeRegistry:
         """Entries left out of ``live_nodes`` / ``statuses`` since start, by reason (``version``,
         ``malformed``): each read counts each bad entry again."""
         self._warned: set[tuple[str, str]] = set()
+        self._live_nodes = redis.register_script(_LIVE_NODES_LUA)
 
     def _skip(self, node_id: str, reason: str, detail: str) -> None:
         self.skipped[reason] += 1
@@ -239,17 +255,18 @@ class NodeRegistry:
     async def live_nodes(self) -> list[LiveNode]:
         """Every node whose heartbeat has not lapsed; prunes lapsed ids from the set."""
         try:
-            ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await self._redis.smembers(NODES_SET))
-            if not ids:
-                return []
-            keys = [k for i in ids for k in (node_key(i), load_key(i))]
-            raw = cast("list[bytes | None]", await self._redis.mget(keys))
+            flat = cast(
+                "list[bytes | None]", await self._live_nodes(keys=[NODES_SET], args=[node_key(""), load_key("")])
+            )
         except RedisError as exc:
             raise StoreError(f"registry read failed: {exc}") from exc
+        entries = sorted(
+            ((cast(bytes, flat[i]).decode(), flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)),
+            key=lambda e: e[0],
+        )
         live: list[LiveNode] = []
         lapsed: list[str] = []
-        for n, node_id in enumerate(ids):
-            info_raw, load_raw = raw[2 * n], raw[2 * n + 1]
+        for node_id, info_raw, load_raw in entries:
             if info_raw is None:
                 lapsed.append(node_id)
                 continue

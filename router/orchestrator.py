@@ -430,7 +430,8 @@ class Orchestrator:
         except TandemError:
             return None
         for pool in (pools.colocated, pools.decode, pools.prefill):
-            options = [c for c in pool if c.node_id != failed]
+            # Not one that failed a leg moments ago (``pools`` still lists down nodes when all are down).
+            options = [c for c in pool if c.node_id != failed and not self.fleet.is_down(c.node_id)]
             if options:
                 return min(options, key=lambda c: c.inflight)
         return None
