@@ -77,6 +77,13 @@ def bench_overhead(
             " (default: $TANDEM_REDIS_URL, database 11)."
         ),
     ] = None,
+    routers: Annotated[
+        int,
+        typer.Option(
+            help="Router replicas of the Tandem arm: 1 (default) against the peer's one vllm-router;"
+            " 2 as `tandem up` runs them, for availability."
+        ),
+    ] = 1,
 ) -> None:
     """What Tandem costs over the vLLM it wraps, same cores, one run: plain `vllm serve` (node's flags),
     vllm-router in front of it, a Tandem node straight to its engine, and Tandem through its router;
@@ -94,6 +101,7 @@ def bench_overhead(
         agent_sessions=agent_sessions,
         ceiling_streams=ceiling_streams,
         redis_url=redis_url,
+        routers=routers,
     )
     signal.signal(signal.SIGTERM, interrupt)  # SIGTERM unwinds like Ctrl-C: every arm's processes stop
     with clean_errors():

@@ -68,6 +68,10 @@ class OverheadBenchConfig:
     """Agent workload: sessions (2 repositories), 3-4 turns each, 32 tokens out; 0 skips it."""
     arms: tuple[str, ...] = ARMS
     kv_cache_gib: int = 1
+    routers: int = 1
+    """Router replicas of the Tandem arm: one router process against the peer's one vllm-router
+    process. ``tandem up`` runs two for availability; each costs its idle work (``--routers 2``
+    measures that configuration)."""
     redis_url: str = field(default_factory=lambda: configured_redis_url(db=11))
     """Registry of the Tandem arms (a database of its own, so no other node is in the fleet)."""
     port_base: int = 19400
@@ -215,6 +219,7 @@ def serve_arm(arm: str, cfg: OverheadBenchConfig, slot: int) -> Iterator[Served]
         node_base_port=port,
         redis_url=cfg.redis_url,
         kv_cache_gib=cfg.kv_cache_gib,
+        routers=cfg.routers,
         workdir=cfg.workdir / f"cluster-{port}",
         router_env=(("TANDEM_DATABASE_URL", f"sqlite:///{cfg.workdir}/router-{port}.db"),),
         node_env=(("TANDEM_NODE_ENGINE_AUTH", "false"),) if arm == "node" else (),  # load goes to the engine

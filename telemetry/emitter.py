@@ -58,7 +58,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from contracts.config import DEFAULT_REDIS_URL
 from telemetry.journal import Journal, read_segment
@@ -233,6 +233,8 @@ class Emitter:
         self._capacity = cfg.capacity
         self._batch_size = cfg.batch_size
         self._wake = threading.Event()
+        self._arrived = threading.Event()
+        """Set by ``emit`` while clear: lets an idle flusher sleep until there is something to send."""
         self._flush_lock = threading.Lock()
         self._closed = False
         self._stopping = False
@@ -279,6 +281,8 @@ class Emitter:
         if self._journal is not None:
             return self._emit_journaled(table, record)
         q.append((table, record, time.time()))
+        if not self._arrived.is_set():
+            self._arrived.set()
         if len(q) >= self._batch_size and not self._wake.is_set():
             self._wake.set()
         return True
@@ -295,6 +299,8 @@ class Emitter:
             except (OSError, TypeError, ValueError) as exc:  # disk full, or a value msgpack cannot hold
                 log.warning("telemetry journal: %s event not journaled: %s", table, exc)
             self._queue.append((table, record, t))
+        if not self._arrived.is_set():
+            self._arrived.set()
         if len(self._queue) >= self._batch_size and not self._wake.is_set():
             self._wake.set()
         return True
@@ -317,10 +323,20 @@ class Emitter:
         self._thread = threading.Thread(target=self._run, name="tandem-telemetry-flusher", daemon=True)
         self._thread.start()
 
+    def _idle(self) -> bool:
+        return not self._queue and not self._undelivered
+
     def _run(self) -> None:
         interval = self.config.flush_interval_s
         while not self._stopping:
-            self._wake.wait(timeout=interval)
+            self._arrived.clear()  # before the check: an event emitted after it sets it again
+            if self._idle():
+                # Nothing to send: sleep until the first event instead of waking every interval. On a
+                # CPU host every wake-up of any process can stall an engine's forward pass.
+                self._arrived.wait()
+                if self._stopping:
+                    break
+            self._wake.wait(timeout=interval)  # the batching window from the first event
             self._wake.clear()
             if self._stopping:
                 break
@@ -432,14 +448,11 @@ class Emitter:
             return 0
         cfg = self.config
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            for table, nrows, data in payloads:
-                self._xadd(
-                    keys=[stream_key(cfg.stream_prefix, table)],
-                    args=[cfg.stream_maxlen, "v", SCHEMA_VERSION, "n", nrows, "src", self._source, "a", data],
-                    client=pipe,
-                )
-            results = pipe.execute()
+            try:
+                results = self._xadd_all(payloads)
+            except NoScriptError:  # a restarted (or flushed) Redis: load the script, send once more
+                self._redis.script_load(_XADD_BOUNDED)
+                results = self._xadd_all(payloads)
         except RedisError as exc:
             self._backoff = min(cfg.max_backoff_s, max(0.1, self._backoff * 2))
             self._retry_at = time.monotonic() + self._backoff
@@ -486,6 +499,17 @@ class Emitter:
 
     # ---- shutdown --------------------------------------------------------------------------------
 
+    def _xadd_all(self, payloads: list[tuple[str, int, bytes]]) -> list[Any]:
+        """One pipelined round trip of the bounded XADD script. By its hash, not as a redis-py Script: a
+        pipeline holding Scripts first asks Redis whether they exist, a second round trip per flush."""
+        cfg = self.config
+        pipe = self._redis.pipeline(transaction=False)
+        for table, nrows, data in payloads:
+            key = stream_key(cfg.stream_prefix, table)
+            args = [cfg.stream_maxlen, "v", SCHEMA_VERSION, "n", nrows, "src", self._source, "a", data]
+            pipe.evalsha(self._xadd.sha, 1, key, *args)
+        return pipe.execute()
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop accepting events, flush what is queued (one attempt), stop the flusher."""
         if self._closed:
@@ -493,6 +517,7 @@ class Emitter:
         self._closed = True
         self._stopping = True
         self._wake.set()
+        self._arrived.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
         self._retry_at = 0.0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import linecache
 import socket
+import sys
 import threading
 import time
 
@@ -162,3 +164,35 @@ async def test_works_from_asyncio(make_emitter, r, prefix):
     await e.aclose()
     got = _read_stream(r, stream_key(prefix, "errors")).column("message").to_pylist()
     assert sorted(got) == sorted(f"m{i}" for i in range(40))
+
+
+def _flusher_sleeps_until_an_event(e) -> bool:  # noqa: ANN001
+    """The flusher thread is blocked in the idle wait (``_arrived``), not in a timed batching wait."""
+    frame = sys._current_frames().get(e._thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "_run":
+            return "self._arrived.wait()" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return False
+
+
+def test_an_idle_flusher_sleeps_until_the_first_event_then_sends_it(make_emitter, r, prefix):
+    # An idle router or node must not wake every flush interval: on a CPU host any wake-up can stall
+    # an engine's forward pass. The flusher sleeps on emit's signal and still sends within the interval.
+    e = make_emitter(flush_interval_s=0.05)
+    wait_until(lambda: _flusher_sleeps_until_an_event(e), 10, "the idle wait")
+    e.emit("requests", {"request_id": "r0"})
+    key = stream_key(prefix, "requests")
+    wait_until(lambda: r.xlen(key) == 1, 10, "the event in the stream")
+    wait_until(lambda: _flusher_sleeps_until_an_event(e), 10, "the idle wait again")  # once it is sent
+
+
+def test_a_redis_that_lost_its_scripts_still_gets_the_batch_once(make_emitter, r, prefix, metrics):
+    # A restarted or flushed Redis forgets the XADD script: it is loaded again and the batch sent once.
+    e = make_emitter(start=False)
+    r.script_flush()
+    for i in range(3):
+        e.emit("requests", {"request_id": f"r{i}"})
+    assert e.flush() == 3
+    assert _read_stream(r, stream_key(prefix, "requests")).num_rows == 3
+    assert r.xlen(stream_key(prefix, "requests")) == 1
