@@ -542,9 +542,15 @@ def plot(doc: dict[str, Any], out_png: Path) -> None:
     fig, ax = plt.subplots(figsize=(14, 4.5))
     bin_s = tl[1]["t_s"] - tl[0]["t_s"] if len(tl) > 1 else 5.0
     xs = [b["t_s"] + bin_s / 2 for b in tl]
-    ax.plot(xs, [b["answers_per_s"] for b in tl], label="answers/s", color="tab:blue")
+    answers = [b["answers_per_s"] for b in tl]
+    # Closed-loop streams on a slow engine finish in waves, so 5 s bins alternate between bursts and
+    # nothing; a trailing 30 s mean shows the service level, the faint bins what happened when.
+    width = max(1, round(30 / bin_s))
+    smooth = [sum(answers[max(0, i - width + 1) : i + 1]) / min(width, i + 1) for i in range(len(answers))]
+    ax.plot(xs, answers, color="tab:blue", alpha=0.25, lw=0.8)
+    ax.plot(xs, smooth, label="answers/s (trailing 30 s)", color="tab:blue", lw=2)
     ax.plot(xs, [b["failures_per_s"] for b in tl], label="failed requests/s", color="tab:red")
-    top = max([b["answers_per_s"] for b in tl] + [b["failures_per_s"] for b in tl] + [1.0])
+    top = max(answers + [b["failures_per_s"] for b in tl] + [1.0])
     for f in doc["faults"]:
         ax.axvline(f["at_s"], color="black", lw=0.8, ls="--")
         if f["recovery_s"] is not None:
@@ -554,11 +560,12 @@ def plot(doc: dict[str, Any], out_png: Path) -> None:
     ax.set_ylabel("per second (5 s bins)")
     ax.set_ylim(0, top * 1.35)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     s = doc["summary"]
     ax.set_title(
-        f"Tandem chaos: {s['survived']}/{s['faults']} faults survived, {s['failed_requests']} failed, "
-        f"{s['hung_streams']} hung (recovery shaded)",
+        f"Tandem chaos: {s['survived']}/{s['faults']} faults survived, {s['failed_requests']} failed "
+        f"({s.get('failed_elsewhere', 0)} not on the killed component), {s['hung_streams']} hung, "
+        f"{s['lost_lake_rows']} lake rows lost (recovery shaded)",
         fontsize=10,
     )
     fig.tight_layout()

@@ -50,6 +50,7 @@ from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.registry import Role
 from infra.launcher import Cluster, ClusterSpec
+from kv_transfer.auth import engine_auth_headers
 from node_agent.model import resolve_model
 from node_agent.node import EngineProcess
 from node_agent.settings import NodeSettings
@@ -183,7 +184,10 @@ def _plain_engine(cfg: OverheadBenchConfig, port: int, logs: Path) -> Iterator[s
 
 
 def _model_name(url: str) -> str:
-    return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
+    # A Tandem node's engine takes the cluster's engine key (an open engine ignores the header).
+    resp = httpx.get(f"{url}/v1/models", headers=engine_auth_headers(loopback_only=True), timeout=10)
+    resp.raise_for_status()
+    return str(resp.json()["data"][0]["id"])
 
 
 @contextlib.contextmanager

@@ -106,6 +106,10 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     """ZeroMQ PUB endpoint of the engine's KV events."""
     kv_replay_endpoint: str | None = None
     """ZeroMQ ROUTER endpoint that replays KV events from a sequence number."""
+    kv_events_auth: str = "none"
+    """``curve``: both endpoints are the node's CURVE relay (``node_agent.kv_events_relay``), reached
+    with keys derived from the cluster secret; ``none``: the engine's own (loopback) sockets. A reader
+    that predates the field connects without CURVE and gets no events: fewer hits, nothing wrong."""
     model_path: str | None = None
     """Local model folder, so a router on the same host can load the exact tokenizer and template."""
     num_kv_blocks: int = 0

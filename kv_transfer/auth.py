@@ -44,6 +44,7 @@ from functools import cache
 from pathlib import Path
 
 import zmq
+from zmq.utils import z85
 
 from contracts.errors import ConfigError
 
@@ -101,6 +102,28 @@ def cluster_engine_api_key(*, loopback_only: bool) -> str:
 def engine_auth_headers(*, loopback_only: bool) -> dict[str, str]:
     """What a caller of an engine's ``/v1/*`` sends."""
     return {"Authorization": f"Bearer {cluster_engine_api_key(loopback_only=loopback_only)}"}
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """ZeroMQ CURVE keys (z85) of the KV-event relays (``node_agent.kv_events_relay``) and their clients
+    (routers), derived from the cluster secret: CURVE encrypts the events (their token ids are tenants'
+    prompts) and the server admits only ``client_public``, so holding the secret is the credential."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def curve_keys(secret: bytes) -> CurveKeys:
+    def pair(label: bytes) -> tuple[bytes, bytes]:
+        private = z85.encode(hmac.new(secret, label, hashlib.sha256).digest())  # any 32 bytes are a key
+        return zmq.curve_public(private), private
+
+    server_public, server_secret = pair(b"tandem kv events curve server v1")
+    client_public, client_secret = pair(b"tandem kv events curve client v1")
+    return CurveKeys(server_public, server_secret, client_public, client_secret)
 
 
 def _read_private(path: Path) -> str:

@@ -30,11 +30,13 @@ import decode_nodes
 import prefill_nodes
 from contracts.registry import NodeInfo, NodeRegistry, Role
 from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
-from kv_transfer.auth import cluster_engine_api_key
+from kv_transfer.auth import cluster_engine_api_key, curve_keys, load_cluster_secret
 from node_agent.dtype import resolve_dtype
 from node_agent.engine_metrics import read_snapshot
+from node_agent.kv_events_relay import KVEventsRelay
 from node_agent.lifetime import die_with_parent, stop_group
 from node_agent.model import resolve_model
+from node_agent.ports import check_ports_free
 from node_agent.settings import NodeSettings
 from node_agent.supervisor import Engine, EngineSupervisor
 
@@ -99,8 +101,7 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
 
 
 def engine_env(settings: NodeSettings) -> dict[str, str]:
-    if settings.kv_events_endpoint.startswith("ipc://"):
-        Path(settings.kv_events_endpoint[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
+    Path(settings.kv_events_bind[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     # NIXL binds its side channel there and hands the same address to peers: the advertised one.
@@ -232,6 +233,7 @@ async def describe(settings: NodeSettings, client: httpx.AsyncClient, model_path
         kv_connector=settings.connector.value if settings.role is not Role.BOTH else "none",
         kv_events_endpoint=settings.kv_events_endpoint,
         kv_replay_endpoint=settings.kv_replay_endpoint,
+        kv_events_auth="curve" if settings.kv_events_relayed else "none",
         model_path=str(model_path),
         num_kv_blocks=snap.num_kv_blocks,
         started_at=time.time(),
@@ -267,10 +269,31 @@ async def run_node(settings: NodeSettings, *, ready: asyncio.Event | None = None
     supervisor = EngineSupervisor(
         settings, registry, lambda: EngineProcess(settings), describe_engine, on_healthy=on_healthy, on_ready=on_ready
     )
+    relay = kv_events_relay(settings)  # before the engine: a port it cannot bind fails the node at once
     try:
         return await supervisor.run(stop)
     finally:
+        if relay is not None:
+            relay.close()
         await redis.aclose()
+
+
+def kv_events_relay(settings: NodeSettings) -> KVEventsRelay | None:
+    """The node's CURVE relay of its engine's KV events (a node on a real interface), started; for the
+    node's whole life, engine restarts included (the engine's ipc sockets keep their paths)."""
+    if not settings.kv_events_relayed:
+        return None
+    events_bind, replay_bind = settings.relay_binds
+    check_ports_free(settings.host, {settings.port + 1: "KV events relay", settings.port + 2: "KV event replay relay"})
+    relay = KVEventsRelay(
+        engine_events=settings.kv_events_bind,
+        engine_replay=settings.kv_replay_bind,
+        events_bind=events_bind,
+        replay_bind=replay_bind,
+        keys=curve_keys(load_cluster_secret(loopback_only=False)),
+    )
+    relay.start()
+    return relay
 
 
 __all__ = ["EngineProcess", "describe", "engine_command", "engine_env", "parse_cores", "pin_process_tree", "run_node"]

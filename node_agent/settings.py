@@ -149,18 +149,29 @@ class NodeSettings(BaseSettings):
         return self.host in ("127.0.0.1", "localhost", "::1")
 
     @property
+    def _ipc_dir(self) -> Path:
+        return Path(tempfile.gettempdir()) / "tandem"
+
+    @property
+    def kv_events_relayed(self) -> bool:
+        """A node on a real interface never lets its engine publish KV events (token ids: tenants'
+        prompts) or replay them there: the engine uses ipc sockets and the agent's CURVE relay
+        (``node_agent.kv_events_relay``) serves the TCP endpoints to holders of the cluster secret."""
+        return not self.is_loopback
+
+    @property
     def kv_events_endpoint(self) -> str:
-        """Where subscribers connect. vLLM's publisher binds only wildcard and ipc endpoints (it
-        *connects* to anything else), so a loopback node publishes on an ipc socket and a node on a
-        real interface binds tcp://*:port+1 (see kv_events_bind)."""
+        """Where subscribers connect (registered). vLLM's publisher binds only wildcard and ipc
+        endpoints (it *connects* to anything else): a loopback node's engine publishes on an ipc
+        socket; a node on a real interface registers its relay's tcp://<advertised>:port+1."""
         if self.is_loopback:
-            return f"ipc://{Path(tempfile.gettempdir()) / 'tandem'}/kv-events-{self.port}.sock"
+            return self.kv_events_bind
         return f"tcp://{self.advertised_host}:{self.port + 1}"
 
     @property
     def kv_events_bind(self) -> str:
-        """The endpoint given to vLLM's publisher (bind form)."""
-        return self.kv_events_endpoint if self.is_loopback else f"tcp://*:{self.port + 1}"
+        """The endpoint given to vLLM's publisher (bind form): always an ipc socket of this host."""
+        return f"ipc://{self._ipc_dir}/kv-events-{self.port}.sock"
 
     @property
     def kv_replay_endpoint(self) -> str:
@@ -169,8 +180,17 @@ class NodeSettings(BaseSettings):
 
     @property
     def kv_replay_bind(self) -> str:
-        """The replay endpoint given to vLLM, which binds it."""
-        return f"tcp://{'*' if self.host in WILDCARDS else self.host}:{self.port + 2}"
+        """The replay endpoint given to vLLM, which binds it: 127.0.0.1 on a loopback node, else an ipc
+        socket behind the relay."""
+        if self.is_loopback:
+            return f"tcp://{self.host}:{self.port + 2}"
+        return f"ipc://{self._ipc_dir}/kv-replay-{self.port}.sock"
+
+    @property
+    def relay_binds(self) -> tuple[str, str]:
+        """What the relay binds for KV events and their replay (on a node that relays)."""
+        host = "*" if self.host in WILDCARDS else self.host
+        return f"tcp://{host}:{self.port + 1}", f"tcp://{host}:{self.port + 2}"
 
     @property
     def nixl_port(self) -> int:
@@ -179,10 +199,12 @@ class NodeSettings(BaseSettings):
     @property
     def engine_ports(self) -> dict[int, str]:
         """TCP ports the engine binds (port -> what for), checked free before every start. A loopback
-        node publishes KV events on an ipc socket, and a colocated node runs no connector."""
-        ports = {self.port: "engine HTTP", self.port + 2: "KV event replay"}
-        if not self.is_loopback:
-            ports[self.port + 1] = "KV events"
+        node publishes KV events on an ipc socket, and so does every engine of a node on a real
+        interface, whose agent's relay binds port+1 and port+2 itself (checked by that bind, once, at
+        the agent's start); a colocated node runs no connector."""
+        ports = {self.port: "engine HTTP"}
+        if self.is_loopback:
+            ports[self.port + 2] = "KV event replay"
         if self.role is not Role.BOTH and self.connector is not ConnectorKind.NONE:
             ports[self.nixl_port] = "NIXL side channel" if self.connector is ConnectorKind.NIXL else "KV block server"
         return ports

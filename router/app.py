@@ -39,7 +39,7 @@ from contracts.errors import (
     PermissionDenied,
 )
 from contracts.registry import NodeRegistry, Role
-from kv_transfer.auth import engine_auth_headers
+from kv_transfer.auth import curve_keys, engine_auth_headers, load_cluster_secret
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
@@ -50,7 +50,7 @@ from router.edge import BodyLimit
 from router.exchange import GenerationRoute, document_generation_routes, parse_body
 from router.fleet import Fleet
 from router.kv_activity import KVActivity
-from router.kv_index import FleetIndex, KVEventSubscribers
+from router.kv_index import CurveClient, FleetIndex, KVEventSubscribers
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.openai_errors import error_responses, install_error_handlers
@@ -154,6 +154,13 @@ async def _any_key(ctx: AdmissionContext) -> bool:
     return await ctx.keys.refresh_flag()
 
 
+def _kv_events_curve_client() -> CurveClient:
+    """Keys for nodes that relay their KV events with CURVE (``node_agent.kv_events_relay``): from the
+    cluster secret, which such nodes (on real interfaces) require to be set explicitly."""
+    keys = curve_keys(load_cluster_secret(loopback_only=False))
+    return CurveClient(keys.server_public, keys.client_public, keys.client_secret)
+
+
 def create_app(settings: RouterSettings | None = None) -> FastAPI:
     settings = settings or RouterSettings()
     metrics = RouterMetrics()
@@ -182,7 +189,9 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
                 metrics=metrics.common,
             )
             activity = KVActivity(emitter, lambda node_id: fleet.role_and_usage(node_id))
-        subscribers = KVEventSubscribers(index, on_event=activity.observe if activity else None)
+        subscribers = KVEventSubscribers(
+            index, on_event=activity.observe if activity else None, curve_client=_kv_events_curve_client
+        )
         fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
         responses = ResponseIndex(redis)
         admission = await AdmissionContext.create(settings.admission or AdmissionSettings(redis_url=settings.redis_url))

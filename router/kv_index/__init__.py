@@ -19,10 +19,11 @@ from router.kv_index.attribution import MissAttribution, PrefixView, attribute, 
 from router.kv_index.block_keys import BlockHasher, BlockKey, block_keys, external_key
 from router.kv_index.ideal import ideal_cached_tokens, ideal_hit_rate
 from router.kv_index.index import Eviction, FleetIndex, ModelIndex, bench_longest_prefix
-from router.kv_index.subscriber import KVEventSubscriber, KVEventSubscribers, SubscriberStats
+from router.kv_index.subscriber import CurveClient, KVEventSubscriber, KVEventSubscribers, SubscriberStats
 
 __all__ = [
     "BlockHasher",
+    "CurveClient",
     "BlockKey",
     "Eviction",
     "FleetIndex",

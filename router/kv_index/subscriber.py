@@ -69,6 +69,16 @@ class SubscriberStats:
     socket_errors: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class CurveClient:
+    """CURVE keys (z85) for a node whose endpoints are its relay (``NodeInfo.kv_events_auth == "curve"``;
+    ``kv_transfer.auth.curve_keys`` derives them from the cluster secret)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+
 class KVEventSubscriber:
     """Keeps one node's blocks in ``index`` current from its KV events."""
 
@@ -85,9 +95,12 @@ class KVEventSubscriber:
         retry_delay_s: float = 1.0,
         hasher: BlockHasher | None = None,
         on_event: EventObserver | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
+        """``curve``: the node's endpoints are its CURVE relay (``NodeInfo.kv_events_auth``)."""
         self.index = index
         self.on_event = on_event
+        self.curve = curve
         self.node_id = node_id
         self.events_endpoint = events_endpoint
         self.replay_endpoint = replay_endpoint
@@ -137,8 +150,16 @@ class KVEventSubscriber:
                 self.expected, self._window = None, None
                 await asyncio.sleep(self.retry_delay_s)
 
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(kind)
+        if self.curve is not None:
+            sock.curve_serverkey = self.curve.server_public
+            sock.curve_publickey = self.curve.public
+            sock.curve_secretkey = self.curve.secret
+        return sock
+
     async def _serve(self) -> None:
-        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub = self._socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._sub.connect(self.events_endpoint)
         if self.replay_endpoint is not None:
@@ -205,7 +226,7 @@ class KVEventSubscriber:
 
     async def _request_replay(self, start: int) -> list[tuple[int, bytes]] | None:
         if self._dealer is None:
-            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer = self._socket(zmq.DEALER)
             self._dealer.connect(self.replay_endpoint)  # type: ignore[arg-type]
         dealer = self._dealer
         await dealer.send_multipart((b"", start.to_bytes(8, "big")))
@@ -273,7 +294,15 @@ class KVEventSubscriber:
 
 
 def _identity(info: NodeInfo) -> tuple[object, ...]:
-    return (info.model, info.block_size, info.kv_events_endpoint, info.kv_replay_endpoint, info.started_at, info.epoch)
+    return (
+        info.model,
+        info.block_size,
+        info.kv_events_endpoint,
+        info.kv_replay_endpoint,
+        info.kv_events_auth,
+        info.started_at,
+        info.epoch,
+    )
 
 
 class KVEventSubscribers:
@@ -289,7 +318,10 @@ class KVEventSubscribers:
         topic: str = "",
         replay_timeout_s: float = 2.0,
         on_event: EventObserver | None = None,
+        curve_client: Callable[[], CurveClient] | None = None,
     ) -> None:
+        """``curve_client``: the keys for nodes that relay their events with CURVE (called once, when
+        the first such node appears)."""
         self.index = index
         self._on_event = on_event
         self._own_ctx = ctx is None
@@ -298,6 +330,8 @@ class KVEventSubscribers:
         self._topic = topic
         self._replay_timeout_s = replay_timeout_s
         self._subs: dict[str, tuple[tuple[object, ...], KVEventSubscriber]] = {}
+        self._curve_client = curve_client
+        self._curve_keys: CurveClient | None = None
 
     async def sync(self, nodes: Iterable[LiveNode]) -> None:
         """Start subscribers for new nodes; stop them and drop the blocks of nodes that left, and of
@@ -322,9 +356,17 @@ class KVEventSubscribers:
                 replay_timeout_s=self._replay_timeout_s,
                 hasher=self._hashers.get(info.model),
                 on_event=self._on_event,
+                curve=self._curve() if info.kv_events_auth == "curve" else None,
             )
             self._subs[node_id] = (_identity(info), sub)
             sub.start()
+
+    def _curve(self) -> CurveClient | None:
+        if self._curve_keys is None and self._curve_client is not None:
+            self._curve_keys = self._curve_client()  # once, and only when some node relays with CURVE
+        if self._curve_keys is None:
+            log.warning("a node relays its KV events with CURVE, but this router has no keys for it")
+        return self._curve_keys
 
     def subscriber(self, node_id: str) -> KVEventSubscriber | None:
         entry = self._subs.get(node_id)

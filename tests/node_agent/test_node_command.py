@@ -47,9 +47,12 @@ def test_kv_events_prefix_caching_and_loopback_ports() -> None:
     assert _value(cmd, "--host") == "127.0.0.1" and _value(cmd, "--port") == "9100"
 
 
-def test_a_node_on_a_real_interface_binds_its_publisher_on_all_interfaces() -> None:
+def test_a_node_on_a_real_interface_keeps_its_engines_events_on_the_host_behind_the_relay() -> None:
     s = NodeSettings(role=Role.DECODE, host="10.1.2.3", port=9100)
-    assert s.kv_events_bind == "tcp://*:9101" and s.kv_events_endpoint == "tcp://10.1.2.3:9101"
+    assert s.kv_events_relayed
+    assert s.kv_events_bind.startswith("ipc://") and s.kv_replay_bind.startswith("ipc://")
+    assert s.kv_events_endpoint == "tcp://10.1.2.3:9101" and s.kv_replay_endpoint == "tcp://10.1.2.3:9102"
+    assert s.relay_binds == ("tcp://10.1.2.3:9101", "tcp://10.1.2.3:9102")
 
 
 def test_role_specific_token_budgets() -> None:

@@ -36,7 +36,9 @@ async def test_bind_everywhere_advertise_one_address(role: Role, monkeypatch: py
     cmd = engine_command(s, Path("/models/m"))
     assert _arg(cmd, "--host") == "0.0.0.0"
     events = json.loads(_arg(cmd, "--kv-events-config"))
-    assert events["endpoint"] == f"tcp://*:{PORT + 1}" and events["replay_endpoint"] == f"tcp://*:{PORT + 2}"
+    # The engine's events and replay stay on ipc sockets; the agent's CURVE relay binds every interface.
+    assert events["endpoint"].startswith("ipc://") and events["replay_endpoint"].startswith("ipc://")
+    assert s.relay_binds == (f"tcp://*:{PORT + 1}", f"tcp://*:{PORT + 2}")
     if role is Role.PREFILL:
         extra = json.loads(_arg(cmd, "--kv-transfer-config"))["kv_connector_extra_config"]
         assert extra["host"] == "10.1.2.3" and "bind_host" not in extra  # binds every interface
@@ -53,7 +55,7 @@ def test_a_specific_bind_address_stays_the_bind_address() -> None:
     s = NodeSettings(role=Role.DECODE, host="192.168.0.7", advertise_host="node7.example", port=PORT)
     cmd = engine_command(s, Path("/models/m"))
     assert _arg(cmd, "--host") == "192.168.0.7"
-    assert json.loads(_arg(cmd, "--kv-events-config"))["replay_endpoint"] == f"tcp://192.168.0.7:{PORT + 2}"
+    assert s.relay_binds[1] == f"tcp://192.168.0.7:{PORT + 2}"
     extra = json.loads(_arg(cmd, "--kv-transfer-config"))["kv_connector_extra_config"]
     assert extra["host"] == "node7.example" and extra["bind_host"] == "192.168.0.7"
     assert s.advertised_url == f"http://node7.example:{PORT}" and s.url == f"http://192.168.0.7:{PORT}"
@@ -62,5 +64,5 @@ def test_a_specific_bind_address_stays_the_bind_address() -> None:
 def test_without_an_advertised_address_nothing_changes() -> None:
     s = NodeSettings(role=Role.PREFILL, host="10.0.0.5", port=PORT)
     assert s.advertised_url == s.url == f"http://10.0.0.5:{PORT}"
-    assert s.kv_replay_endpoint == s.kv_replay_bind == f"tcp://10.0.0.5:{PORT + 2}"
+    assert s.kv_replay_endpoint == s.relay_binds[1] == f"tcp://10.0.0.5:{PORT + 2}"
     assert s.kv_connector_extra["host"] == "10.0.0.5" and "bind_host" not in s.kv_connector_extra
