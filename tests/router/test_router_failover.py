@@ -12,17 +12,21 @@ from tests.support.standin_cluster import metric, standin_cluster
 CHAT = "/v1/chat/completions"
 
 
+async def _answered_colocated(client: httpx.AsyncClient, body: dict) -> None:
+    """A 200: a stream that ends with [DONE] and no error event, or an answer served colocated."""
+    r = await client.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    if body.get("stream"):
+        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+    else:
+        assert r.json()["usage"]["tandem"]["mode"] == "colocated"
+
+
 async def test_a_dead_colocated_node_is_routed_around_and_marked_down(tmp_path) -> None:
     async with standin_cluster(tmp_path, {"live": Role.BOTH}, dead={"gone": Role.BOTH}, policy="round_robin") as c:
         async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:
             for i in range(6):  # round robin would send every other request to the dead node
-                stream = i % 2 == 1
-                r = await client.post(CHAT, json=c.chat(f"q{i}", stream=stream))
-                assert r.status_code == 200, r.text
-                if stream:
-                    assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
-                else:
-                    assert r.json()["usage"]["tandem"]["mode"] == "colocated"
+                await _answered_colocated(client, c.chat(f"q{i}", stream=i % 2 == 1))
             assert len(c.engines["live"].bodies()) == 6  # every request was answered by the live node
             # Only the first request found the dead node: after it, the node was out of routing.
             page = (await client.get("/metrics")).text
@@ -42,13 +46,7 @@ async def test_a_dead_decode_node_with_only_a_prefill_node_left_is_served_by_the
     async with standin_cluster(tmp_path, {"pre": Role.PREFILL}, dead={"dec": Role.DECODE}) as c:
         async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:
             for i in range(2):
-                stream = i == 1
-                r = await client.post(CHAT, json=c.chat(f"alone {i}", stream=stream))
-                assert r.status_code == 200, r.text
-                if stream:
-                    assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
-                else:
-                    assert r.json()["usage"]["tandem"]["mode"] == "colocated"
+                await _answered_colocated(client, c.chat(f"alone {i}", stream=i == 1))
             # The first went P/D (its prefill leg on "pre"), found "dec" dead and was served whole by "pre";
             # "dec" was then out of routing, so the second went straight to "pre" alone.
             whole = [b for b in c.engines["pre"].bodies() if "kv_transfer_params" not in b]
