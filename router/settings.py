@@ -45,11 +45,11 @@ class RouterSettings(BaseSettings):
     prefill_fallback: FallbackPolicy = FallbackPolicy.LOCAL
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
+    """Upper bound on one upstream call (a whole non-streamed answer, or the gap between two chunks)."""
     client_send_timeout_s: float = 60.0
     """Longest a streamed answer waits for its client to take more bytes (a client that stopped reading,
     with every buffer between full). Past it the stream is cut, its engine request aborted and its node
     slot given back, recorded as ``ClientStalled``; until then reading from the engine pauses."""
-    """Upper bound on one upstream call (a whole non-streamed answer, or the gap between two chunks)."""
     retry_after_s: float = 2.0
     """Retry-After sent with 503 when no node can take a request."""
     telemetry: bool = True
