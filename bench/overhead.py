@@ -387,6 +387,22 @@ async def _count_chunks(url: str, model: str, streams: int, tokens: int) -> int:
     return sum(counts)
 
 
+def _standin(port: int, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """A stand-in engine process on ``port`` (``bench.standin_engine`` options in ``args``), answering."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.standin_engine", "--port", str(port), *args],
+        stdout=open(log, "ab"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", lambda: proc.poll() is None, 60)
+    except BaseException:
+        proc.kill()  # not yet among the caller's processes to stop
+        proc.wait()
+        raise
+    return proc
+
+
 def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
     """SSE chunks relayed per second by the router process alone on one core (the first), over the
     stand-in engine and the load client on the others."""
@@ -413,42 +429,18 @@ def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
     me = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, other)  # the client, and the children started from here, stay off the router's core
-        eng = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "bench.standin_engine",
-                "--port",
-                str(engine_port),
-                "--stream-tokens",
-                str(cfg.ceiling_tokens),
-            ],
-            stdout=open(logs / "ceiling-standin.log", "ab"),
-            stderr=subprocess.STDOUT,
-        )  # noqa: SIM115
-        procs.append(eng)
-        _wait_http(f"{node.url}/health", lambda: eng.poll() is None, 60)
+        procs.append(_standin(engine_port, logs / "ceiling-standin.log", "--stream-tokens", str(cfg.ceiling_tokens)))
         paced_port = free_port()
         paced_node = msgspec.structs.replace(
             node, node_id=f"{node.node_id}-paced", model=f"{model}-paced", url=f"http://127.0.0.1:{paced_port}"
         )
-        paced = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "bench.standin_engine",
-                "--port",
-                str(paced_port),
-                "--stream-tokens",
-                "32",
-                "--token-interval-ms",
-                str(cfg.paced_interval_ms),
-            ],
-            stdout=open(logs / "ceiling-standin-paced.log", "ab"),
-            stderr=subprocess.STDOUT,
-        )  # noqa: SIM115
-        procs.append(paced)
-        _wait_http(f"{paced_node.url}/health", lambda: paced.poll() is None, 60)
+        procs.append(
+            _standin(
+                paced_port,
+                logs / "ceiling-standin-paced.log",
+                *("--stream-tokens", "32", "--token-interval-ms", str(cfg.paced_interval_ms)),
+            )
+        )
         for n in (node, paced_node):
             asyncio.run(NodeRegistry(_async_redis(cfg.redis_url), ttl_s=3600).register(n))
         env = {**os.environ, "TANDEM_DATABASE_URL": f"sqlite:///{cfg.workdir}/ceiling-router.db"}
