@@ -25,7 +25,7 @@ import duckdb
 
 from telemetry.query import query
 from traces.hashing import Segment, TraceError, chain_segments
-from traces.schema import Trace, TraceMeta, empty_columns, make_trace
+from traces.schema import Trace, TraceMeta, add_row, empty_columns, make_trace
 
 
 def _prefix(segments: list[Segment], n: int) -> list[Segment]:
@@ -73,18 +73,21 @@ def from_lake(lake: Path, *, block_tokens: int = 16, where: str | None = None) -
             gap = gap_us / 1e6 if gap_us is not None and gap_us >= 0 else None
         if sid is not None:
             last[sid] = (rid, turn, r["finish_us"], segments + [(f"{rid}-answer", n_out)])
-        cols["request_id"].append(rid)
-        cols["session_id"].append(sid)
-        cols["parent_request_id"].append(parent)
-        cols["turn"].append(turn)
-        cols["arrival_s"].append((r["arrival_us"] - t0) / 1e6)
-        cols["gap_s"].append(gap)
-        cols["input_tokens"].append(n_in)
-        cols["output_tokens"].append(n_out)
-        cols["block_hashes"].append(chain_segments(segments, block_tokens))
-        cols["cached_tokens"].append(r["cached_tokens"])
         cancelled = r["status"] == "cancelled" and r["finish_us"] is not None
-        cols["cancel_after_s"].append((r["finish_us"] - r["arrival_us"]) / 1e6 if cancelled else None)
+        add_row(
+            cols,
+            request_id=rid,
+            session_id=sid,
+            parent_request_id=parent,
+            turn=turn,
+            arrival_s=(r["arrival_us"] - t0) / 1e6,
+            gap_s=gap,
+            input_tokens=n_in,
+            output_tokens=n_out,
+            block_hashes=chain_segments(segments, block_tokens),
+            cached_tokens=r["cached_tokens"],
+            cancel_after_s=(r["finish_us"] - r["arrival_us"]) / 1e6 if cancelled else None,
+        )
     notes = (
         "block hashes reconstructed (the lake has no prompt content): a turn extends its parent's prompt "
         "and answer; sessions share nothing"

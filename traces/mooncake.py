@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from traces.hashing import TraceError, chain_ids
-from traces.schema import Trace, TraceMeta, empty_columns, make_trace
+from traces.schema import Trace, TraceMeta, add_row, empty_columns, make_trace
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -74,17 +74,17 @@ def import_mooncake(path: Path, *, infer_sessions: bool = True, min_shared_block
             parent_id, sid, turn = parent[0], parent[1], parent[2] + 1
         if infer_sessions and full >= min_shared_blocks:
             ends[hashes[full - 1]] = (rid, sid, turn)
-        cols["request_id"].append(rid)
-        cols["session_id"].append(sid if infer_sessions else None)
-        cols["parent_request_id"].append(parent_id)
-        cols["turn"].append(turn if infer_sessions else 0)
-        cols["arrival_s"].append(ts - t0)
-        cols["gap_s"].append(None)
-        cols["input_tokens"].append(n_in)
-        cols["output_tokens"].append(n_out)
-        cols["block_hashes"].append(hashes)
-        cols["cached_tokens"].append(None)
-        cols["cancel_after_s"].append(None)
+        add_row(
+            cols,
+            request_id=rid,
+            session_id=sid if infer_sessions else None,
+            parent_request_id=parent_id,
+            turn=turn if infer_sessions else 0,
+            arrival_s=ts - t0,
+            input_tokens=n_in,
+            output_tokens=n_out,
+            block_hashes=hashes,
+        )
     notes = "gap_s unknown (no service times recorded)"
     if infer_sessions:
         notes += (

@@ -96,6 +96,28 @@ def empty_columns() -> dict[str, list[object]]:
     return {name: [] for name in TRACE_SCHEMA.names}
 
 
+def add_row(
+    columns: dict[str, list[object]],
+    *,
+    request_id: str,
+    session_id: str | None,
+    parent_request_id: str | None,
+    turn: int,
+    arrival_s: float,
+    input_tokens: int,
+    output_tokens: int,
+    block_hashes: list[int],
+    gap_s: float | None = None,
+    cached_tokens: int | None = None,
+    cancel_after_s: float | None = None,
+) -> None:
+    """Append one request to ``empty_columns()``-shaped columns: every column once, by name, so an
+    importer cannot leave one a row short. The optional ones are null when the source does not know."""
+    row = locals()
+    for name in TRACE_SCHEMA.names:
+        columns[name].append(row[name])
+
+
 def make_trace(columns: dict[str, list[object]], meta: TraceMeta) -> Trace:
     """A trace from plain columns (every column of ``TRACE_SCHEMA``), checked and sorted by arrival."""
     missing = [f.name for f in TRACE_SCHEMA if f.name not in columns]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from traces.hashing import Segment, TraceError, chain_segments
-from traces.schema import Trace, TraceMeta, empty_columns, make_trace
+from traces.schema import Trace, TraceMeta, add_row, empty_columns, make_trace
 
 
 @dataclass(frozen=True)
@@ -107,17 +107,18 @@ def synth_agentic(spec: AgenticSpec) -> Trace:
                 break
             n_out = int(rng.integers(spec.output_tokens[0], spec.output_tokens[1] + 1))
             rid = f"s{s}-t{turn}"
-            cols["request_id"].append(rid)
-            cols["session_id"].append(f"s{s}")
-            cols["parent_request_id"].append(parent)
-            cols["turn"].append(turn)
-            cols["arrival_s"].append(arrival)
-            cols["gap_s"].append(gap)
-            cols["input_tokens"].append(n_in)
-            cols["output_tokens"].append(n_out)
-            cols["block_hashes"].append(chain_segments(segments, spec.block_tokens))
-            cols["cached_tokens"].append(None)
-            cols["cancel_after_s"].append(None)
+            add_row(
+                cols,
+                request_id=rid,
+                session_id=f"s{s}",
+                parent_request_id=parent,
+                turn=turn,
+                arrival_s=arrival,
+                gap_s=gap,
+                input_tokens=n_in,
+                output_tokens=n_out,
+                block_hashes=chain_segments(segments, spec.block_tokens),
+            )
             tool = max(1, int(rng.lognormal(np.log(spec.tool_tokens_median), 1.0)))
             gap = float(rng.lognormal(np.log(spec.gap_s_median), 0.8))
             segments += [(f"{rid}-answer", n_out), (f"{rid}-tool", tool)]
