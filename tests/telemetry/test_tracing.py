@@ -1,16 +1,20 @@
 """A P/D request's record becomes one trace whose spans cover router, prefill, transfer and decode in
-order (OpenTelemetry SDK, in-memory exporter); no endpoint, no provider."""
+order (OpenTelemetry SDK, in-memory exporter); no endpoint, no provider. The prefill and decode spans
+take the ids their legs' ``traceparent`` named, so vLLM's spans nest under them, and the spans reach an
+OTLP/HTTP endpoint (a local ``http.server``, decoded with ``opentelemetry.proto``)."""
 
 from __future__ import annotations
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from router.orchestrator import RequestTrace
 from router.policies import ReasonCode
 from router.records import request_record
-from telemetry.tracing import record_spans, tracer_provider
+from telemetry.tracing import PresetIds, SpanIds, record_spans, tracer_provider
+from tests.support.otlp_collector import OtlpCollector
 
 
 def _spans(record: dict) -> list:
@@ -67,5 +71,108 @@ def test_a_colocated_request_has_no_prefill_or_transfer_span() -> None:
 def test_no_endpoint_no_provider() -> None:
     assert tracer_provider(None) is None and tracer_provider("") is None
     provider = tracer_provider("http://127.0.0.1:4318/v1/traces")
-    assert provider is not None
+    assert provider is not None and isinstance(provider.id_generator, PresetIds)
     provider.shutdown()
+
+
+IDS = SpanIds(
+    trace_id=0x0AF7651916CD43DD8448EB211C80319C, prefill_span_id=0xB7AD6B7169203331, decode_span_id=0x1F2E3D4C5B6A7988
+)
+
+
+def _preset_provider() -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(id_generator=PresetIds())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def test_the_ids_the_legs_were_sent_are_the_ids_of_the_router_spans() -> None:
+    provider, exporter = _preset_provider()
+    record_spans(request_record(_pd_trace(), endpoint="chat", http_status=200), provider.get_tracer("t"), IDS)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {s.context.trace_id for s in spans.values()} == {IDS.trace_id}
+    assert spans["tandem.prefill"].context.span_id == IDS.prefill_span_id
+    assert spans["tandem.decode"].context.span_id == IDS.decode_span_id
+    others = [s.context.span_id for n, s in spans.items() if n not in ("tandem.prefill", "tandem.decode")]
+    assert len(set(others)) == 4 and not {IDS.prefill_span_id, IDS.decode_span_id} & set(others)
+    assert spans["tandem.kv_transfer"].parent.span_id == IDS.decode_span_id
+
+    # vLLM's llm_request span, parented on the traceparent a leg carried, nests under that leg's span.
+    for leg, span_id in (("tandem.prefill", IDS.prefill_span_id), ("tandem.decode", IDS.decode_span_id)):
+        header = {"traceparent": f"00-{IDS.trace_id:032x}-{span_id:016x}-01"}
+        engine = TracerProvider()
+        engine_spans = InMemorySpanExporter()
+        engine.add_span_processor(SimpleSpanProcessor(engine_spans))
+        engine.get_tracer("vllm").start_span(
+            "llm_request", context=TraceContextTextMapPropagator().extract(header)
+        ).end()
+        [llm] = engine_spans.get_finished_spans()
+        assert llm.context.trace_id == spans[leg].context.trace_id and llm.parent.span_id == spans[leg].context.span_id
+
+    # A preset is used once: the next trace's ids are random again.
+    exporter.clear()
+    record_spans(request_record(_pd_trace(), endpoint="chat", http_status=200), provider.get_tracer("t"))
+    again = exporter.get_finished_spans()
+    assert len(again) == 6 and IDS.trace_id not in {s.context.trace_id for s in again}
+    assert not {IDS.prefill_span_id, IDS.decode_span_id} & {s.context.span_id for s in again}
+
+
+def test_a_colocated_request_gives_its_decode_span_the_decode_id_and_spends_no_preset() -> None:
+    provider, exporter = _preset_provider()
+    tr = _pd_trace()
+    tr.mode, tr.prefill_start, tr.prefill_end, tr.transfer = "colocated", None, None, None
+    record_spans(request_record(tr, endpoint="chat", http_status=200), provider.get_tracer("t"), IDS)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"tandem.request", "tandem.route", "tandem.decode", "tandem.stream"}
+    assert spans["tandem.decode"].context.span_id == IDS.decode_span_id
+    assert IDS.prefill_span_id not in {s.context.span_id for s in spans.values()}
+
+
+def test_without_preset_ids_the_generator_draws_random_ones() -> None:
+    gen = PresetIds()
+    assert (
+        len({gen.generate_trace_id() for _ in range(50)}) == 50
+        and len({gen.generate_span_id() for _ in range(50)}) == 50
+    )
+    with gen.preset(trace_id=7, span_id=9):
+        assert gen.generate_trace_id() == 7 and gen.generate_span_id() == 9
+        assert gen.generate_span_id() != 9  # once only
+    with gen.preset(span_id=9):
+        pass  # a preset nobody used is gone when its block ends
+    assert gen.generate_span_id() != 9
+    # A provider that does not take presets (not made by tracer_provider) gets random ids, not a failure.
+    exporter = InMemorySpanExporter()
+    plain = TracerProvider()
+    plain.add_span_processor(SimpleSpanProcessor(exporter))
+    record_spans(request_record(_pd_trace(), endpoint="chat", http_status=200), plain.get_tracer("t"), IDS)
+    assert len(exporter.get_finished_spans()) == 6
+    assert IDS.trace_id not in {s.context.trace_id for s in exporter.get_finished_spans()}
+
+
+def test_spans_reach_an_otlp_http_endpoint_with_the_preset_ids() -> None:
+    with OtlpCollector() as collector:
+        provider = tracer_provider(collector.url)
+        assert provider is not None
+        try:
+            record_spans(request_record(_pd_trace(), endpoint="chat", http_status=200), provider.get_tracer("t"), IDS)
+            assert provider.force_flush(timeout_millis=10_000)
+        finally:
+            provider.shutdown()
+        spans = {s.name: s for s in collector.wait_for(lambda spans: len(spans) >= 6, timeout_s=1)}
+    assert collector.posts and all(p == "/v1/traces application/x-protobuf" for p in collector.posts)
+    assert set(spans) == {
+        "tandem.request",
+        "tandem.route",
+        "tandem.prefill",
+        "tandem.decode",
+        "tandem.kv_transfer",
+        "tandem.stream",
+    }
+    assert {s.service for s in spans.values()} == {"tandem-router"}
+    assert {s.trace_id for s in spans.values()} == {IDS.trace_id}
+    assert (
+        spans["tandem.prefill"].span_id == IDS.prefill_span_id and spans["tandem.decode"].span_id == IDS.decode_span_id
+    )
+    assert spans["tandem.request"].parent_span_id is None
+    assert spans["tandem.prefill"].parent_span_id == spans["tandem.request"].span_id
