@@ -71,6 +71,8 @@ class StandInEngine:
     """Token streaming mode: pause between writes (an engine's time per output token); 0: none."""
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     """(path, body) of every request, in arrival order."""
+    traceparents: list[str | None] = field(default_factory=list)
+    """The W3C ``traceparent`` header of every request (None: none sent), in the order of ``received``."""
     _open: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight: int = 0
@@ -102,6 +104,7 @@ class StandInEngine:
         header_id = request.headers.get("x-request-id")
         with self._lock:
             self.received.append((path, body))
+            self.traceparents.append(request.headers.get("traceparent"))
             self.in_flight += 1
         try:
             # Polled: the gate is opened from the test's thread, and a waiting thread per held request

@@ -21,7 +21,7 @@ from router.records import request_record, tool_call_records
 from router.responses import ResponseIndex, ResponseRef
 from router.turns import TurnRecorder
 from telemetry import Emitter
-from telemetry.tracing import record_spans
+from telemetry.tracing import SpanIds, record_spans
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
@@ -80,7 +80,12 @@ class Accounting:
         record = request_record(trace, endpoint=endpoint, http_status=http_status, error_type=error_type)
         self.metrics.common.observe_request(record)
         if self.tracer is not None:
-            record_spans(record, self.tracer)  # span objects only; the provider's thread exports them
+            # span objects only; the provider's thread exports them. The ids are those the legs'
+            # traceparent named (Orchestrator._headers), so the engines' spans nest under these.
+            ids = None
+            if trace.trace_id is not None:
+                ids = SpanIds(trace.trace_id, trace.prefill_span_id, trace.decode_span_id)
+            record_spans(record, self.tracer, ids)
         if self.emitter is not None:
             self.emitter.emit("requests", record)
             for row in tool_call_records(trace):

@@ -27,6 +27,7 @@ itself, which still has the prompt in its prefix cache; the client sees one answ
 from __future__ import annotations
 
 import logging
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -121,6 +122,14 @@ class RequestTrace:
     token_times: list[float] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     """The answer's text as it was sent (for the session's turn record)."""
+    trace_id: int | None = None
+    """OpenTelemetry trace id (128 bits) of this request's spans, sent to its engines in ``traceparent``
+    so that vLLM's spans join the router's (``telemetry.tracing``). Drawn when the first leg goes out,
+    and only with an OTLP endpoint configured; None: no header, random ids for any spans."""
+    prefill_span_id: int | None = None
+    """Span id (64 bits) of ``tandem.prefill``: the parent the prefill leg's ``traceparent`` names."""
+    decode_span_id: int | None = None
+    """Span id of ``tandem.decode``: the parent the decode leg's (and a retried leg's) ``traceparent`` names."""
 
     def add_tool_call_delta(self, delta: dict[str, Any]) -> None:
         """Merge one tool-call delta (streamed) or whole call (non-streamed) into ``tool_calls``."""
@@ -360,7 +369,7 @@ class Orchestrator:
             pbody.pop(k, None)
         pbody["max_tokens"] = 1
         pbody["kv_transfer_params"] = prefill_request_params()
-        resp = await self.client.post_json(node.node.info.url + path, pbody, self._headers(trace))
+        resp = await self.client.post_json(node.node.info.url + path, pbody, self._headers(trace, "prefill"))
         details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
         trace.engine_cached_tokens = details.get("cached_tokens")
         params = resp.get("kv_transfer_params")
@@ -378,11 +387,23 @@ class Orchestrator:
         trace.fallback = True
         return None
 
-    def _headers(self, trace: RequestTrace) -> dict[str, str]:
+    def _headers(self, trace: RequestTrace, leg: Literal["prefill", "decode"]) -> dict[str, str]:
         # vLLM names its answer "chatcmpl-<X-Request-Id>" ("cmpl-…" for completions): sending the
         # part after our prefix makes the engine's chunk ids the router's response id, so streamed
         # chunks pass through unchanged (router/sse.py).
-        return {"X-Request-Id": trace.request_id.partition("-")[2]}
+        headers = {"X-Request-Id": trace.request_id.partition("-")[2]}
+        if not self.settings.otlp_traces_endpoint:
+            return headers  # no spans, no header: nothing drawn or formatted
+        # W3C trace context naming the router's span of this leg (tandem.prefill or tandem.decode), which
+        # an engine with --otlp-traces-endpoint parents its own span on; the accounting gives the
+        # router's spans the same ids (telemetry.tracing).
+        if trace.trace_id is None or trace.prefill_span_id is None or trace.decode_span_id is None:
+            trace.trace_id = random.getrandbits(128) or 1  # 0 is the invalid id
+            trace.prefill_span_id = random.getrandbits(64) or 1
+            trace.decode_span_id = random.getrandbits(64) or 1
+        span = trace.prefill_span_id if leg == "prefill" else trace.decode_span_id
+        headers["traceparent"] = f"00-{trace.trace_id:032x}-{span:016x}-01"
+        return headers
 
     def abandon(self, leg: Leg, reason: str, background: Callable[[Awaitable[Any]], None]) -> None:
         """The router gives up on a planned leg: free the prefill node's lease now, off the fast path."""
@@ -442,13 +463,13 @@ class Orchestrator:
         try:
             try:
                 with self.fleet.track(leg.decision.decode):
-                    resp = await self.client.post_json(leg.url, leg.body, self._headers(trace))
+                    resp = await self.client.post_json(leg.url, leg.body, self._headers(trace, "decode"))
             except UpstreamError as exc:
                 if background is not None:
                     self.abandon(leg, f"decode leg failed: {exc.message}", background)
                 retry = self._retry_leg(leg, trace, exc)
                 with self.fleet.track(retry.decision.decode):
-                    resp = await self.client.post_json(retry.url, retry.body, self._headers(trace))
+                    resp = await self.client.post_json(retry.url, retry.body, self._headers(trace, "decode"))
         finally:
             self.policy.on_complete(leg.decision)
         now = time.time()
@@ -489,7 +510,9 @@ class Orchestrator:
         attempt = AsyncExitStack()
         try:
             attempt.enter_context(self.fleet.track(leg.decision.decode))
-            stream = await attempt.enter_async_context(self.client.open_stream(leg.url, body, self._headers(trace)))
+            stream = await attempt.enter_async_context(
+                self.client.open_stream(leg.url, body, self._headers(trace, "decode"))
+            )
             await stream.first()
         except BaseException:
             await attempt.aclose()
