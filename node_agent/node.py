@@ -87,6 +87,8 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
         cmd += ["--block-size", str(settings.block_size)]
     if settings.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_call_parser]
+    if settings.otlp_traces_endpoint:
+        cmd += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
     if settings.role is not Role.BOTH:
         kv_config = kv_transfer_config(
             settings.connector, extra=settings.kv_connector_extra, load_failure_policy=settings.kv_load_failure_policy
@@ -114,6 +116,11 @@ def engine_env(settings: NodeSettings) -> dict[str, str]:
         env["VLLM_API_KEY"] = cluster_engine_api_key(loopback_only=settings.is_loopback)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_* variables UCX itself may not use
+    if settings.otlp_traces_endpoint:
+        # vLLM's exporter reads the protocol here and defaults to gRPC (vllm/tracing/otel.py,
+        # get_span_exporter); the router and an OTLP/HTTP collector speak HTTP/protobuf.
+        env.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        env["OTEL_SERVICE_NAME"] = f"vllm-{settings.node_id}"  # vLLM's Resource.create reads it
     if settings.connector is ConnectorKind.NIXL and settings.role is not Role.BOTH:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_HOOKS), env.get("PYTHONPATH")) if p)
         env["TANDEM_NIXL_PROGRESS_THREAD"] = settings.nixl_progress_thread

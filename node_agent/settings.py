@@ -123,6 +123,13 @@ class NodeSettings(BaseSettings):
     line (``ps`` shows it). False: an open engine (a benchmark's plain-vLLM arm)."""
     log_dir: Path | None = None
     """Where the engine's stdout/stderr go; None inherits the node's."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP endpoint that receives the engine's own spans (vLLM ``--otlp-traces-endpoint``): the collector
+    the routers' ``TANDEM_ROUTER_OTLP_TRACES_ENDPOINT`` names, e.g. ``http://host:4318/v1/traces``.
+    vLLM parents each request's ``llm_request`` span on the ``traceparent`` the router sends
+    (``telemetry.tracing``), so they join the router's trace. The engine exports over HTTP/protobuf
+    unless ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` says otherwise (vLLM's own default is gRPC), as
+    service ``vllm-<node_id>``. None (the default): no tracing."""
 
     def engine_headers(self) -> dict[str, str]:
         """Headers of this node's own calls to its engine (the API key, when ``engine_auth``). Raises

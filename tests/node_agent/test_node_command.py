@@ -185,3 +185,24 @@ def test_pin_process_tree_keeps_threads_already_inside_the_node() -> None:
         for p in (bound, loose):
             p.kill()
             p.wait()
+
+
+def test_engine_traces_go_to_the_otlp_endpoint_over_http_only_when_one_is_set(monkeypatch) -> None:
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_SERVICE_NAME", "TANDEM_NODE_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    off = NodeSettings(role=Role.PREFILL, port=9100, node_id="p0")
+    assert "--otlp-traces-endpoint" not in engine_command(off, Path("/models/m"))
+    env = engine_env(off)
+    assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in env and "OTEL_SERVICE_NAME" not in env
+
+    url = "http://10.0.0.9:4318/v1/traces"
+    monkeypatch.setenv("TANDEM_NODE_OTLP_TRACES_ENDPOINT", url)
+    on = NodeSettings(role=Role.PREFILL, port=9100, node_id="p0")
+    assert _value(engine_command(on, Path("/models/m")), "--otlp-traces-endpoint") == url
+    env = engine_env(on)
+    # vLLM's exporter would speak gRPC without it (vllm/tracing/otel.py get_span_exporter)
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert env["OTEL_SERVICE_NAME"] == "vllm-p0"
+    # An operator's own protocol choice stands.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    assert engine_env(on)["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
