@@ -157,7 +157,7 @@ def test_after_tandem_up_lake_commands_with_no_flags_see_its_requests(tmp_path: 
 
         assert wait_for(counted, timeout_s=60), lake("query", "SELECT count(*) AS n FROM requests").stderr
         report = lake("report", "--out", str(tmp_path / "report"))
-        assert report.returncode == 0, report.stderr
+        assert report.returncode == 0 and "report on 4 requests" in report.stderr, report.stderr
     # And pointed at no lake, it says so and fails.
     empty = tmp_path / "elsewhere"
     empty.mkdir()
