@@ -76,6 +76,8 @@ class StandInEngine:
     _open: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight: int = 0
+    streams_open: int = 0
+    """Token streams being written now: one whose client (the router) went away ends and leaves this."""
 
     def __post_init__(self) -> None:
         self._open.set()
@@ -217,15 +219,21 @@ class StandInEngine:
         burst, interval = self.burst, self.token_interval_s
 
         async def events() -> AsyncIterator[bytes]:
-            yield first
-            left = n
-            while left > 0:
-                if interval:
-                    await asyncio.sleep(interval)  # paced like an engine's decode steps
-                k = min(burst, left)
-                yield token * k
-                left -= k
-            yield last + usage + b"data: [DONE]\n\n"
+            with self._lock:
+                self.streams_open += 1
+            try:
+                yield first
+                left = n
+                while left > 0:
+                    if interval:
+                        await asyncio.sleep(interval)  # paced like an engine's decode steps
+                    k = min(burst, left)
+                    yield token * k
+                    left -= k
+                yield last + usage + b"data: [DONE]\n\n"
+            finally:
+                with self._lock:
+                    self.streams_open -= 1
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

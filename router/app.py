@@ -49,6 +49,7 @@ from router.cache_salt import CacheSalts
 from router.edge import BodyLimit
 from router.exchange import GenerationRoute, document_generation_routes, parse_body
 from router.fleet import Fleet
+from router.housekeeping import Housekeeping
 from router.kv_activity import KVActivity
 from router.kv_index import CurveClient, FleetIndex, KVEventSubscribers
 from router.metrics import RouterMetrics
@@ -203,9 +204,11 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             )
         turns = TurnRecorder(admission)
         app.include_router(sessions_router(admission.sessions, AdmissionDependencies(admission)))
-        await fleet.start()
+        housekeeping: Housekeeping = app.state.housekeeping
+        await fleet.start(housekeeping)
         if activity is not None:
-            activity.start()
+            activity.start(housekeeping)
+        housekeeping.start()
         app.state.fleet = fleet
         app.state.responses = responses
         app.state.emitter = emitter
@@ -236,10 +239,11 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            await housekeeping.stop()
             await fleet.stop()
             await subscribers.close()
             if activity is not None:
-                await activity.stop()
+                activity.stop()
             await client.aclose()
             await responses.drain()
             await turns.drain()
@@ -254,6 +258,8 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
+    # The router's one periodic loop: fleet refresh, KV activity rows, the server's Date header.
+    app.state.housekeeping = Housekeeping()
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 

@@ -14,18 +14,19 @@ returns its response and loses hold of it before the response is sent)::
                a prefill lease no decode leg took, then one record (metrics, lake, response index,
                session turn, token settle)
 
-A client that disconnects before the answer starts is noticed while plan and open run (they are
-raced against the disconnect and cancelled, ``cancel_on_disconnect``); after that the relay notices
-it. Either way the exit above runs, once: no slot, lease or engine request outlives the client.
+A client that disconnects is noticed by one watcher for the request's whole life
+(``router.disconnect.DisconnectWatch``, armed once the body is read): it cancels the exchange's task
+wherever it waits (planning, opening, relaying), and the exchange tells that cancellation from a
+server shutdown. Either way the exit above runs, once: no slot, lease or engine request outlives the
+client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
 from contextlib import AsyncExitStack
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -40,6 +41,7 @@ from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.keys import Tenant
 from router.admission.ratelimit import Admission
 from router.cache_salt import CacheSalts, take_client_salt
+from router.disconnect import DisconnectWatch
 from router.edge import check_chat, parse_json
 from router.openai_errors import document_error_schema, error_responses, response_for
 from router.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
@@ -49,39 +51,9 @@ from router.sessions.models import _ID, SESSION_HEADER
 from router.settings import RouterSettings
 from router.sse import RelayResponse
 
-T = TypeVar("T")
-
 UNKNOWN_MODEL = "(unknown)"
 """The metrics label of every request naming a model no node serves: client strings never become
 label values (each would be a new time series, kept forever)."""
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-async def _until_disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` unless the client goes away first; then cancel it (and its upstream calls)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientDisconnected
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -144,6 +116,8 @@ class Exchange:
         self.trace: RequestTrace | None = None
         self.messages: list[dict[str, Any]] | None = None
         self.leg: Leg | None = None
+        self.watch: DisconnectWatch | None = None
+        """Armed from the moment the body is read (``_answer``) until the answer's end is sent."""
         self.outcome: tuple[str, int, TandemError | None] = ("cancelled", 499, None)
         """(status, HTTP status, error) for the record; until the answer is complete, a request that
         ends is one the client (or the server's shutdown) abandoned."""
@@ -151,8 +125,10 @@ class Exchange:
     async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             try:
-                response = await self._answer()
-            except ClientDisconnected:
+                response = await self._answer(receive)
+            except asyncio.CancelledError:
+                if not self._client_left():
+                    raise  # the server is shutting down: not ours to swallow
                 self._abandon("client disconnected")
                 response = Response(status_code=499)
             except TandemError as exc:
@@ -162,11 +138,23 @@ class Exchange:
                 rejected = exc.status_code < 500 or exc.status_code == 503
                 self.outcome = ("rejected" if rejected else "error", exc.status_code, exc)
                 response = response_for(exc)
-            await response(scope, receive, send)
+            if self.watch is not None and not isinstance(response, RelayResponse):
+                self.watch.disarm()  # one write; the relay disarms before its own last one
+            try:
+                await response(scope, receive, send)
+            except asyncio.CancelledError:
+                if not self._client_left():
+                    raise  # the relay recorded the stream as cancelled either way
         finally:
+            if self.watch is not None:
+                self.watch.close()
             await self._exit()
 
-    async def _answer(self) -> Response:
+    def _client_left(self) -> bool:
+        """Whether the cancellation being handled is the disconnect watch's (then undone)."""
+        return self.watch is not None and self.watch.absorb()
+
+    async def _answer(self, receive: Receive) -> Response:
         """admit, read, plan, open: everything before the first byte of the answer."""
         request, ctx = self.request, self.ctx
         arrival = time.monotonic()
@@ -178,6 +166,8 @@ class Exchange:
         # One of the tenant's stream slots, held until ``_exit`` (every way a request ends goes through it).
         self.holds.callback(ctx.streams.acquire(admission.tenant.tenant_id))
         req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
+        # From here until the answer's end, a client that leaves cancels this task (router.disconnect).
+        self.watch = DisconnectWatch(receive)
         tenant = admission.tenant
         cache_salt = self.salts.salt(
             tenant.tenant_id, authenticated=tenant.key_id is not None, client_salt=take_client_salt(req.model_extra)
@@ -228,13 +218,13 @@ class Exchange:
         # No token bucket, no charge: the prompt is then tokenized only if routing needs it.
         charges = charge if ctx.gate.charges_tokens(admission) else None
         plan = self.orch.plan(self.kind, req, trace, prefer, charges, cache_salt)  # type: ignore[arg-type]
-        leg = self.leg = await cancel_on_disconnect(request, plan)
+        leg = self.leg = await plan
         self.holds.push_async_callback(leg.release)
         if not req.stream:
-            answer = await cancel_on_disconnect(request, self.orch.complete(leg, trace, self.spawn))
+            answer = await self.orch.complete(leg, trace, self.spawn)
             self.outcome = ("ok", 200, None)
             return JSONResponse(answer, headers=headers)
-        stream = await cancel_on_disconnect(request, self.orch.open_stream(leg, trace, self.holds, self.spawn))
+        stream = await self.orch.open_stream(leg, trace, self.holds, self.spawn)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return RelayResponse(
             stream,
@@ -243,6 +233,7 @@ class Exchange:
             self._relayed,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
             send_timeout_s=self.settings.client_send_timeout_s,
+            watch=self.watch,
         )
 
     def _relayed(self, status: str, error: TandemError | None) -> None:

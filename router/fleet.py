@@ -1,6 +1,7 @@
 """The router's view of the fleet: live nodes from the registry, plus its own in-flight counts.
 
-A background task re-reads the registry every ``refresh_s``; a node whose heartbeat lapsed disappears
+The registry is re-read every ``refresh_s``, as a job of the router's one periodic loop
+(``router.housekeeping``; a fleet given none runs a loop of its own); a node whose heartbeat lapsed disappears
 from the next read, so it leaves routing within one registry TTL plus one refresh. If Redis is briefly
 unreachable the last good view is kept (a router that cannot see the registry still serves).
 
@@ -20,7 +21,6 @@ and release their slot), so in-flight counts are left to them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -33,6 +33,7 @@ import zmq
 
 from contracts.errors import ModelNotFound, StoreError, TandemError
 from contracts.registry import LiveNode, NodeRegistry, Role
+from router.housekeeping import Housekeeping
 from router.policies.base import Candidate
 
 log = logging.getLogger("tandem.router.fleet")
@@ -65,17 +66,20 @@ class Fleet:
         self._epochs: dict[str, int] = {}
         self.restarts: Counter[str] = Counter()
         """Incarnation changes seen per node id since this router started."""
-        self._task: asyncio.Task[None] | None = None
+        self._own_loop: Housekeeping | None = None
 
-    async def start(self) -> None:
+    async def start(self, housekeeping: Housekeeping | None = None) -> None:
+        """Read the registry now, then every ``refresh_s`` as a job of ``housekeeping`` (or of a loop
+        of the fleet's own when none is given)."""
         await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="fleet-refresh")
+        if housekeeping is None:
+            housekeeping = self._own_loop = Housekeeping(tick_s=self._refresh_s)
+            housekeeping.start()
+        housekeeping.every(self._refresh_s, self._refresh_round, name="fleet-refresh")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._own_loop is not None:
+            await self._own_loop.stop()
 
     async def refresh(self) -> None:
         try:
@@ -110,15 +114,13 @@ class Fleet:
         """The epoch of ``node_id`` as last seen in the registry (kept while it is away)."""
         return self._epochs.get(node_id)
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._refresh_s)  # periodic refresh, not synchronisation
-            try:
-                await self.refresh()
-            except (TandemError, msgspec.MsgspecError, ValueError, OSError) as exc:
-                # Whatever one refresh meets, the next one runs: a stale view routes, a dead task never
-                # would again. (Bad registry entries are skipped by the registry itself.)
-                log.error("fleet refresh failed, keeping last view: %s", exc)
+    async def _refresh_round(self) -> None:
+        try:
+            await self.refresh()
+        except (TandemError, msgspec.MsgspecError, ValueError, OSError) as exc:
+            # Whatever one refresh meets, the next one runs: a stale view routes. (Bad registry entries
+            # are skipped by the registry itself.)
+            log.error("fleet refresh failed, keeping last view: %s", exc)
 
     @property
     def skipped_entries(self) -> dict[str, int]:

@@ -1,15 +1,15 @@
 """Per-node KV cache activity for the lake: the engines' KV events, counted per node and interval, as
 ``kv_events`` rows (telemetry.schemas). Counting is O(1) per event in the subscriber's callback; rows
-leave through the emitter from a periodic task, never from the event path."""
+leave through the emitter from a job of the router's periodic loop (``router.housekeeping``), never
+from the event path."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.housekeeping import Housekeeping
 from router.kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from telemetry import Emitter
 
@@ -32,7 +32,6 @@ class KVActivity:
         self._interval_s = interval_s
         self._counts: dict[str, _Counts] = {}
         self._since = time.time()
-        self._task: asyncio.Task[None] | None = None
 
     def observe(self, node_id: str, event: KVEvent) -> None:
         c = self._counts.setdefault(node_id, _Counts())
@@ -66,17 +65,9 @@ class KVActivity:
             )
         return len(counts)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="kv-activity")
+    def start(self, housekeeping: Housekeeping) -> None:
+        housekeeping.every(self._interval_s, self.flush, name="kv-activity")  # the aggregation period
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)  # aggregation period
-            self.flush()
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+    def stop(self) -> None:
+        """The last interval's rows (the housekeeping loop, stopped first, runs no more rounds)."""
         self.flush()

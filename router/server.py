@@ -1,10 +1,12 @@
-"""The router's HTTP server: uvicorn, with a once-a-second housekeeping tick.
+"""The router's HTTP server: uvicorn, without a periodic wake-up of its own.
 
 uvicorn wakes its event loop ten times a second to look for a shutdown request and, every tenth time,
 to refresh the ``Date`` header. On an idle router those wake-ups were most of its CPU (about 2 ms a
 second, measured with ``/proc``), taken from the engines on a shared host and counted in every
-request's share (``tandem bench overhead``). Here the loop ticks once a second, which is as often as
-the header changes, and a shutdown signal wakes it at once, so stopping is as quick as before.
+request's share (``tandem bench overhead``). Here the main loop sleeps until a shutdown signal wakes
+it, and the Date header is refreshed once a second as a job of the app's housekeeping loop
+(``router.housekeeping``, ``app.state.housekeeping``), in the wake-up the fleet refresh needs anyway.
+An app without one gets a tick of its own, once a second, as often as the header changes.
 
 Proxy headers are off: the router is a client's first hop (it binds loopback by default), and
 trusting ``X-Forwarded-For`` from any local process would let one spoof its address.
@@ -20,20 +22,35 @@ from typing import Any
 
 import uvicorn
 
+from router.housekeeping import Housekeeping
+
 
 class RouterServer(uvicorn.Server):
     _loop: asyncio.AbstractEventLoop | None = None
     _wake: asyncio.Event | None = None
 
+    def __init__(self, config: uvicorn.Config, housekeeping: Housekeeping | None = None) -> None:
+        super().__init__(config)
+        self.housekeeping = housekeeping
+
     async def main_loop(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
-        counter = 0
-        should_exit = await self.on_tick(counter)
+        should_exit = await self.on_tick(0)  # counter % 10 == 0: on_tick refreshes the Date header
+        if self.housekeeping is not None:
+            self.housekeeping.every(1.0, self._refresh_date, name="date-header")
+            while not should_exit:
+                await self._wake.wait()
+                self._wake.clear()
+                should_exit = await self.on_tick(1)  # only the exit checks
+            return
         while not should_exit:
-            counter = (counter + 10) % 864000  # on_tick refreshes the Date header when counter % 10 == 0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 1.0)
-            should_exit = await self.on_tick(counter)
+            should_exit = await self.on_tick(0)
+
+    async def _refresh_date(self) -> None:
+        if await self.on_tick(0) and self._wake is not None:
+            self._wake.set()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
@@ -55,4 +72,5 @@ def shared_socket(host: str, port: int) -> socket.socket:
 def serve(app: Any, *, host: str, port: int, log_level: str, reuse_port: bool = False) -> None:
     """Run ``app`` until SIGINT or SIGTERM; with ``reuse_port``, on a port shared with other replicas."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, proxy_headers=False)
-    RouterServer(config).run(sockets=[shared_socket(host, port)] if reuse_port else None)
+    housekeeping = getattr(getattr(app, "state", None), "housekeeping", None)
+    RouterServer(config, housekeeping).run(sockets=[shared_socket(host, port)] if reuse_port else None)

@@ -38,9 +38,10 @@ from typing import Any
 
 import msgspec
 from starlette.responses import StreamingResponse
-from starlette.types import Message, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from contracts.errors import ClientStalled, TandemError
+from router.disconnect import DisconnectWatch
 from router.openai_errors import error_from_exception
 from router.orchestrator import RequestTrace, record_usage
 from router.sse_upstream import SseStream
@@ -148,9 +149,10 @@ class RelayResponse(StreamingResponse):
 
     A StreamingResponse whose body loop is the relay itself rather than an async generator it iterates:
     one generator layer less on every chunk, and ``[DONE]`` goes out with the end of the body in one
-    write. Starlette's disconnect handling is kept (a task listening for ``http.disconnect`` cancels
-    the body loop), and whatever way the stream ends, ``finally`` reports once through ``on_finish``;
-    the request's owner (``router.exchange``) then closes the upstream stream.
+    write. A client that disconnects cancels the body loop through the request's ``DisconnectWatch``
+    (``router.disconnect``: the exchange's, or one of the response's own), not through Starlette's
+    task group of two tasks per response; whatever way the stream ends, ``finally`` reports once
+    through ``on_finish``, and the request's owner (``router.exchange``) then closes the upstream stream.
     """
 
     def __init__(
@@ -161,8 +163,11 @@ class RelayResponse(StreamingResponse):
         on_finish: OnFinish,
         headers: dict[str, str] | None = None,
         send_timeout_s: float | None = None,
+        watch: DisconnectWatch | None = None,
     ) -> None:
         self.batches = batches
+        self.watch = watch
+        """Disarmed just before the last write (after it, uvicorn reports every receive as a disconnect)."""
         self.send_timeout_s = send_timeout_s
         """Longest one write may wait on a client that does not read (None: no bound)."""
         self.state = _Relay(trace, include_usage)
@@ -175,6 +180,18 @@ class RelayResponse(StreamingResponse):
         self._source: SseStream | None = None
         self._draining: asyncio.Future[None] | None = None
         self._backlog: list[list[bytes]] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        own = self.watch is None
+        watch = self.watch = self.watch or DisconnectWatch(receive)
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not (own and watch.absorb()):
+                raise  # not ours (the exchange's watch, or a shutdown): the owner decides
+        finally:
+            if own:
+                watch.close()
 
     async def stream_response(self, send: Send) -> None:
         status, error = "ok", None
@@ -200,6 +217,8 @@ class RelayResponse(StreamingResponse):
                 # so a client's SSE loop ends normally instead of on a cut connection.
                 status, error = "error", exc
                 end = sse_event(error_from_exception(exc)) + _DONE
+            if self.watch is not None:
+                self.watch.disarm()
             try:
                 await self._bounded(send({"type": "http.response.body", "body": end, "more_body": False}))
             except ClientStalled as exc:  # everything went out but the end, which it does not take
@@ -260,19 +279,7 @@ class RelayResponse(StreamingResponse):
         read from the engine again."""
         deadline = None if self.send_timeout_s is None else time.monotonic() + self.send_timeout_s
         try:
-            while True:
-                if isinstance(blocker, asyncio.Future):
-                    blocker._asyncio_future_blocking = False  # as a Task does with what a coroutine yields
-                    # Without taking its result: the send reads it below.
-                    done, _ = await asyncio.wait([blocker], timeout=self._time_left(deadline))
-                    if not done:
-                        raise self._stalled()
-                else:  # a bare yield
-                    await asyncio.sleep(0)
-                try:
-                    blocker = pending.send(None)
-                except StopIteration:
-                    break
+            await self._complete(pending, blocker, deadline)
             while self._backlog:
                 await self._bounded(self._write(send, self._backlog.pop(0)), deadline)
         except asyncio.CancelledError:
@@ -293,14 +300,36 @@ class RelayResponse(StreamingResponse):
     def _time_left(deadline: float | None) -> float | None:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
+    async def _complete(self, pending: Coroutine[Any, Any, None], blocker: Any, deadline: float | None) -> None:
+        """Drive a send that suspended on ``blocker`` to its end, as a Task would, within ``deadline``."""
+        while True:
+            if isinstance(blocker, asyncio.Future):
+                blocker._asyncio_future_blocking = False  # as a Task does with what a coroutine yields
+                # Without taking its result: the send reads it below.
+                done, _ = await asyncio.wait([blocker], timeout=self._time_left(deadline))
+                if not done:
+                    raise self._stalled()
+            else:  # a bare yield
+                await asyncio.sleep(0)
+            try:
+                blocker = pending.send(None)
+            except StopIteration:
+                return
+
     async def _bounded(self, write: Coroutine[Any, Any, None], deadline: float | None = None) -> None:
-        """One write, within the send timeout (from ``deadline`` when given, else from now)."""
+        """One write, within the send timeout (from ``deadline`` when given, else from now). Driven by
+        hand: a write the server takes at once (the common case) costs no task and no timer."""
+        try:
+            blocker = write.send(None)
+        except StopIteration:
+            return
         if deadline is None and self.send_timeout_s is not None:
             deadline = time.monotonic() + self.send_timeout_s
         try:
-            await asyncio.wait_for(write, self._time_left(deadline))
-        except TimeoutError:
-            raise self._stalled() from None
+            await self._complete(write, blocker, deadline)
+        except BaseException:
+            write.close()
+            raise
 
 
 def _body(data: bytes) -> Message:
