@@ -32,6 +32,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
+from starlette.types import Receive, Scope, Send
 
 from contracts.errors import (
     ConfigError,
@@ -46,6 +47,7 @@ from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
 from router.background import TaskSet
 from router.cache_salt import CacheSalts
+from router.direct_write import RAW_SEND
 from router.edge import BodyLimit
 from router.exchange import GenerationRoute, document_generation_routes, parse_body
 from router.fleet import Fleet
@@ -162,6 +164,15 @@ def _kv_events_curve_client() -> CurveClient:
     return CurveClient(keys.server_public, keys.client_public, keys.client_secret)
 
 
+class RouterApp(FastAPI):
+    """The router's app: keeps the server's own ``send`` in the scope, where the SSE relay finds it
+    to write body chunks past the middlewares' send wrappers (``router.direct_write``)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[RAW_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: RouterSettings | None = None) -> FastAPI:
     settings = settings or RouterSettings()
     metrics = RouterMetrics()
@@ -255,7 +266,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
                 await asyncio.to_thread(spans.shutdown)  # exports what is batched
             await redis.aclose()
 
-    app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan)
+    app = RouterApp(title="Tandem router", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
     # The router's one periodic loop: fleet refresh, KV activity rows, the server's Date header.

@@ -15,7 +15,8 @@ so a chunk that passes unchanged is never re-encoded:
   reason, usage), which msgspec does in about a microsecond; the trace takes what the records need.
 - Only the usage chunk is decoded whole and re-encoded: it gets the hit-rate breakdown
   (``record_usage``), and is dropped when the client did not ask for usage.
-- What one upstream read brought goes to the client in one write.
+- What one upstream read brought goes to the client in one write, straight to uvicorn's transport
+  while the client reads (``router.direct_write``), through ASGI ``send`` otherwise.
 
 Push, not pull: for a stream from an engine (``router.sse_upstream.SseStream``) the relay sends the
 first batch itself and then attaches: each later batch is rewritten and written to the client from
@@ -41,6 +42,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from contracts.errors import ClientStalled, TandemError
+from router.direct_write import DirectWriter, direct_writer
 from router.disconnect import DisconnectWatch
 from router.openai_errors import error_from_exception
 from router.orchestrator import RequestTrace, record_usage
@@ -180,8 +182,12 @@ class RelayResponse(StreamingResponse):
         self._source: SseStream | None = None
         self._draining: asyncio.Future[None] | None = None
         self._backlog: list[list[bytes]] = []
+        self._scope: Scope | None = None
+        self._direct: DirectWriter | None = None
+        """Body chunks straight to uvicorn's transport (``router.direct_write``), once the start is sent."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._scope = scope
         own = self.watch is None
         watch = self.watch = self.watch or DisconnectWatch(receive)
         try:
@@ -199,6 +205,8 @@ class RelayResponse(StreamingResponse):
         source = self.batches
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if self._scope is not None:
+                self._direct = direct_writer(self._scope)
             try:
                 if isinstance(source, SseStream):
                     await self._push(source, send)
@@ -243,7 +251,7 @@ class RelayResponse(StreamingResponse):
     # -- push (see the module docstring) ------------------------------------------------------------
     async def _write(self, send: Send, batch: list[bytes]) -> None:
         data = self.state.batch(batch)
-        if data:
+        if data and not (self._direct is not None and self._direct.write(data)):
             await send(_body(data))
 
     async def _push(self, source: SseStream, send: Send) -> None:
@@ -261,8 +269,8 @@ class RelayResponse(StreamingResponse):
             self._backlog.append(batch)
             return
         data = self.state.batch(batch)
-        if not data:
-            return
+        if not data or (self._direct is not None and self._direct.write(data)):
+            return  # written (the common case: the client reads)
         assert self._send is not None and self._source is not None
         pending = self._send(_body(data))
         try:
