@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from router.admission.context import AdmissionSettings
 from router.policies import PolicyName
+from telemetry.priority import CpuPriority
 
 
 class FallbackPolicy(enum.StrEnum):
@@ -52,6 +53,11 @@ class RouterSettings(BaseSettings):
     slot given back, recorded as ``ClientStalled``; until then reading from the engine pauses."""
     retry_after_s: float = 2.0
     """Retry-After sent with 503 when no node can take a request."""
+    cpu_priority: CpuPriority = CpuPriority.BATCH
+    """Scheduling of the router's threads (``telemetry.priority``): ``batch`` (default) never preempts a
+    running task when it wakes, so relaying a token never stalls an engine's forward pass mid-step on a
+    shared CPU host (it waits for the end of the running slice, a few ms at most, where no core idles);
+    ``normal`` leaves it as started; ``idle`` runs it only on otherwise idle cores (not for serving)."""
     telemetry: bool = True
     """Emit a per-request record to the slow path (Redis Stream -> Parquet lake)."""
     telemetry_redis_url: str | None = None

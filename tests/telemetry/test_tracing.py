@@ -37,17 +37,14 @@ def _pd_trace() -> RequestTrace:
     return tr
 
 
+PD_WALK = ["tandem.request", "tandem.route", "tandem.prefill", "tandem.decode", "tandem.kv_transfer", "tandem.stream"]
+"""A P/D request's spans, in the order they start."""
+
+
 def test_a_pd_request_is_one_trace_router_prefill_transfer_decode_in_order() -> None:
     spans = _spans(request_record(_pd_trace(), endpoint="chat", http_status=200))
     names = [s.name for s in spans]
-    assert names == [
-        "tandem.request",
-        "tandem.route",
-        "tandem.prefill",
-        "tandem.decode",
-        "tandem.kv_transfer",
-        "tandem.stream",
-    ]
+    assert names == PD_WALK
     assert len({s.context.trace_id for s in spans}) == 1
     root, route, prefill, decode, xfer, stream = spans
     assert all(s.parent.span_id == root.context.span_id for s in (route, prefill, decode))
@@ -161,14 +158,7 @@ def test_spans_reach_an_otlp_http_endpoint_with_the_preset_ids() -> None:
             provider.shutdown()
         spans = {s.name: s for s in collector.wait_for(lambda spans: len(spans) >= 6, timeout_s=1)}
     assert collector.posts and all(p == "/v1/traces application/x-protobuf" for p in collector.posts)
-    assert set(spans) == {
-        "tandem.request",
-        "tandem.route",
-        "tandem.prefill",
-        "tandem.decode",
-        "tandem.kv_transfer",
-        "tandem.stream",
-    }
+    assert set(spans) == set(PD_WALK)
     assert {s.service for s in spans.values()} == {"tandem-router"}
     assert {s.trace_id for s in spans.values()} == {IDS.trace_id}
     assert (
