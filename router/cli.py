@@ -41,18 +41,20 @@ def router(
 
     Request headers: x-tandem-priority (interactive|batch; lowers the key's class, never raises it),
     x-tandem-deadline-ms, x-session-id, x-tandem-history (client|server)."""
-    import logging
-
     from router.app import create_app
     from router.server import serve
     from router.settings import RouterSettings
-    from telemetry.priority import apply_cpu_priority
 
     setup_logging(log_level)
     given: dict[str, Any] = dict(host=host, port=port, redis_url=redis_url, policy=policy, reuse_port=reuse_port)
     settings = RouterSettings(**{k: v for k, v in given.items() if v is not None})
     with clean_errors():
         app_ = create_app(settings)
-    # Before the server starts its loop: threads started later (telemetry, uvloop's workers) inherit it.
-    logging.getLogger("tandem.router").info("CPU priority: %s", apply_cpu_priority(settings.cpu_priority))
-    serve(app_, host=settings.host, port=settings.port, log_level=log_level, reuse_port=settings.reuse_port)
+    serve(
+        app_,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        reuse_port=settings.reuse_port,
+        cpu_priority=settings.cpu_priority,
+    )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from types import FrameType
 from typing import Any
@@ -23,6 +24,9 @@ from typing import Any
 import uvicorn
 
 from router.housekeeping import Housekeeping
+from telemetry.priority import CpuPriority, apply_cpu_priority
+
+log = logging.getLogger("tandem.router")
 
 
 class RouterServer(uvicorn.Server):
@@ -69,8 +73,19 @@ def shared_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app: Any, *, host: str, port: int, log_level: str, reuse_port: bool = False) -> None:
-    """Run ``app`` until SIGINT or SIGTERM; with ``reuse_port``, on a port shared with other replicas."""
+def serve(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    log_level: str,
+    reuse_port: bool = False,
+    cpu_priority: CpuPriority = CpuPriority.NORMAL,
+) -> None:
+    """Run ``app`` until SIGINT or SIGTERM; with ``reuse_port``, on a port shared with other replicas.
+    ``cpu_priority`` is applied to this process first (``telemetry.priority``): the threads started
+    later (the telemetry flusher, uvloop's workers) inherit it."""
+    log.info("CPU priority: %s", apply_cpu_priority(cpu_priority))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, proxy_headers=False)
     housekeeping = getattr(getattr(app, "state", None), "housekeeping", None)
     RouterServer(config, housekeeping).run(sockets=[shared_socket(host, port)] if reuse_port else None)
