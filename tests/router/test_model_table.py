@@ -10,7 +10,10 @@ import pytest
 
 from contracts.errors import ConfigError
 from contracts.models_file import ModelsFile
-from router.model_table import ModelTable, Via
+from router.model_table import ModelTable, Resolution, Via
+from router.orchestrator import RequestTrace, note_resolution
+from router.records import request_record
+from telemetry.schemas import SCHEMAS
 
 TOML = """
 [served.a]
@@ -142,3 +145,10 @@ def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read it"):
         ModelTable.load(tmp_path / "absent.toml")
 
+
+def test_the_lake_row_names_the_served_and_the_requested_model() -> None:
+    trace = RequestTrace(request_id="chatcmpl-1", kind="chat", model="coder")
+    note_resolution(trace, Resolution("coder", "b", Via.CANARY, "a"))
+    row = request_record(trace, endpoint="chat", http_status=200)
+    assert (row["model"], row["requested_model"], row["model_resolution"]) == ("b", "coder", "canary")
+    assert set(row) <= set(SCHEMAS["requests"].names)
