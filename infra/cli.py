@@ -14,7 +14,7 @@ from rich.console import Console
 from contracts.cli import clean_errors, console, interrupt
 from contracts.config import lake_dir
 from contracts.config import redis_url as configured_redis_url
-from contracts.errors import TandemError
+from contracts.errors import ConfigError, TandemError
 from kv_transfer import ConnectorKind
 
 model_app = typer.Typer(help="Prepare and inspect models.", no_args_is_help=True)
@@ -39,7 +39,20 @@ def up(
     decode: Annotated[int, typer.Option(help="Number of decode nodes.")] = 1,
     both: Annotated[int, typer.Option(help="Number of colocated (prefill+decode) nodes.")] = 0,
     colocated: Annotated[bool, typer.Option(help="Colocated mode: one `both` node, no P/D pair.")] = False,
-    model: Annotated[str | None, typer.Option(help="Model folder (default: prepared SmolLM2-135M-Instruct).")] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Model folder (default: prepared SmolLM2-135M-Instruct); or, repeated, NAME=PATH for several "
+            "served models, each with its own nodes (PATH empty: the default model under NAME)."
+        ),
+    ] = None,
+    models: Annotated[
+        Path | None,
+        typer.Option(
+            help="Models file (TOML, router.model_table): nodes for each [served] model, and the routers' "
+            "aliases, fallbacks and canaries (TANDEM_ROUTER_MODELS)."
+        ),
+    ] = None,
     port: Annotated[int, typer.Option(help="Router port.")] = 8000,
     routers: Annotated[
         int,
@@ -83,15 +96,23 @@ def up(
     ] = None,
 ) -> None:
     """Start a local cluster (Redis if needed, nodes, router) and run it until Ctrl-C or SIGTERM."""
-    from infra.launcher import Cluster, ClusterSpec
+    from infra.launcher import Cluster, ClusterSpec, models_from_file, parse_model_option
 
     if colocated:
         prefill, decode, both = 0, 0, max(both, 1)
+    with clean_errors():
+        named = [m for m in model or [] if "=" in m]
+        folders = [m for m in model or [] if "=" not in m]
+        served = (*(models_from_file(models) if models else ()), *(parse_model_option(m) for m in named))
+        if len(folders) > 1 or (folders and served):
+            raise ConfigError("give one --model FOLDER, or NAME=PATH models (repeated, or [served] in --models)")
     spec = ClusterSpec(
         prefill=prefill,
         decode=decode,
         both=both,
-        model=model,
+        model=folders[0] if folders else None,
+        models=served,
+        models_file=models,
         router_port=port,
         routers=routers,
         node_base_port=node_base_port,
@@ -114,7 +135,8 @@ def up(
             with console.status("starting cluster…") as status:
                 cluster.wait_ready(on_progress=lambda msg: status.update(f"starting cluster… {msg}"))
         console.print(
-            f"Tandem is up: {cluster.url}/v1 ({prefill}P + {decode}D + {both} colocated; "
+            f"Tandem is up: {cluster.url}/v1 ({prefill}P + {decode}D + {both} colocated"
+            f"{' per model: ' + ', '.join(m.name for m in served) if served else ''}; "
             f"logs in {cluster.logs}, telemetry lake in {cluster.lake})"
         )
         print(f"READY {cluster.url}", flush=True)

@@ -42,6 +42,7 @@ import redis
 
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
+from contracts.models_file import check_models, read_models_file
 from contracts.registry import NODES_SET, Role, node_key
 from infra.redis_server import reachable, start_embedded
 from node_agent.lifetime import die_with_parent
@@ -89,11 +90,44 @@ class Child:
 
 
 @dataclass(frozen=True)
+class ModelSpec:
+    """One served model of a several-model cluster: its nodes serve ``path`` as ``name``."""
+
+    name: str
+    """The served name (``--served-model-name``): what clients put in ``model``."""
+    path: str | None = None
+    """Model folder; None: the prepared default model."""
+    dtype: str | None = None
+    """Engine dtype of this model's nodes; None: the cluster's ``dtype``."""
+
+
+def parse_model_option(value: str) -> ModelSpec:
+    """``tandem up --model NAME=PATH`` (PATH empty: the prepared default model)."""
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip():
+        raise ConfigError(f"--model {value!r}: expected NAME=PATH (or a folder alone, for one model)")
+    return ModelSpec(name=name.strip(), path=path.strip() or None)
+
+
+def models_from_file(path: Path) -> tuple[ModelSpec, ...]:
+    """The ``[served]`` models of a models file (``contracts.models_file``), checked as the router
+    will check it, before any node starts."""
+    spec = read_models_file(path)
+    check_models(spec, str(path))
+    return tuple(ModelSpec(name, m.path or None, m.dtype) for name, m in spec.served.items())
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     prefill: int = 1
     decode: int = 1
     both: int = 0
     model: str | None = None
+    models: tuple[ModelSpec, ...] = ()
+    """Several served models: ``prefill``/``decode``/``both`` nodes of each (``model`` is then unused).
+    Empty: one model, ``model``, under its folder's name."""
+    models_file: Path | None = None
+    """The routers' model table (``TANDEM_ROUTER_MODELS``: aliases, fallbacks, canaries)."""
     router_port: int = 8000
     node_base_port: int = 8100
     """Node i listens on node_base_port + 10*i (its side ports are the next three)."""
@@ -128,7 +162,18 @@ class ClusterSpec:
 
     @property
     def roles(self) -> list[Role]:
+        """The roles of one model's nodes."""
         return [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode + [Role.BOTH] * self.both
+
+    @property
+    def nodes(self) -> list[tuple[Role, ModelSpec | None]]:
+        """Every node to start: its role and served model (None: the single ``model``)."""
+        if not self.models:
+            return [(role, None) for role in self.roles]
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"served model names must differ: {', '.join(names)}")
+        return [(role, m) for m in self.models for role in self.roles]
 
 
 def _cores() -> list[int]:
@@ -209,7 +254,9 @@ class Cluster:
             raise ConfigError(f"Redis at {self.redis_url} does not answer")
         has_pd = spec.prefill > 0 and spec.decode > 0
         both_slot = 0
-        for i, role in enumerate(spec.roles):
+        nodes = spec.nodes
+        both_slots = sum(role is Role.BOTH for role, _ in nodes)
+        for i, (role, served) in enumerate(nodes):
             port = spec.node_base_port + 10 * i
             node_id = f"{role.value}-{i}-{port}"
             self.node_urls[node_id] = f"http://127.0.0.1:{port}"
@@ -225,20 +272,23 @@ class Cluster:
                 "--redis-url",
                 self.redis_url,
                 "--cores",
-                assign_cores(role, has_pd, both_slot, spec.both),
+                assign_cores(role, has_pd, both_slot, both_slots),
                 "--log-dir",
                 str(self.logs),
             ]
             for flag, value in (
-                ("--dtype", spec.dtype),
+                ("--dtype", (served.dtype if served else None) or spec.dtype),
                 ("--kv-cache-gib", spec.kv_cache_gib),
                 ("--connector", spec.connector),
                 ("--max-model-len", spec.max_model_len),
             ):
                 if value is not None:
                     args += [flag, str(value)]
-            if spec.model:
-                args += ["--model", spec.model]
+            path = served.path if served else spec.model
+            if path:
+                args += ["--model", path]
+            if served:
+                args += ["--served-model-name", served.name]
             if spec.block_size:
                 args += ["--block-size", str(spec.block_size)]
             for extra in spec.extra_node_args:
@@ -283,6 +333,7 @@ class Cluster:
             "TANDEM_SQLITE_PATH": str(self.spec.workdir / "tandem.db"),
             # Its own journal, kept across its restarts: a restarted replica sends what the dead one had not.
             "TANDEM_ROUTER_TELEMETRY_JOURNAL_DIR": str((self.spec.workdir / "journal" / name).resolve()),
+            **({"TANDEM_ROUTER_MODELS": str(self.spec.models_file.resolve())} if self.spec.models_file else {}),
             **dict(self.spec.router_env),
         }
         self._spawn(name, args, env)
@@ -411,8 +462,9 @@ class Cluster:
         )
         if not routes:  # no node to warm (a router and writer alone, or prefill-only)
             return
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        for route in routes:
+        cards = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        served = [c["id"] for c in cards if c.get("parent") is None]  # aliases resolve to these
+        for model, route in ((m, r) for m in served for r in routes):
             resp = httpx.post(
                 f"{url}/v1/chat/completions",
                 timeout=self.spec.startup_timeout_s,

@@ -27,6 +27,9 @@ def node(
     model: Annotated[
         str | None, typer.Option(help="Hugging Face model folder (default: the prepared SmolLM2-135M-Instruct).")
     ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Name clients put in `model` (default: the model folder's name).")
+    ] = None,
     port: Annotated[
         int | None,
         typer.Option(
@@ -71,6 +74,7 @@ def node(
     given: dict[str, Any] = dict(
         role=role,
         model=model,
+        served_model_name=served_model_name,
         port=port,
         node_id=node_id,
         redis_url=redis_url,

@@ -39,7 +39,7 @@ from contracts.errors import (
     NotFound,
     PermissionDenied,
 )
-from contracts.registry import NodeRegistry, Role
+from contracts.registry import LiveNode, NodeRegistry, Role
 from kv_transfer.auth import curve_keys, engine_auth_headers, load_cluster_secret
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
@@ -55,6 +55,7 @@ from router.housekeeping import Housekeeping
 from router.kv_activity import KVActivity
 from router.kv_index import CurveClient, FleetIndex, KVEventSubscribers
 from router.metrics import RouterMetrics
+from router.model_table import ModelTable
 from router.node_client import NodeClient
 from router.openai_errors import error_responses, install_error_handlers
 from router.orchestrator import Orchestrator
@@ -179,6 +180,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     # The fleet KV index exists whatever the policy: every request gets its hit-rate breakdown.
     index = FleetIndex()
     policy = make_policy(settings.policy, index)
+    models_table = ModelTable.load(settings.models)  # a bad file stops the router here, not per request
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -244,6 +246,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             metrics,
             index,
             slots=admission.controller,
+            models=models_table,
         )
         metrics.admission.source = admission.controller.snapshot
         app.state.index, app.state.subscribers = index, subscribers
@@ -331,18 +334,30 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
 
     @app.get("/v1/models", responses=error_responses(401))
     async def models(request: Request) -> dict[str, Any]:
+        """Every served model with a live node, then every alias and canary name (``router.model_table``)
+        one of whose served models has a live node; ``parent`` names what a public name stands for (an
+        alias's target, a canary's heaviest served name; vLLM's field for a model built on another),
+        null for a served model."""
         await tenant_of(request)
         fleet: Fleet = request.app.state.fleet
-        data = [
-            {
+        served = fleet.models()
+
+        def card(name: str, n: LiveNode, parent: str | None) -> dict[str, Any]:
+            return {
                 "id": name,
                 "object": "model",
                 "created": int(n.info.started_at),
                 "owned_by": "tandem",
+                "root": n.info.model,
+                "parent": parent,
                 "max_model_len": n.info.max_model_len,
             }
-            for name, n in sorted(fleet.models().items())
-        ]
+
+        data = [card(name, n, None) for name, n in sorted(served.items())]
+        for public in models_table.public_names:
+            live = [t for t in models_table.targets(public) if t in served]
+            if live and public not in served:
+                data.append(card(public, served[live[0]], models_table.parent(public)))
         return {"object": "list", "data": data}
 
     @app.get(

@@ -5,6 +5,7 @@ Redis URL from ``TANDEM_REDIS_URL``) or its own default."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -18,6 +19,10 @@ def router(
     port: Annotated[int | None, typer.Option(help="HTTP port of the OpenAI-compatible API (default 8000).")] = None,
     redis_url: Annotated[str | None, typer.Option(help="Registry Redis (default: $TANDEM_REDIS_URL).")] = None,
     policy: Annotated[PolicyName | None, typer.Option(help="Routing policy (default cache_aware).")] = None,
+    models: Annotated[
+        Path | None,
+        typer.Option(help="Models file: aliases, fallbacks, canaries (TOML; default: $TANDEM_ROUTER_MODELS, none)."),
+    ] = None,
     reuse_port: Annotated[
         bool | None,
         typer.Option(
@@ -46,7 +51,9 @@ def router(
     from router.settings import RouterSettings
 
     setup_logging(log_level)
-    given: dict[str, Any] = dict(host=host, port=port, redis_url=redis_url, policy=policy, reuse_port=reuse_port)
+    given: dict[str, Any] = dict(
+        host=host, port=port, redis_url=redis_url, policy=policy, models=models, reuse_port=reuse_port
+    )
     settings = RouterSettings(**{k: v for k, v in given.items() if v is not None})
     with clean_errors():
         app_ = create_app(settings)

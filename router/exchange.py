@@ -52,8 +52,9 @@ from router.settings import RouterSettings
 from router.sse import RelayResponse
 
 UNKNOWN_MODEL = "(unknown)"
-"""The metrics label of every request naming a model no node serves: client strings never become
-label values (each would be a new time series, kept forever)."""
+"""The metrics label of every request naming a model no node serves (nor the model table,
+``router.model_table``): client strings never become label values (each would be a new time series,
+kept forever). The lake's ``requested_model`` keeps what the client sent."""
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -254,6 +255,8 @@ class Exchange:
         if trace is None:
             return  # refused before it was read: nothing held, nothing to record
         trace.finish = trace.finish or time.time()
+        if trace.model_resolution is None and not self.orch.bounded(trace.model):
+            trace.model = UNKNOWN_MODEL  # refused before routing: the client's name is no label
         status, http_status, error = self.outcome
         self.accounting.finish(
             trace,

@@ -138,6 +138,11 @@ class Fleet:
             out.setdefault(n.info.model, n)
         return out
 
+    def serves(self, model: str) -> bool:
+        """Whether a live node of ``model`` is in routing now (not marked down): a fallback model is
+        chosen when this is false (``router.model_table``)."""
+        return any(n.info.model == model and not self.is_down(n.info.node_id) for n in self._nodes)
+
     def mark_down(self, node_id: str, reason: str) -> None:
         """Leave ``node_id`` out of routing for ``down_s``: a leg could not reach it."""
         if node_id not in self._down:

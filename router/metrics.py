@@ -10,6 +10,11 @@ view of the fleet, and its admission queues (read from the controller at scrape 
     tandem_admission_slots_in_use{node}             gauge, slots this router holds on the node
     tandem_admission_shed_total{node}               counter, requests refused or evicted (503) at the node
     tandem_admission_expired_total{node}            counter, requests dropped unserved at their deadline
+
+and the model table's resolutions (``router.model_table``), labelled only with names the table holds
+or a live node serves (a client's unknown name is never a label; its request is a 404):
+
+    tandem_model_resolutions_total{requested,served,via}   counter, via = direct | alias | canary | fallback
 """
 
 from __future__ import annotations
@@ -82,6 +87,12 @@ class RouterMetrics:
         )
         self.kv_usage = Gauge(
             "tandem_node_kv_usage_ratio", "KV cache usage per node (last heartbeat)", ["node", "role"], registry=r
+        )
+        self.resolutions = Counter(
+            "tandem_model_resolutions_total",
+            "Requests by the model they named, the served model they went to, and how (router.model_table)",
+            ["requested", "served", "via"],
+            registry=r,
         )
         self.live_nodes = Gauge("tandem_live_nodes", "Live nodes by role", ["role"], registry=r)
         self.admission = AdmissionCollector()

@@ -44,6 +44,7 @@ from router.admission.priority_class import Priority
 from router.fleet import Fleet, Pools
 from router.kv_index import BlockHasher, FleetIndex, MissAttribution, PrefixView, attribute, prefix_view
 from router.metrics import RouterMetrics
+from router.model_table import ModelTable, Resolution, Via
 from router.node_client import NodeClient
 from router.policies.base import Candidate, Decision, ReasonCode, RoutingPolicy, RoutingRequest
 from router.policies.least_loaded import LeastLoaded
@@ -58,6 +59,9 @@ Kind = Literal["chat", "completion"]
 RouteMode = Literal["disaggregated", "colocated"]
 TokenCharge = Callable[[int, int | None], Awaitable[None]]
 _PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+CAPACITY_CODES = frozenset({"overloaded", "shed"})
+"""``Unavailable`` codes that mean every slot of the chosen node was taken (``router.admission.priority``):
+a request refused so may still go to its model's fallback. A passed deadline is final."""
 
 
 @dataclass
@@ -67,6 +71,11 @@ class RequestTrace:
     request_id: str
     kind: Kind
     model: str
+    """The served model that answered (after alias, canary and fallback: ``router.model_table``)."""
+    requested_model: str | None = None
+    """The client's ``model`` as it came (an alias, a canary name, a served name); None until resolved."""
+    model_resolution: str | None = None
+    """How ``model`` was resolved (``router.model_table.Via``); None until resolved."""
     arrival: float = field(default_factory=time.time)
     routed: float | None = None
     prefill_start: float | None = None
@@ -170,7 +179,9 @@ class Orchestrator:
         metrics: RouterMetrics,
         index: FleetIndex | None = None,
         slots: AdmissionController | None = None,
+        models: ModelTable | None = None,
     ) -> None:
+        self.models = models or ModelTable()
         self.index = index
         self.slots = slots
         self._hashers: dict[tuple[str, int], BlockHasher] = {}
@@ -287,9 +298,45 @@ class Orchestrator:
         """Validate, route and run the prefill leg. Returns the decode leg to run. ``charge`` is called
         with (prompt tokens, max_tokens) once they are known, before any node works (token limits).
         ``cache_salt`` (``router.cache_salt``) goes to every engine leg and into the routing keys, so
-        that the fleet index matches the engines' salted block hashes."""
+        that the fleet index matches the engines' salted block hashes.
+
+        The request's ``model`` is resolved first (``router.model_table``): the engines see the served
+        name. If the node chosen for it refuses for capacity (its admission queue is full) and the model
+        has a fallback, the request is planned once more on the fallback, uncharged (its tokens were
+        charged once)."""
         req.check_supported()
-        pools = self.fleet.pools(req.model)
+        resolution = self.models.resolve(req.model, self.fleet.serves)
+        note_resolution(trace, resolution)
+        try:
+            return await self._plan_on(resolution.served, kind, req, trace, prefer, charge, cache_salt)
+        except Unavailable as exc:
+            fallback = resolution.fallback
+            if fallback is None or exc.code not in CAPACITY_CODES:
+                raise
+            log.warning("%s has no capacity (%s); planning on its fallback %s", trace.model, exc.message, fallback)
+            note_resolution(trace, replace(resolution, served=fallback, via=Via.FALLBACK, fallback=None))
+            return await self._plan_on(fallback, kind, req, trace, prefer, None, cache_salt)
+        finally:
+            if self.bounded(resolution.requested):
+                self.metrics.resolutions.labels(resolution.requested, trace.model, trace.model_resolution).inc()
+
+    def bounded(self, name: str) -> bool:
+        """Whether ``name`` may be a metrics label: a name of the model table, or one a live node serves
+        (a bounded set); any other client string would be a new time series, kept forever."""
+        return self.models.known(name) or any(n.info.model == name for n in self.fleet.nodes)
+
+    async def _plan_on(
+        self,
+        model: str,
+        kind: Kind,
+        req: ChatCompletionRequest | CompletionRequest,
+        trace: RequestTrace,
+        prefer: RouteMode | None,
+        charge: TokenCharge | None,
+        cache_salt: str | None,
+    ) -> Leg:
+        pools = self.fleet.pools(model)
+        req.model = model  # the engine serves this name (vLLM refuses any other)
         body = req.body()
         if cache_salt:
             body["cache_salt"] = cache_salt
@@ -519,6 +566,12 @@ class Orchestrator:
             raise
         stack.push_async_exit(attempt)
         return stream
+
+
+def note_resolution(trace: RequestTrace, resolution: Resolution) -> None:
+    """The resolved model into the trace: what answers, what was asked for, and how one became the other."""
+    trace.model, trace.model_resolution = resolution.served, resolution.via.value
+    trace.requested_model = resolution.requested
 
 
 def note_decision(trace: RequestTrace, decision: Decision) -> None:

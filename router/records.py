@@ -39,6 +39,8 @@ def request_record(
         "session_id": trace.session_id,
         "tenant_id": trace.tenant_id,
         "model": trace.model,
+        "requested_model": trace.requested_model,
+        "model_resolution": trace.model_resolution,
         "endpoint": endpoint,
         "stream": trace.stream,
         "prefill_node": trace.prefill_node if trace.mode == "disaggregated" else None,

@@ -40,6 +40,10 @@ class RouterSettings(BaseSettings):
     redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=REDIS_URL_ENV)
     policy: PolicyName = PolicyName.CACHE_AWARE
     """cache_aware (default), least_loaded or round_robin (router.policies)."""
+    models: Path | None = None
+    """Models file (TOML, ``router.model_table``): aliases, a fallback per served model, canary weights
+    between served names behind one public name. None (the default): every request's ``model`` is a
+    served name, routed as it is. Read once at start-up; a bad file stops the router (``ConfigError``)."""
     registry_refresh_s: float = 1.0
     """How often the live-node view is re-read from Redis. Nodes heartbeat their load every 2 s, so a
     faster refresh buys no fresher loads, only idle CPU taken from the engines on a shared host."""

@@ -36,13 +36,16 @@ filling added fields with nulls):
        transfer_transport; miss attribution (miss_cold_tokens, miss_evicted_tokens, miss_evicted_node,
        miss_evicted_tier, miss_evicted_ago_s, miss_elsewhere_tokens, miss_elsewhere_node,
        miss_elsewhere_reason, miss_undelivered_tokens: router.kv_index.attribution).
+    3  requests: requested_model (the client's ``model``: an alias, a canary name or a served name) and
+       model_resolution (direct, alias, canary, fallback: router.model_table); ``model`` is now the
+       served model that answered.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 TS = pa.timestamp("us", tz="UTC")
 
@@ -62,7 +65,9 @@ _REQUESTS = [
     _f("response_id", pa.string(), "OpenAI response id returned to the client (chatcmpl-...)."),
     _f("session_id", pa.string(), "Agent session id (header or derived), null if none."),
     _f("tenant_id", pa.string(), "Tenant owning the API key."),
-    _f("model", pa.string(), "Served model name the client asked for."),
+    _f("model", pa.string(), "Served model that answered (after alias, canary, fallback); '(unknown)' if none."),
+    _f("requested_model", pa.string(), "The client's model: a served name, an alias or a canary name."),
+    _f("model_resolution", pa.string(), "How model came from requested_model: direct, alias, canary, fallback."),
     _f("endpoint", pa.string(), "chat or completions."),
     _f("stream", pa.bool_(), "True if the client asked for SSE streaming."),
     _f("prefill_node", pa.string(), "Node that ran the prefill; null when decode prefilled itself."),

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.errors import ConfigError
 from contracts.registry import Role
 from infra import launcher
 
@@ -40,3 +41,67 @@ def test_colocated_nodes_split_the_cores(
 ) -> None:
     monkeypatch.setattr(launcher, "_cores", lambda: cores)
     assert launcher.assign_cores(Role.BOTH, False, slot, slots) == expected
+
+
+def _started(monkeypatch: pytest.MonkeyPatch, spec: launcher.ClusterSpec) -> dict[str, tuple[list[str], dict]]:
+    """What ``Cluster.start`` would run: name -> (tandem arguments, extra environment); nothing starts."""
+    started: dict[str, tuple[list[str], dict]] = {}
+    monkeypatch.setattr(launcher, "reachable", lambda url: True)
+    monkeypatch.setattr(launcher, "_cores", lambda: [0, 1])
+
+    def spawn(self: launcher.Cluster, name: str, args: list[str], env: dict | None = None) -> None:
+        started[name] = (args, env or {})
+
+    monkeypatch.setattr(launcher.Cluster, "_spawn", spawn)
+    launcher.Cluster(spec).start()
+    return started
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_a_models_file_starts_nodes_per_served_model_and_reaches_the_routers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    models = tmp_path / "models.toml"
+    models.write_text('[served.a]\ndtype = "float32"\n[served.b]\npath = "/m/b"\n[aliases]\nsmall = "a"\n')
+    spec = launcher.ClusterSpec(
+        prefill=0,
+        decode=0,
+        both=1,
+        models=launcher.models_from_file(models),
+        models_file=models,
+        redis_url="redis://127.0.0.1:1/0",
+        dtype="bfloat16",
+        routers=1,
+        workdir=tmp_path,
+    )
+    started = _started(monkeypatch, spec)
+    nodes = {name: args for name, (args, _) in started.items() if args[0] == "node"}
+    assert sorted(nodes) == ["both-0-8100", "both-1-8110"]
+    a, b = nodes["both-0-8100"], nodes["both-1-8110"]
+    assert (_flag(a, "--served-model-name"), _flag(a, "--model"), _flag(a, "--dtype")) == ("a", None, "float32")
+    assert (_flag(b, "--served-model-name"), _flag(b, "--model"), _flag(b, "--dtype")) == ("b", "/m/b", "bfloat16")
+    assert (_flag(a, "--cores"), _flag(b, "--cores")) == ("0", "1")  # one core each, as two colocated nodes
+    assert started["router"][1]["TANDEM_ROUTER_MODELS"] == str(models.resolve())
+
+
+def test_one_model_starts_as_before(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    spec = launcher.ClusterSpec(
+        prefill=1, decode=1, model="/m/x", redis_url="redis://127.0.0.1:1/0", routers=1, workdir=tmp_path
+    )
+    started = _started(monkeypatch, spec)
+    nodes = [args for args, _ in started.values() if args[0] == "node"]
+    assert [(_flag(n, "--model"), _flag(n, "--served-model-name")) for n in nodes] == [("/m/x", None)] * 2
+    assert "TANDEM_ROUTER_MODELS" not in started["router"][1]
+
+
+def test_model_options_are_checked() -> None:
+    assert launcher.parse_model_option("a=") == launcher.ModelSpec("a", None)
+    assert launcher.parse_model_option(" b = /m/b ") == launcher.ModelSpec("b", "/m/b")
+    with pytest.raises(ConfigError, match="expected NAME=PATH"):
+        launcher.parse_model_option("=/m/b")
+    twice = launcher.ClusterSpec(models=(launcher.ModelSpec("a"), launcher.ModelSpec("a")))
+    with pytest.raises(ConfigError, match="served model names must differ"):
+        _ = twice.nodes

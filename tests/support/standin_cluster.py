@@ -83,12 +83,14 @@ async def standin_cluster(
     engine: dict[str, object] | None = None,
     router: dict[str, object] | None = None,
     max_model_len: int = 4096,
+    models: dict[str, str] | None = None,
     **admission: object,
 ) -> AsyncIterator[StandInCluster]:
     """Stand-in engines for ``roles`` (node id → role), registered; a router over them, started.
     ``dead`` nodes are registered at a loopback port nobody listens on (a node whose engine is gone).
     ``admission`` overrides ``AdmissionSettings`` fields (``node_max_concurrency=1``, ...); ``engine``
-    ``StandInEngine`` fields (``stream_tokens``, ...) and ``router`` ``RouterSettings`` fields."""
+    ``StandInEngine`` fields (``stream_tokens``, ...) and ``router`` ``RouterSettings`` fields. ``models``
+    gives nodes another served model than the cluster's (node name → model name)."""
     tag = uuid.uuid4().hex[:10]
     model, prefix = f"standin-{tag}", f"test-{tag}:"
     node_ids = {name: f"{name}-{tag}" for name in [*roles, *(dead or {})]}
@@ -109,7 +111,7 @@ async def standin_cluster(
             NodeInfo(
                 node_id=node_ids[name],
                 role=role,
-                model=model,
+                model=(models or {}).get(name, model),
                 url=urls[name],
                 block_size=16,
                 max_model_len=max_model_len,
