@@ -7,7 +7,6 @@ registry in its own Redis database. Node i listens on NODE_BASE + 10*i in that o
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ import redis
 
 from contracts.registry import NODES_SET
 from tests.conftest import REDIS_E2E_URL
-from tests.support.helpers import OutputLines, wait_for  # noqa: F401 - wait_for re-exported for the e2e tests
+from tests.support.helpers import OutputLines, stop_group, wait_for  # noqa: F401 - wait_for re-exported for the e2e tests
 
 ROUTER_PORT = 18000
 NODE_BASE = 18100
@@ -89,16 +88,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
             lake=workdir / "lake",
         )
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for log in sorted(Path(workdir, "logs").glob("*.log")):
-            # Kept on failure for the CI log: the tail of each process's output.
-            print(f"--- {log.name}\n{''.join(log.read_text(errors='replace').splitlines(True)[-15:])}")
+        stop_group(proc, Path(workdir, "logs"))
     # A clean stop deregisters every node at once (no waiting for heartbeats to lapse).
     assert registry_empty(REDIS_E2E_URL), "nodes still registered after tandem up stopped"
 

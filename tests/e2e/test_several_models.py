@@ -27,7 +27,7 @@ import psutil
 import pytest
 import redis
 
-from tests.support.helpers import OutputLines, wait_for
+from tests.support.helpers import OutputLines, stop_group, wait_for
 from tests.support.standin_cluster import metric
 
 pytestmark = pytest.mark.e2e
@@ -120,12 +120,4 @@ def test_two_models_alias_canary_and_fallback(tmp_path: Path) -> None:
             assert got == 1, page
             assert metric(page, "tandem_model_resolutions_total", requested="small", served="smol", via="alias") == 1
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGTERM)
-            try:
-                up.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
-        for log in sorted(Path(tmp_path, "logs").glob("*.log")):
-            print(f"--- {log.name}\n{''.join(log.read_text(errors='replace').splitlines(True)[-15:])}")
+        stop_group(up, Path(tmp_path, "logs"))

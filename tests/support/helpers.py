@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> bool:
@@ -62,3 +65,17 @@ class OutputLines:
                 return line
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{what} exited {self.proc.returncode}:\n{''.join(self.seen[-40:])}")
+
+
+def stop_group(proc: subprocess.Popen, logs: Path, grace_s: float = 90) -> None:  # type: ignore[type-arg]
+    """Stop a process group (``tandem up`` and all it started): SIGTERM, SIGKILL past ``grace_s``. Then
+    print the tail of each log in ``logs``, which pytest keeps in the CI log when the test failed."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for log in sorted(logs.glob("*.log")):
+        print(f"--- {log.name}\n{''.join(log.read_text(errors='replace').splitlines(True)[-15:])}")
