@@ -62,6 +62,8 @@ class Fleet:
         self._on_refresh = on_refresh
         self._refresh_s = refresh_s
         self._nodes: list[LiveNode] = []
+        self.model_names: frozenset[str] = frozenset()
+        """The models the nodes of the last registry read serve (a bounded set: safe as metric labels)."""
         self._inflight: Counter[str] = Counter()
         self._epochs: dict[str, int] = {}
         self.restarts: Counter[str] = Counter()
@@ -84,6 +86,7 @@ class Fleet:
     async def refresh(self) -> None:
         try:
             self._nodes = await self._registry.live_nodes()
+            self.model_names = frozenset(n.info.model for n in self._nodes)
         except StoreError as exc:
             log.warning("registry unreadable, keeping last view: %s", exc)
             return

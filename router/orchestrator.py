@@ -323,7 +323,7 @@ class Orchestrator:
     def bounded(self, name: str) -> bool:
         """Whether ``name`` may be a metrics label: a name of the model table, or one a live node serves
         (a bounded set); any other client string would be a new time series, kept forever."""
-        return self.models.known(name) or any(n.info.model == name for n in self.fleet.nodes)
+        return name in self.fleet.model_names or self.models.known(name)
 
     async def _plan_on(
         self,
