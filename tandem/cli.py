@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from bench.cli import bench_app
+from host_tier.cli import tier_app
 from infra.cli import cluster_app, model_app, up
 from node_agent.cli import node
 from replay.cli import replay
@@ -26,5 +27,6 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(telemetry_app, name="telemetry")
 app.add_typer(lake_app, name="lake")
 app.add_typer(trace_app, name="trace")
+app.add_typer(tier_app, name="tier")
 
 __all__ = ["app"]

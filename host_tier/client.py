@@ -1,0 +1,121 @@
+"""A process's handle on the host tier: control over one REQ socket, bytes through the shared file.
+
+``put`` offloads blocks (Reserve -> copy into the mapping -> Commit); ``get`` loads the longest held
+prefix of a chain of blocks, each verified by the seqlock and checksum (``arena.py``). A block that
+fails verification is reported (``Forget``) and the chain stops there: the caller recomputes from
+that block on. The client refuses a tier made for another layout (``layout.py``).
+
+Not thread-safe (one REQ socket): give each thread its own client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from contracts.errors import ConfigError
+from host_tier import messages as m
+from host_tier.arena import Arena
+
+
+class TierUnavailable(ConfigError):
+    """The tier did not answer: the caller carries on without it (compute, do not offload)."""
+
+
+class TierClient:
+    def __init__(self, endpoint: str, fingerprint: bytes, timeout_s: float = 2.0) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._endpoint = endpoint
+        self._timeout_ms = int(timeout_s * 1000)
+        self._sock = self._connect()
+        welcome = self._call(m.Hello())
+        assert isinstance(welcome, m.Welcome)
+        if welcome.fingerprint != fingerprint:
+            raise ConfigError(
+                f"the host tier at {endpoint} holds blocks of another layout (model, dtype, block size, "
+                "layers or hash seed differ): start one tier per layout"
+            )
+        self.arena = Arena.open(Path(welcome.path))
+        self.block_bytes = welcome.slot_bytes
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
+        sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+        sock.connect(self._endpoint)
+        return sock
+
+    def _call(self, req: m.Request) -> m.Reply:
+        try:
+            self._sock.send(m.encoder.encode(req))
+            reply = m.reply_decoder.decode(self._sock.recv())
+        except zmq.Again as exc:
+            # A REQ socket that missed its reply is stuck mid-exchange: replace it for the next call.
+            self._sock.close()
+            self._sock = self._connect()
+            raise TierUnavailable(f"host tier at {self._endpoint} did not answer in {self._timeout_ms} ms") from exc
+        if isinstance(reply, m.Failed):
+            raise ConfigError(f"host tier: {reply.message}")
+        return reply
+
+    # -- blocks ------------------------------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray | bytes | memoryview]) -> int:
+        """Offload blocks the tier does not hold yet. Returns how many were stored."""
+        reserved = self._call(m.Reserve(list(keys)))
+        assert isinstance(reserved, m.Reserved)
+        done_slots, done_keys = [], []
+        for slot, key, block in zip(reserved.slots, keys, blocks, strict=True):
+            if slot < 0:
+                continue
+            self.arena.write(slot, key, block)
+            done_slots.append(slot)
+            done_keys.append(key)
+        if done_slots:
+            self._call(m.Commit(done_slots, done_keys))
+        return len(done_slots)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of the chain the tier holds (no copy)."""
+        found = self._call(m.Lookup(list(keys)))
+        assert isinstance(found, m.Found)
+        return len(found.slots)
+
+    def get(self, keys: Sequence[bytes], out: Sequence[np.ndarray] | None = None) -> list[bytes] | int:
+        """Load the longest held, verified prefix of ``keys``. With ``out`` (one uint8 array per key),
+        copy into those and return how many were filled; without, return the blocks' bytes."""
+        found = self._call(m.Lookup(list(keys)))
+        assert isinstance(found, m.Found)
+        blocks: list[bytes] = []
+        n = 0
+        for i, slot in enumerate(found.slots):
+            key = keys[i]
+            if out is not None:
+                ok = self.arena.read_into(slot, key, out[i].reshape(-1).view(np.uint8))
+            else:
+                data = self.arena.read(slot, key)
+                ok = data is not None
+                if data is not None:
+                    blocks.append(data)
+            if not ok:
+                self._call(m.Forget([key], "corrupt"))
+                break
+            n += 1
+        return n if out is not None else blocks
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float, owner: str = "") -> int:
+        pinned = self._call(m.Pin(list(keys), ttl_s, owner))
+        assert isinstance(pinned, m.Pinned)
+        return pinned.n
+
+    def stats(self) -> m.TierStats:
+        stats = self._call(m.Stats())
+        assert isinstance(stats, m.TierStats)
+        return stats
+
+    def close(self) -> None:
+        self._sock.close()
+        self.arena.close()

@@ -1,0 +1,74 @@
+"""Which block leaves the host tier when a new one needs its slot.
+
+The stated policy (``RetentionLru``): least recently used first, in two classes. A block pinned by a
+live retention (a session's context kept across a tool pause, until its TTL) is evicted only when no
+unpinned block is left, and then the pin that expires soonest goes first. Lookups that hit refresh a
+block's recency; a store of a block already held refreshes it too. Pins are counted per holder
+(``owner``, e.g. a tenant's session) so the tier can keep a per-owner budget above it.
+
+One policy per file behind ``EvictionPolicy`` (the server calls only these methods).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Protocol
+
+
+class EvictionPolicy(Protocol):
+    def add(self, slot: int) -> None: ...
+    def touch(self, slot: int) -> None: ...
+    def remove(self, slot: int) -> None: ...
+    def pin(self, slot: int, until: float) -> None: ...
+    def victim(self, now: float) -> tuple[int, str] | None:
+        """The slot to evict and why (``lru`` or ``pinned_lru``), or None if nothing is held."""
+        ...
+
+
+class RetentionLru:
+    def __init__(self) -> None:
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._pinned: dict[int, float] = {}
+        self._expiry: list[tuple[float, int]] = []  # heap; entries may be stale (checked against _pinned)
+
+    def add(self, slot: int) -> None:
+        self._lru[slot] = None
+        self._lru.move_to_end(slot)
+
+    def touch(self, slot: int) -> None:
+        if slot in self._lru:
+            self._lru.move_to_end(slot)
+
+    def remove(self, slot: int) -> None:
+        self._lru.pop(slot, None)
+        self._pinned.pop(slot, None)
+
+    def pin(self, slot: int, until: float) -> None:
+        if slot not in self._lru:
+            return
+        if until > self._pinned.get(slot, 0.0):
+            self._pinned[slot] = until
+            heapq.heappush(self._expiry, (until, slot))
+
+    def pinned(self, now: float) -> int:
+        self._expire(now)
+        return len(self._pinned)
+
+    def _expire(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            until, slot = heapq.heappop(self._expiry)
+            if self._pinned.get(slot) == until:
+                del self._pinned[slot]
+
+    def victim(self, now: float) -> tuple[int, str] | None:
+        self._expire(now)
+        for slot in self._lru:  # oldest first; pinned ones are skipped (few: bounded by the budget)
+            if slot not in self._pinned:
+                return slot, "lru"
+        while self._expiry:
+            until, slot = self._expiry[0]
+            if self._pinned.get(slot) == until:
+                return slot, "pinned_lru"
+            heapq.heappop(self._expiry)
+        return None

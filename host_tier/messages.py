@@ -1,0 +1,110 @@
+"""The host tier's control messages (client <-> server), msgpack over one ZeroMQ REQ/ROUTER pair.
+
+Versioned: ``Hello`` carries ``PROTOCOL`` and a server answers another version with ``Failed``. Only
+slot numbers and keys cross this socket; block bytes never do (clients copy through the shared file).
+
+    Hello                          -> Welcome(path, geometry, fingerprint)
+    Reserve(keys)                  -> Reserved(slots)       one per key, -1 = already held or no room
+    Commit(slots, keys)            -> Done                  written and sealed: now readable, evictable
+    Abort(slots)                   -> Done                  a reservation given back unwritten
+    Lookup(keys, prefix)           -> Found(slots)          -1 = not held; prefix: stop at the first miss
+    Pin(keys, ttl_s, owner)        -> Pinned(n)             kept across a pause (``eviction.py``)
+    Forget(keys, reason)           -> Done                  a reader found a block corrupt or stale
+    Stats                          -> TierStats
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL = 1
+
+
+class Hello(msgspec.Struct, tag=True):
+    protocol: int = PROTOCOL
+
+
+class Reserve(msgspec.Struct, tag=True):
+    keys: list[bytes]
+
+
+class Commit(msgspec.Struct, tag=True):
+    slots: list[int]
+    keys: list[bytes]
+
+
+class Abort(msgspec.Struct, tag=True):
+    slots: list[int]
+
+
+class Lookup(msgspec.Struct, tag=True):
+    keys: list[bytes]
+    prefix: bool = True
+
+
+class Pin(msgspec.Struct, tag=True):
+    keys: list[bytes]
+    ttl_s: float
+    owner: str = ""
+
+
+class Forget(msgspec.Struct, tag=True):
+    keys: list[bytes]
+    reason: str = "corrupt"
+
+
+class Stats(msgspec.Struct, tag=True):
+    pass
+
+
+Request = Hello | Reserve | Commit | Abort | Lookup | Pin | Forget | Stats
+
+
+class Welcome(msgspec.Struct, tag=True):
+    path: str
+    slot_bytes: int
+    n_slots: int
+    fingerprint: bytes
+    protocol: int = PROTOCOL
+
+
+class Reserved(msgspec.Struct, tag=True):
+    slots: list[int]
+
+
+class Found(msgspec.Struct, tag=True):
+    slots: list[int]
+
+
+class Pinned(msgspec.Struct, tag=True):
+    n: int
+
+
+class Done(msgspec.Struct, tag=True):
+    pass
+
+
+class Failed(msgspec.Struct, tag=True):
+    message: str
+
+
+class TierStats(msgspec.Struct, tag=True):
+    n_slots: int
+    slot_bytes: int
+    held: int
+    writing: int
+    pinned: int
+    stored: int
+    hits: int
+    misses: int
+    evictions: dict[str, int]
+    forgotten: dict[str, int]
+    reclaimed: int
+    """Reservations whose writer vanished, taken back after ``write_timeout_s``."""
+
+
+Reply = Welcome | Reserved | Found | Pinned | Done | Failed | TierStats
+
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+encoder = msgspec.msgpack.Encoder()

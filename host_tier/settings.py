@@ -1,0 +1,54 @@
+"""Settings of one host tier process (``tandem tier serve``): one typed object, built once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import ByteSize, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from host_tier.layout import BlockLayout
+
+DEFAULT_DIR = Path("/dev/shm")
+"""tmpfs: the tier is RAM, shared by every process on the host, and survives every one of them."""
+
+
+class TierSettings(BaseSettings):
+    """Every field can also come from the environment as ``TANDEM_TIER_<FIELD>``."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_TIER_", frozen=True)
+
+    size: ByteSize = Field(default=ByteSize(1 << 30))
+    """Bytes of block data the tier may hold (``2GiB``, ``512MB``): the bound, fixed at start."""
+    dir: Path = DEFAULT_DIR
+    endpoint: str = "ipc:///tmp/tandem-tier.sock"
+    """Control socket (ZeroMQ). Loopback or ipc only: the tier serves one host."""
+    events_endpoint: str | None = "ipc:///tmp/tandem-tier-events.sock"
+    """Where store/remove events are published (vLLM's KV-event format); None: none."""
+    write_timeout_s: float = 30.0
+    """A reservation not committed within this is taken back (its writer is gone)."""
+
+    def path_for(self, layout: BlockLayout) -> Path:
+        return self.dir / f"tandem-tier-{layout.fingerprint().hex()[:16]}"
+
+    def n_slots(self, layout: BlockLayout) -> int:
+        n = int(self.size) // layout.block_bytes
+        if n < 1:
+            raise ValueError(f"a tier of {int(self.size)} bytes holds no block of {layout.block_bytes} bytes")
+        return n
+
+
+def layout_from_model(model: Path, dtype: str, block_size: int, hash_seed: str | None = None) -> BlockLayout:
+    """The block layout an engine of this Hugging Face folder computes (its ``config.json``)."""
+    cfg = json.loads((model / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    return BlockLayout(
+        model=model.name,
+        dtype=dtype,
+        block_size=block_size,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        hash_seed=hash_seed,
+    )

@@ -1,0 +1,190 @@
+"""The host tier's file and state machine in one process: what a reader gets back, the bound, the
+eviction order, abandoned writes, and a restart."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from host_tier import messages as m
+from host_tier.arena import Arena
+from host_tier.server import TierCore
+
+FP = hashlib.sha256(b"layout-a").digest()
+SLOT = 4096
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(f"block-{i}".encode()).digest()
+
+
+def block(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Arena:
+    return Arena.create(tmp_path / "tier", SLOT, 4, FP)
+
+
+def put(core: TierCore, i: int) -> int:
+    reserved = core.handle(m.Reserve([key(i)]))
+    assert isinstance(reserved, m.Reserved)
+    slot = reserved.slots[0]
+    if slot >= 0:
+        core.arena.write(slot, key(i), block(i))
+        core.handle(m.Commit([slot], [key(i)]))
+    return slot
+
+
+def held(core: TierCore, ids: range) -> list[int]:
+    return [i for i in ids if key(i) in core.by_key]
+
+
+def test_a_block_reads_back_whole_and_only_under_its_own_key(arena: Arena) -> None:
+    arena.write(0, key(0), block(0))
+    assert arena.read(0, key(0)) == block(0).tobytes()
+    assert arena.read(0, key(1)) is None  # the slot holds another block: never served for this key
+
+
+def test_a_corrupt_byte_or_an_unfinished_write_is_not_served(arena: Arena) -> None:
+    arena.write(0, key(0), block(0))
+    arena.data(0)[100] ^= 0xFF  # a flipped bit in RAM, or a stray writer
+    assert arena.read(0, key(0)) is None
+    arena.write(1, key(1), block(1))
+    arena.begin_write(1)  # a writer killed mid-copy leaves gen odd
+    assert arena.read(1, key(1)) is None
+
+
+def test_a_slot_reused_during_a_read_fails_the_read() -> None:
+    """The seqlock: a reader that copied while the slot was rewritten gets False, not mixed bytes."""
+    arena_path = Path("/dev/shm") / f"tandem-tier-test-{np.random.default_rng().integers(1 << 30)}"
+    arena = Arena.create(arena_path, SLOT, 1, FP)
+    try:
+        arena.write(0, key(0), block(0))
+        out = np.empty(SLOT, dtype=np.uint8)
+        real_data = arena.data
+
+        def data_then_overwrite(slot: int) -> np.ndarray:
+            view = real_data(slot)
+            arena.data = real_data  # type: ignore[method-assign]
+            arena.write(0, key(1), block(1))  # the server reused the slot mid-read
+            return view
+
+        arena.data = data_then_overwrite  # type: ignore[method-assign]
+        assert arena.read_into(0, key(0), out) is False
+    finally:
+        arena.close()
+        arena_path.unlink()
+
+
+def test_the_tier_is_bounded_and_evicts_least_recently_used(arena: Arena) -> None:
+    core = TierCore(arena)
+    for i in range(4):
+        assert put(core, i) >= 0
+    core.handle(m.Lookup([key(0)]))  # 0 is used again: 1 is now the oldest
+    for i in range(4, 6):
+        assert put(core, i) >= 0
+    assert held(core, range(6)) == [0, 3, 4, 5]
+    stats = core.stats()
+    assert (stats.held, stats.evictions) == (4, {"lru": 2})
+
+
+def test_pinned_blocks_are_evicted_last_and_only_until_their_ttl(arena: Arena) -> None:
+    clock = Clock()
+    core = TierCore(arena, clock=clock)
+    for i in range(4):
+        put(core, i)
+    assert core.handle(m.Pin([key(0), key(1)], ttl_s=60.0)) == m.Pinned(2)
+    put(core, 4)
+    put(core, 5)
+    assert held(core, range(6)) == [0, 1, 4, 5]  # the unpinned 2 and 3 went first
+    put(core, 6)  # nothing unpinned but 4, 5: the oldest of those
+    assert held(core, range(7)) == [0, 1, 5, 6]
+    clock.t += 61  # the pins expired: 0 and 1 are plain LRU again, and the oldest
+    put(core, 7)
+    assert held(core, range(8)) == [1, 5, 6, 7]
+    assert core.stats().evictions == {"lru": 4}
+
+
+def test_when_everything_is_pinned_the_soonest_expiry_goes(arena: Arena) -> None:
+    clock = Clock()
+    core = TierCore(arena, clock=clock)
+    for i in range(4):
+        put(core, i)
+        core.handle(m.Pin([key(i)], ttl_s=100.0 - i))
+    put(core, 4)
+    assert key(3) not in core.by_key
+    assert core.stats().evictions == {"pinned_lru": 1}
+
+
+def test_lookup_returns_the_held_prefix(arena: Arena) -> None:
+    core = TierCore(arena)
+    put(core, 0)
+    put(core, 1)
+    put(core, 3)
+    found = core.handle(m.Lookup([key(0), key(1), key(2), key(3)]))
+    assert isinstance(found, m.Found) and len(found.slots) == 2
+    found = core.handle(m.Lookup([key(0), key(2), key(3)], prefix=False))
+    assert isinstance(found, m.Found) and [s >= 0 for s in found.slots] == [True, False, True]
+
+
+def test_a_writer_that_vanishes_gives_its_slot_back(arena: Arena) -> None:
+    clock = Clock()
+    core = TierCore(arena, write_timeout_s=30.0, clock=clock)
+    reserved = core.handle(m.Reserve([key(i) for i in range(4)]))
+    assert isinstance(reserved, m.Reserved) and min(reserved.slots) >= 0
+    assert core.handle(m.Reserve([key(9)])) == m.Reserved([-1])  # every slot is being written
+    clock.t += 31
+    assert put(core, 9) >= 0  # the abandoned reservations were reclaimed
+    stats = core.stats()
+    assert (stats.held, stats.writing, stats.reclaimed) == (1, 0, 4)
+    core.handle(m.Commit(reserved.slots[:1], [key(0)]))  # the late writer's commit is void
+    assert key(0) not in core.by_key
+
+
+def test_a_restarted_server_finds_every_whole_block_and_only_those(tmp_path: Path) -> None:
+    path = tmp_path / "tier"
+    core = TierCore(Arena.create(path, SLOT, 4, FP))
+    for i in range(3):
+        put(core, i)
+    core.arena.data(core.by_key[key(1)])[7] ^= 1  # corrupted while the server was down
+    core.arena.begin_write(core.free[-1])  # and a write that never finished
+    core.arena.close()
+
+    again = TierCore(Arena.create(path, SLOT, 4, FP))
+    assert sorted(again.by_key) == sorted([key(0), key(2)])
+    assert len(again.free) == 2
+    assert again.arena.read(again.by_key[key(0)], key(0)) == block(0).tobytes()
+
+
+def test_a_file_of_another_layout_is_replaced_not_read(tmp_path: Path) -> None:
+    path = tmp_path / "tier"
+    core = TierCore(Arena.create(path, SLOT, 4, FP))
+    put(core, 0)
+    core.arena.close()
+    other = TierCore(Arena.create(path, SLOT, 4, hashlib.sha256(b"layout-b").digest()))
+    assert other.by_key == {}
+
+
+def test_a_duplicate_commit_keeps_one_copy(arena: Arena) -> None:
+    core = TierCore(arena)
+    a = core.handle(m.Reserve([key(0)]))
+    b = core.handle(m.Reserve([key(0)]))  # two engines offload the same block at once
+    assert isinstance(a, m.Reserved) and isinstance(b, m.Reserved)
+    for r in (a, b):
+        arena.write(r.slots[0], key(0), block(0))
+        core.handle(m.Commit(r.slots, [key(0)]))
+    stats = core.stats()
+    assert (stats.held, stats.stored, len(core.free)) == (1, 1, 3)
