@@ -176,6 +176,39 @@ class Arena:
         self.data(slot)[: src.size] = src
         return self.end_write(slot, key, src.size)
 
+    def write_gather(self, slot: int, key: bytes, parts: list[np.ndarray]) -> int:
+        """Write a block from its parts (one per layer, in the engine's memory), one after another."""
+        self.begin_write(slot)
+        data = self.data(slot)
+        pos = 0
+        for part in parts:
+            n = part.size
+            if pos + n > self.slot_bytes:
+                raise ValueError(f"block parts of {pos + n}+ bytes > slot of {self.slot_bytes}")
+            data[pos : pos + n] = part.reshape(-1)
+            pos += n
+        return self.end_write(slot, key, pos)
+
+    def read_scatter(self, slot: int, key: bytes, parts: list[np.ndarray]) -> bool:
+        """Copy a held block straight into its destinations (one per layer), no staging copy: the
+        checksum is taken over the slot before the copy, and the seqlock's second ``gen`` read after
+        it, so bytes a writer changed meanwhile are caught by one test or the other."""
+        off = self._off(slot)
+        g1 = int(_GEN.unpack_from(self._mm, off)[0])
+        if g1 == 0 or g1 % 2:
+            return False
+        k, digest, length = _META.unpack_from(self._mm, off + _META_OFF)
+        if k != key or length != sum(p.size for p in parts):
+            return False
+        data = self.data(slot)
+        if checksum(data[:length]) != digest:
+            return False
+        pos = 0
+        for part in parts:
+            part.reshape(-1)[:] = data[pos : pos + part.size]
+            pos += part.size
+        return int(_GEN.unpack_from(self._mm, off)[0]) == g1
+
     def invalidate(self, slot: int) -> None:
         """Mark a slot empty (``gen`` odd then zeroed key): a reader mid-copy fails its ``gen`` test."""
         off = self._off(slot)

@@ -23,7 +23,9 @@ console = Console()
 def serve(
     model: Annotated[Path, typer.Option(help="Model folder the engines serve (its config.json gives the layout).")],
     dtype: Annotated[str, typer.Option(help="KV dtype of the engines: bfloat16, float32, float16.")] = "bfloat16",
-    block_size: Annotated[int, typer.Option(help="Engines' --block-size.")] = 16,
+    block_size: Annotated[
+        int, typer.Option(help="Engines' --block-size (vLLM's CPU attention needs a multiple of 32).")
+    ] = 32,
     size: Annotated[str | None, typer.Option(help="Bytes of blocks to hold, e.g. 2GiB (env TANDEM_TIER_SIZE).")] = None,
     log_level: str = "info",
 ) -> None:

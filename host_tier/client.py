@@ -78,6 +78,30 @@ class TierClient:
             self._call(m.Commit(done_slots, done_keys))
         return len(done_slots)
 
+    def put_parts(self, keys: Sequence[bytes], blocks: Sequence[list[np.ndarray]]) -> int:
+        """``put`` for blocks held in pieces (an engine's cache: one piece per layer), gathered straight
+        into their slots."""
+        reserved = self._call(m.Reserve(list(keys)))
+        assert isinstance(reserved, m.Reserved)
+        done_slots, done_keys = [], []
+        for slot, key, parts in zip(reserved.slots, keys, blocks, strict=True):
+            if slot >= 0:
+                self.arena.write_gather(slot, key, parts)
+                done_slots.append(slot)
+                done_keys.append(key)
+        if done_slots:
+            self._call(m.Commit(done_slots, done_keys))
+        return len(done_slots)
+
+    def slots(self, keys: Sequence[bytes]) -> list[int]:
+        """The slots of the longest held prefix of ``keys`` (read them with ``arena.read_scatter``)."""
+        found = self._call(m.Lookup(list(keys)))
+        assert isinstance(found, m.Found)
+        return found.slots
+
+    def forget(self, keys: Sequence[bytes], reason: str = "corrupt") -> None:
+        self._call(m.Forget(list(keys), reason))
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading blocks of the chain the tier holds (no copy)."""
         found = self._call(m.Lookup(list(keys)))
