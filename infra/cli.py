@@ -94,6 +94,13 @@ def up(
             help="Routing policy: cache_aware (default), least_loaded or round_robin (default: TANDEM_ROUTER_POLICY)."
         ),
     ] = None,
+    host_tier: Annotated[
+        str | None,
+        typer.Option(
+            help="Give every node a shared host tier of this size (e.g. 2GiB, in /dev/shm): finished prompts' "
+            "KV blocks are kept there and loaded instead of recomputed (`tandem tier serve`). Default: none."
+        ),
+    ] = None,
 ) -> None:
     """Start a local cluster (Redis if needed, nodes, router) and run it until Ctrl-C or SIGTERM."""
     from infra.launcher import Cluster, ClusterSpec, models_from_file, parse_model_option
@@ -123,6 +130,7 @@ def up(
         workdir=workdir,
         lake=lake_dir(lake, workdir=workdir).path,
         policy=policy,
+        host_tier=host_tier,
     )
     cluster = Cluster(spec)
     # Ctrl-C and SIGTERM unwind from wherever the launcher is (start-up included) into the `finally`,

@@ -45,7 +45,9 @@ from contracts.errors import ConfigError
 from contracts.models_file import check_models, read_models_file
 from contracts.registry import NODES_SET, Role, node_key
 from infra.redis_server import reachable, start_embedded
+from node_agent.dtype import resolve_dtype
 from node_agent.lifetime import die_with_parent
+from node_agent.model import default_model_dir
 from node_agent.supervisor import EXIT_UNHEALTHY, describe_exit
 
 CHILD_BACKOFF_S = 1.0
@@ -156,6 +158,8 @@ class ClusterSpec:
     router_env: tuple[tuple[str, str], ...] = ()
     node_env: tuple[tuple[str, str], ...] = ()
     """Environment of every node process on top of this one's (``TANDEM_NODE_*`` settings)."""
+    host_tier: str | None = None
+    """Size of a host tier every node shares (``2GiB``; ``tandem tier serve``); None: no host tier."""
     routers: int = 2
     """Router replicas sharing router_port (SO_REUSEPORT): one that dies, or restarts, leaves the other
     serving. The first is named ``router``, the others ``router-1``..."""
@@ -253,6 +257,7 @@ class Cluster:
         elif not reachable(self.redis_url):
             raise ConfigError(f"Redis at {self.redis_url} does not answer")
         has_pd = spec.prefill > 0 and spec.decode > 0
+        tier_endpoint = self._start_host_tier() if spec.host_tier else None
         both_slot = 0
         nodes = spec.nodes
         both_slots = sum(role is Role.BOTH for role, _ in nodes)
@@ -291,6 +296,8 @@ class Cluster:
                 args += ["--served-model-name", served.name]
             if spec.block_size:
                 args += ["--block-size", str(spec.block_size)]
+            if tier_endpoint:
+                args += ["--host-tier", tier_endpoint]
             for extra in spec.extra_node_args:
                 args += ["--engine-arg", extra]
             both_slot += role is Role.BOTH
@@ -318,6 +325,21 @@ class Cluster:
                 "idle",
             ],
         )
+
+    def _start_host_tier(self) -> str:
+        """Start the host tier for the nodes' block layout; returns its control endpoint."""
+        spec = self.spec
+        if spec.models:
+            raise ConfigError("a host tier serves one model's layout: use it with a single --model")
+        model = Path(spec.model) if spec.model else default_model_dir()
+        endpoint = f"ipc://{(spec.workdir / 'tier.sock').resolve()}"
+        args = ["tier", "serve", "--model", str(model), "--dtype", resolve_dtype(spec.dtype or "auto"), "--size"]
+        # The engine's block size when none is set: vLLM's CPU platform picks 128 (a tier of another
+        # layout is refused by the engine's connector at start, never silently missed).
+        args += [str(spec.host_tier), "--block-size", str(spec.block_size or 128)]
+        events = f"ipc://{(spec.workdir / 'tier-events.sock').resolve()}"
+        self._spawn("host-tier", args, {"TANDEM_TIER_ENDPOINT": endpoint, "TANDEM_TIER_EVENTS_ENDPOINT": events})
+        return endpoint
 
     def add_router(self, port: int, policy: str | None, name: str | None = None, *, reuse_port: bool = False) -> str:
         """Start a router process over this cluster's registry (the cluster's own, or another replica

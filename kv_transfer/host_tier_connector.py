@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from contracts.errors import ConfigError
-from host_tier.client import TierClient
+from host_tier.client import TierClient, TierUnavailable
 from host_tier.settings import layout_from_model
 from kv_transfer.layout import KVLayout
 
@@ -97,9 +97,11 @@ class HostTierConnector(KVConnectorBase_V1):
         endpoint = str(extra.get("tier_endpoint", "ipc:///tmp/tandem-tier.sock"))
         self._tier: TierClient | None = None
         try:
-            self._tier = TierClient(endpoint, layout.fingerprint(), timeout_s=float(extra.get("tier_timeout_s", 2.0)))
-        except ConfigError as exc:  # no tier on this host (or another layout's): serve without it
+            self._tier = TierClient(endpoint, layout.fingerprint(), timeout_s=float(extra.get("tier_timeout_s", 5.0)))
+        except TierUnavailable as exc:  # no tier answering: serve without it (a miss costs a prefill)
             log.warning("host tier off: %s", exc.message)
+        # Any other ConfigError (a tier of another layout) ends the start with its message: a tier the
+        # engine could never hit is a configuration error, not a silent 0% hit rate.
         self._num_blocks = kv_cache_config.num_blocks
         self._kv: KVLayout | None = None
         # scheduler side

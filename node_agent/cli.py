@@ -63,6 +63,10 @@ def node(
         str | None, typer.Option(help="vLLM tool-call parser (default pythonic; '' turns tools off).")
     ] = None,
     engine_arg: Annotated[list[str] | None, typer.Option(help="Extra `vllm serve` argument (repeatable).")] = None,
+    host_tier: Annotated[
+        str | None,
+        typer.Option(help="Host tier control socket (`tandem tier serve`), e.g. ipc:///tmp/tandem-tier.sock."),
+    ] = None,
     log_dir: Annotated[Path | None, typer.Option(help="Write the engine's log here.")] = None,
     log_level: str = "info",
 ) -> None:
@@ -85,6 +89,7 @@ def node(
         max_model_len=max_model_len,
         block_size=block_size,
         extra_engine_args=engine_arg,
+        host_tier_endpoint=host_tier,
         log_dir=log_dir,
     )
     kwargs = {k: v for k, v in given.items() if v is not None}

@@ -31,6 +31,7 @@ import prefill_nodes
 from contracts.registry import NodeInfo, NodeRegistry, Role
 from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
 from kv_transfer.auth import cluster_engine_api_key, curve_keys, load_cluster_secret
+from kv_transfer.host_tier_config import with_host_tier
 from node_agent.dtype import resolve_dtype
 from node_agent.engine_metrics import read_snapshot
 from node_agent.kv_events_relay import KVEventsRelay
@@ -89,12 +90,15 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_call_parser]
     if settings.otlp_traces_endpoint:
         cmd += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
+    kv_config = None
     if settings.role is not Role.BOTH:
         kv_config = kv_transfer_config(
             settings.connector, extra=settings.kv_connector_extra, load_failure_policy=settings.kv_load_failure_policy
         )
-        if kv_config:
-            cmd += ["--kv-transfer-config", kv_config]
+    if settings.host_tier_endpoint:
+        kv_config = with_host_tier(kv_config, settings.host_tier_endpoint, settings.kv_load_failure_policy)
+    if kv_config:
+        cmd += ["--kv-transfer-config", kv_config]
     if settings.role is Role.PREFILL:
         cmd += prefill_nodes.engine_args(settings.max_model_len)
     elif settings.role is Role.DECODE:

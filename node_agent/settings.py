@@ -57,6 +57,9 @@ class NodeSettings(BaseSettings):
     kv_transfer_timeout_s: float = 10.0
     """Tandem connector: how long a decode node waits for one pull before prefilling itself."""
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    host_tier_endpoint: str | None = None
+    """The host tier's control socket (``tandem tier serve``): the engine offloads finished prompts' blocks
+    there and loads them on a miss (``kv_transfer.host_tier_connector``). None: no host tier."""
     """When a pull fails: recompute the prompt on the decode node, or fail the request."""
     dtype: str = "auto"
     """Weights/activations dtype. ``auto``: bfloat16 where the CPU computes it natively (or on GPU

@@ -206,3 +206,20 @@ def test_engine_traces_go_to_the_otlp_endpoint_over_http_only_when_one_is_set(mo
     # An operator's own protocol choice stands.
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
     assert engine_env(on)["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
+
+
+def test_a_host_tier_adds_its_connector_alone_or_after_the_pd_one() -> None:
+    tier = "ipc:///tmp/t/tier.sock"
+    both = json.loads(_value(_args(Role.BOTH, host_tier_endpoint=tier), "--kv-transfer-config"))
+    assert both["kv_connector"] == "HostTierConnector"
+    assert both["kv_connector_extra_config"] == {"tier_endpoint": tier}
+    assert both["kv_load_failure_policy"] == "recompute"  # a block that fails its checksum is recomputed
+    for role in (Role.PREFILL, Role.DECODE):
+        multi = json.loads(_value(_args(role, host_tier_endpoint=tier), "--kv-transfer-config"))
+        assert multi["kv_connector"] == "MultiConnector"
+        names = [c["kv_connector"] for c in multi["kv_connector_extra_config"]["connectors"]]
+        assert names == ["TandemConnector", "HostTierConnector"]  # a remote prefill stays with P/D
+    none = json.loads(
+        _value(_args(Role.DECODE, connector=ConnectorKind.NONE, host_tier_endpoint=tier), "--kv-transfer-config")
+    )
+    assert none["kv_connector"] == "HostTierConnector"
