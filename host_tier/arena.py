@@ -167,14 +167,9 @@ class Arena:
         return digest
 
     def write(self, slot: int, key: bytes, payload: memoryview | bytes | np.ndarray) -> int:
-        """Write a whole block in one call (the simple path; engines copy into ``data()`` themselves)."""
-        src = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload.view(np.uint8)
-        src = src.reshape(-1)
-        if src.size > self.slot_bytes:
-            raise ValueError(f"block of {src.size} bytes > slot of {self.slot_bytes}")
-        self.begin_write(slot)
-        self.data(slot)[: src.size] = src
-        return self.end_write(slot, key, src.size)
+        """Write a whole block from one buffer (engines write theirs in parts: ``write_gather``)."""
+        src = payload.view(np.uint8) if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=np.uint8)
+        return self.write_gather(slot, key, [src.reshape(-1)])
 
     def write_gather(self, slot: int, key: bytes, parts: list[np.ndarray]) -> int:
         """Write a block from its parts (one per layer, in the engine's memory), one after another."""

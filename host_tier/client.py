@@ -65,18 +65,7 @@ class TierClient:
     # -- blocks ------------------------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray | bytes | memoryview]) -> int:
         """Offload blocks the tier does not hold yet. Returns how many were stored."""
-        reserved = self._call(m.Reserve(list(keys)))
-        assert isinstance(reserved, m.Reserved)
-        done_slots, done_keys = [], []
-        for slot, key, block in zip(reserved.slots, keys, blocks, strict=True):
-            if slot < 0:
-                continue
-            self.arena.write(slot, key, block)
-            done_slots.append(slot)
-            done_keys.append(key)
-        if done_slots:
-            self._call(m.Commit(done_slots, done_keys))
-        return len(done_slots)
+        return self.put_parts(keys, [[np.frombuffer(b, dtype=np.uint8)] for b in blocks])
 
     def put_parts(self, keys: Sequence[bytes], blocks: Sequence[list[np.ndarray]]) -> int:
         """``put`` for blocks held in pieces (an engine's cache: one piece per layer), gathered straight

@@ -20,7 +20,7 @@ from host_tier.settings import layout_from_model
 from kv_transfer.auth import engine_auth_headers
 from node_agent.model import default_model_dir
 from tests.conftest import REDIS_E2E_URL
-from tests.support.helpers import wait_for
+from tests.support.helpers import tier_serve_command, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -51,21 +51,7 @@ class Running:
 
     def start(self) -> None:
         log = (self.tmp / "procs.log").open("ab")
-        tier = [
-            sys.executable,
-            "-m",
-            "tandem",
-            "tier",
-            "serve",
-            "--model",
-            str(self.model),
-            "--dtype",
-            "float32",
-            "--block-size",
-            str(BLOCK),
-            "--size",
-            str(256 * self.layout.block_bytes),
-        ]
+        tier = tier_serve_command(self.model, "float32", BLOCK, 256 * self.layout.block_bytes)
         kv = {
             "kv_connector": "HostTierConnector",
             "kv_connector_module_path": "kv_transfer.host_tier_connector",

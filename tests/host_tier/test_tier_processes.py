@@ -20,6 +20,7 @@ from contracts.errors import ConfigError
 from host_tier.client import TierClient
 from host_tier.events import MEDIUM, event_key
 from host_tier.settings import TierSettings, layout_from_model
+from tests.support.helpers import tier_serve_command
 
 CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "num_hidden_layers": 3}
 
@@ -42,21 +43,7 @@ class Tier:
         }
         self.layout = layout_from_model(model, "float32", 16)
         self.settings = TierSettings(dir=tmp, endpoint=self.env["TANDEM_TIER_ENDPOINT"])
-        self.args = [
-            sys.executable,
-            "-m",
-            "tandem",
-            "tier",
-            "serve",
-            "--model",
-            str(model),
-            "--dtype",
-            "float32",
-            "--block-size",
-            "16",
-            "--size",
-            str(n_blocks * self.layout.block_bytes),
-        ]
+        self.args = tier_serve_command(model, "float32", 16, n_blocks * self.layout.block_bytes)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

@@ -79,3 +79,24 @@ def stop_group(proc: subprocess.Popen, logs: Path, grace_s: float = 90) -> None:
             proc.wait()
     for log in sorted(logs.glob("*.log")):
         print(f"--- {log.name}\n{''.join(log.read_text(errors='replace').splitlines(True)[-15:])}")
+
+
+def tier_serve_command(model: Path, dtype: str, block_size: int, size_bytes: int) -> list[str]:
+    """``tandem tier serve`` for a test's own host tier (its sockets and file come from TANDEM_TIER_*)."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "tandem",
+        "tier",
+        "serve",
+        "--model",
+        str(model),
+        "--dtype",
+        dtype,
+        "--block-size",
+        str(block_size),
+        "--size",
+        str(size_bytes),
+    ]
