@@ -24,7 +24,13 @@ from simulator.step_model import Profile
 @contextlib.contextmanager
 def _launched(n: int, kv_cache_gib: int, block_size: int, workdir: Path) -> Iterator[str]:
     spec = ClusterSpec(
-        prefill=0, decode=0, both=n, kv_cache_gib=kv_cache_gib, block_size=block_size, workdir=workdir, routers=1
+        prefill=0,
+        decode=0,
+        both=n,
+        kv_cache_gib=kv_cache_gib,
+        block_size=block_size or None,
+        workdir=workdir,
+        routers=1,
     )
     cluster = Cluster(spec)
     try:
@@ -43,7 +49,9 @@ def profile_cmd(
     ] = 0,
     kind: Annotated[str, typer.Option(help="Node kind the profile is for: both, prefill or decode.")] = "both",
     kv_cache_gib: Annotated[int, typer.Option(help="KV cache of launched nodes, GiB.")] = 1,
-    block_size: Annotated[int, typer.Option(help="KV block size of launched nodes.")] = 16,
+    block_size: Annotated[
+        int, typer.Option(help="KV block size of launched nodes (0: the engine's default; CPU wants a multiple of 32).")
+    ] = 0,
     quick: Annotated[bool, typer.Option(help="A smaller sweep (fewer lengths and batches).")] = False,
 ) -> None:
     """Measure prefill time against uncached tokens and decode step against batch and context on a real
