@@ -44,35 +44,56 @@ class _Request:
 
 
 class SimBlockPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """``events``: record what vLLM's KV events would say (off for long runs: nothing reads them).
+    ``index`` and ``owner``: a fleet-wide map hash -> owners holding it, kept as this pool stores its
+    first copy of a hash and evicts its last (the simulator's router lookup reads it)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        events: bool = True,
+        index: dict[BlockHash, set[str]] | None = None,
+        owner: str = "",
+    ) -> None:
         if num_blocks < 2 or block_size <= 0:
             raise ValueError(f"need at least 2 blocks of a positive size (got {num_blocks} x {block_size})")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self._ref = [0] * num_blocks
-        self._hash: list[BlockHash | None] = [None] * num_blocks
-        # eviction order: first = next to be reused; block 0 is the null block, never free
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        # per-block state for blocks ever handed out (sparse: a large pool is mostly untouched)
+        self._ref: dict[int, int] = {}
+        self._hash: dict[int, BlockHash] = {}
+        # The free queue (first = next to be reused), in three parts so that an untouched pool costs
+        # nothing: blocks put back at the front, then the untouched blocks ``_fresh`` .. num_blocks - 1
+        # in id order (vLLM's initial queue; block 0 is the null block, never free), then blocks put
+        # back at the end. A block leaves the untouched run once and never returns to it.
+        self._front: OrderedDict[int, None] = OrderedDict()
+        self._fresh = 1
+        self._back: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, list[int]] = {}
         self._requests: dict[str, _Request] = {}
+        self._record = events
+        self._index = index
+        self._owner = owner
         self.events: list[tuple[str, BlockHash]] = []
         """("stored" | "removed", hash), in order, as vLLM's KV events would report them."""
 
     # --- reading --------------------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._front) + self.num_blocks - self._fresh + len(self._back)
 
     @property
     def usage(self) -> float:
         """Share of usable blocks held by running requests (vLLM's ``kv_cache_usage``)."""
-        return 1.0 - len(self._free) / (self.num_blocks - 1)
+        return 1.0 - self.free_blocks / (self.num_blocks - 1)
 
     def cached_hashes(self) -> set[BlockHash]:
         return set(self._cached)
 
     def free_order(self) -> list[int]:
-        return list(self._free)
+        return [*self._front, *range(self._fresh, self.num_blocks), *self._back]
 
     def lookup(self, hashes: Sequence[BlockHash], num_tokens: int) -> int:
         """Leading blocks of a prompt of ``num_tokens`` tokens that would be reused now."""
@@ -91,13 +112,14 @@ class SimBlockPool:
         hit = self.lookup(hashes, num_tokens)
         hit_blocks = [self._cached[h][0] for h in hashes[:hit]]
         need = -(-num_tokens // self.block_size) - hit
-        evictable = sum(1 for b in hit_blocks if self._ref[b] == 0)
-        if need + evictable > len(self._free):
+        ref = self._ref
+        evictable = sum(1 for b in hit_blocks if ref[b] == 0)
+        if need + evictable > self.free_blocks:
             return None
         for b in hit_blocks:
-            if self._ref[b] == 0:
-                del self._free[b]
-            self._ref[b] += 1
+            if ref[b] == 0:
+                self._unfree(b)
+            ref[b] += 1
         req = _Request(blocks=hit_blocks + self._take(need), cached=hit)
         self._requests[request_id] = req
         self._cache_full(req, hashes, num_tokens)
@@ -108,7 +130,7 @@ class SimBlockPool:
         needed and none is free. ``hashes``: the full blocks' hashes so far."""
         req = self._requests[request_id]
         need = -(-num_tokens // self.block_size) - len(req.blocks)
-        if need > len(self._free):
+        if need > self.free_blocks:
             return False
         if need > 0:
             req.blocks += self._take(need)
@@ -118,39 +140,69 @@ class SimBlockPool:
     def free(self, request_id: str) -> None:
         req = self._requests.pop(request_id)
         first: list[int] = []
+        ref, back = self._ref, self._back
         for b in reversed(req.blocks):
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                if self._hash[b] is None:
-                    first.append(b)
+            ref[b] -= 1
+            if ref[b] == 0:
+                if b in self._hash:
+                    back[b] = None  # back of the queue: evicted last
                 else:
-                    self._free[b] = None  # back of the queue: evicted last
+                    first.append(b)
+        front = self._front
         for b in reversed(first):  # vLLM's prepend_n keeps the list's order at the front
-            self._free[b] = None
-            self._free.move_to_end(b, last=False)
+            front[b] = None
+            front.move_to_end(b, last=False)
 
     # --- pieces ---------------------------------------------------------------------------------
+    def _unfree(self, b: int) -> None:
+        if b in self._front:
+            del self._front[b]
+        else:
+            del self._back[b]
+
     def _take(self, n: int) -> list[int]:
         out: list[int] = []
+        ref, hashes = self._ref, self._hash
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            h = self._hash[b]
+            if self._front:
+                b, _ = self._front.popitem(last=False)
+            elif self._fresh < self.num_blocks:
+                b = self._fresh
+                self._fresh += 1
+                ref[b] = 0
+            else:
+                b, _ = self._back.popitem(last=False)
+            h = hashes.pop(b, None)
             if h is not None:  # reusing a cached block evicts its hash
                 holders = self._cached[h]
                 holders.remove(b)
                 if not holders:
                     del self._cached[h]
-                self._hash[b] = None
-                self.events.append(("removed", h))
-            self._ref[b] += 1
+                    if self._index is not None:
+                        self._index[h].discard(self._owner)
+                if self._record:
+                    self.events.append(("removed", h))
+            ref[b] += 1
             out.append(b)
         return out
 
     def _cache_full(self, req: _Request, hashes: Sequence[BlockHash], num_tokens: int) -> None:
         full = min(num_tokens // self.block_size, len(hashes))
+        cached, index, record = self._cached, self._index, self._record
         for i in range(req.cached, full):
             b, h = req.blocks[i], hashes[i]
             self._hash[b] = h
-            self._cached.setdefault(h, []).append(b)
-            self.events.append(("stored", h))
+            holders = cached.get(h)
+            if holders is None:
+                cached[h] = [b]
+                if index is not None:
+                    owners = index.get(h)
+                    if owners is None:
+                        index[h] = {self._owner}
+                    else:
+                        owners.add(self._owner)
+            else:
+                holders.append(b)
+            if record:
+                self.events.append(("stored", h))
         req.cached = max(req.cached, full)

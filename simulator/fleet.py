@@ -6,10 +6,11 @@ The parts:
 - Nodes (``SimNode``): a real registry record (``contracts.registry.NodeInfo``: role, block size,
   blocks) and a ``SimBlockPool`` (vLLM's block accounting, tested block for block against vLLM).
   Each node runs steps like vLLM's continuous batching: at a step's start every running request
-  decodes one token (``grow``; a request that finds no free block waits a step), then waiting
-  requests are admitted first come first served while their uncached prompt tokens fit
+  decodes one token (a request that needs a new block and finds none free waits a step), then
+  waiting requests are admitted first come first served while their uncached prompt tokens fit
   ``max_batched_tokens`` (the first always does) and the pool has room (else they wait: vLLM keeps
-  them waiting too). A step lasts ``StepModel.step_s`` of its prefill tokens and decode batch.
+  them waiting too). A step lasts ``StepModel.step_s`` of its prefill tokens, decode batch and the
+  decode batch's context tokens.
 - Roles: a colocated node (``both``) or a decode node prefilling for itself runs a request whole.
   With a P/D decision the prefill node prefills (its blocks cached there), the KV moves
   (``StepModel.transfer_s``), the prefill node frees its blocks when the transfer ends (the lease),
@@ -23,18 +24,28 @@ The parts:
   (as ``router.fleet.Fleet.track``: on the prefill node during the prefill leg, on the decode node
   until the answer ends); the pool choice is ``Orchestrator._select``'s (P/D when both pools
   exist, else colocated, else decode: ``select_pools``, checked equal to the real one by a test);
-  ``on_complete`` is called when the request ends. The prefix lookup (``SimLookup``) reads the
-  nodes' pools directly: what the router's ``FleetIndex`` would hold with every KV event applied
-  (a test feeds the real index the simulator's events and gets the same decisions).
-- Keys: a trace's chained hashes regrouped to the nodes' block size (``traces.hashing.regroup``);
+  ``on_complete`` is called when the request ends. The prefix lookup (``SimLookup``) reads a
+  fleet-wide map of which node holds which key, kept by the pools as they store and evict: what the
+  router's ``FleetIndex`` would hold with every KV event applied (a test feeds the real index the
+  simulator's events and gets the same decisions).
+- Keys: a trace's chained hashes regrouped to the nodes' block size (``simulator.keys``);
   decoded tokens' blocks get keys no prompt has.
+
+Speed (what keeps a Mooncake-sized trace on hundreds of nodes within seconds): no Python work per
+token. A running request's progress is arithmetic on its node's step counter (``_Run.base``: at the
+start of step s it holds ``prompt + s - base`` tokens); a node keeps, per future step, the requests
+that will need a new block then (every ``block_size`` steps) and those that will finish then, so a
+step touches only those. One heap event per step per node; arrivals are merged in from the sorted
+trace rather than pushed up front. Each token's time is the end of a step of its node, so the node
+records its step end times and a request's token times are read back afterwards
+(``FleetSim.token_times``), less the steps it waited for a block. Candidates are rebuilt only when
+a node's in-flight count or its heartbeat changes.
 
 Preemption: when no running request can get a block, the newest gives its blocks back and waits at
 the head of the queue (as vLLM does; the recomputation it costs there is not charged here).
 
-Not modelled yet: chunked prefill's interleaving inside a step, admission queues and
-rate limits, request cancels, transfer contention, the step model's fit (``StepModel`` holds
-PLACEHOLDER coefficients until ``tandem profile`` measures them).
+Not modelled yet: chunked prefill's interleaving inside a step, admission queues and rate limits,
+request cancels, transfer contention.
 """
 
 from __future__ import annotations
@@ -45,42 +56,21 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import xxhash
 
 from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
 from router.fleet import Pools
 from router.policies import Candidate, Decision, RoutingPolicy, RoutingRequest
 from simulator.block_pool import SimBlockPool
-from traces.hashing import regroup
+from simulator.keys import PreparedTrace, prepare
+from simulator.step_model import Profile, StepModel
 from traces.schema import Trace
 
 SIMULATED = "SIMULATED"
 """The label on everything the simulator reports."""
 
-
-@dataclass(frozen=True)
-class StepModel:
-    """Time of one engine step and of a KV transfer. PLACEHOLDER coefficients (roughly SmolLM2-135M on
-    two shared CPU cores) until ``tandem profile`` fits them from measurements."""
-
-    base_s: float = 0.004
-    """Fixed cost of a step."""
-    prefill_s_per_token: float = 0.0002
-    """Per uncached prompt token computed in the step."""
-    decode_s_per_seq: float = 0.001
-    """Per running request decoding a token in the step."""
-    kv_bytes_per_token: int = 23_040
-    """KV bytes per token (SmolLM2-135M, bf16)."""
-    transfer_base_s: float = 0.002
-    """Fixed cost of a KV transfer."""
-    transfer_bytes_per_s: float = 2e9
-    """KV transfer bandwidth."""
-
-    def step_s(self, prefill_tokens: int, decode_batch: int) -> float:
-        return self.base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_batch
-
-    def transfer_s(self, tokens: int) -> float:
-        return self.transfer_base_s + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
+__all__ = ["SIMULATED", "FleetSim", "NodeSpec", "SimLookup", "SimRequest", "StepModel", "select_pools"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +83,7 @@ class NodeSpec:
     """Prompt tokens a step may prefill (vLLM's ``max_num_batched_tokens``)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class SimRequest:
     index: int
     request_id: str
@@ -108,54 +98,100 @@ class SimRequest:
     """What the node that prefilled reused (vLLM's ``num_cached_tokens``)."""
     first_token_s: float | None = None
     finish_s: float | None = None
-    token_times: list[float] = field(default_factory=list)
     generated: int = 0
-    _out_keys: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    """(node number, first step, last step): the steps whose ends made this request's tokens."""
+    stalls: list[tuple[int, int]] = field(default_factory=list)
+    """(node number, step): steps inside a span in which it waited for a block (no token)."""
+    _all_keys: list[int] | None = None
 
     def all_keys(self, num_tokens: int, block_size: int) -> list[int]:
         """Prompt keys, then keys for the blocks decoded tokens fill (unique to this request)."""
         full = num_tokens // block_size
-        while len(self.keys) + len(self._out_keys) < full:
-            self._out_keys.append(xxhash.xxh64_intdigest(struct.pack("<qq", self.index, len(self._out_keys)) + b"out"))
-        return self.keys + self._out_keys
+        if self._all_keys is None:
+            self._all_keys = list(self.keys)
+        out = self._all_keys
+        while len(out) < full:
+            j = len(out) - len(self.keys)
+            out.append(xxhash.xxh64_intdigest(struct.pack("<qq", self.index, j) + b"out"))
+        return out
 
 
-@dataclass
+@dataclass(eq=False)
 class _Work:
     req: SimRequest
     phase: str
     """prefill: a P/D prefill leg; full: prefill and decode here; remote: decode with the KV moved in."""
+    seq: int = 0
+    """Admission order on its node (vLLM serves running requests in that order)."""
+    base: int = 0
+    """While running: at the start of step s the request has generated ``s - base`` tokens."""
+    grow_step: int = -1
+    finish_step: int = -1
+    first_step: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class SimNode:
+    number: int
     info: NodeInfo
     spec: NodeSpec
     pool: SimBlockPool
+    step: StepModel
     waiting: deque[_Work] = field(default_factory=deque)
-    running: list[_Work] = field(default_factory=list)
+    running: dict[int, _Work] = field(default_factory=dict)
+    """By admission order (``_Work.seq``)."""
     busy: bool = False
     load: NodeLoad = field(default_factory=NodeLoad)
     """What the router last read (refreshed every heartbeat)."""
+    steps: int = 0
+    """Steps started so far: the current (or next) step's number."""
+    step_end: list[float] = field(default_factory=list)
+    grow_at: dict[int, list[_Work]] = field(default_factory=dict)
+    finish_at: dict[int, list[_Work]] = field(default_factory=dict)
+    ctx_const: int = 0
+    """Sum over running requests of ``prompt - base``: their context at step s is this + s * running."""
+    decoding: int = 0
+    admitted: list[_Work] = field(default_factory=list)
+    live: LiveNode | None = None
+    slot: int = 0
+    """Index in its role's candidate list."""
 
-    def live(self) -> LiveNode:
-        return LiveNode(info=self.info, load=self.load)
+    def __post_init__(self) -> None:
+        self.live = LiveNode(info=self.info, load=self.load)
 
 
 class SimLookup:
-    """The router's ``PrefixLookup`` over the simulated nodes' pools: leading blocks each holds."""
+    """The router's ``PrefixLookup`` over the simulated fleet: leading blocks each node holds, read from
+    the map key -> nodes holding it that the nodes' pools keep."""
 
-    def __init__(self, nodes: Sequence[SimNode]) -> None:
-        self.nodes = nodes
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.index: dict[object, set[str]] = {}
 
     def longest_prefix(self, model: str, keys: Sequence[int]) -> dict[str, int]:
+        if model != self.model or not keys:
+            return {}
+        index = self.index
+        alive = index.get(keys[0])
+        if not alive:
+            return {}
+        alive = set(alive)
         out: dict[str, int] = {}
-        for n in self.nodes:
-            if n.info.model != model:
-                continue
-            m = n.pool.lookup(keys, (len(keys) + 1) * n.pool.block_size)  # uncapped: the policy caps
-            if m:
-                out[n.info.node_id] = m
+        for i in range(1, len(keys)):
+            holders = index.get(keys[i])
+            if holders is None:
+                for n in alive:
+                    out[n] = i
+                return out
+            if not alive <= holders:
+                for n in alive - holders:
+                    out[n] = i
+                alive &= holders
+                if not alive:
+                    return out
+        for n in alive:
+            out[n] = len(keys)
         return out
 
 
@@ -173,16 +209,20 @@ def select_pools(policy: RoutingPolicy, rr: RoutingRequest, pools: Pools) -> Dec
 LogEntry = tuple[str, object]
 """("route", (RoutingRequest, Pools, Decision)) | ("done", Decision) | ("kv", (node_id, "stored"|"removed", key))."""
 
+_STEP, _TRANSFER, _HEARTBEAT = 0, 1, 2
+
 
 class FleetSim:
-    """SIMULATED fleet. ``run(trace)`` returns the requests with their simulated times."""
+    """SIMULATED fleet. ``run(trace)`` returns the requests with their simulated times.
+
+    ``step``: one step model for every node, or a ``Profile`` (a model per node kind)."""
 
     def __init__(
         self,
         specs: Sequence[NodeSpec],
         make_policy: Callable[[SimLookup], RoutingPolicy],
         *,
-        step: StepModel | None = None,
+        step: StepModel | Profile | None = None,
         model: str = "sim",
         heartbeat_s: float = 1.0,
         record: bool = False,
@@ -194,93 +234,92 @@ class FleetSim:
             raise ValueError(f"one block size per model (got {sorted(sizes)})")
         self.block_size = sizes.pop()
         self.model = model
-        self.step = step or StepModel()
+        profile = step if isinstance(step, Profile) else Profile(models={Role.BOTH: step or StepModel()})
         self.heartbeat_s = heartbeat_s
-        self.nodes = [
-            SimNode(
-                info=NodeInfo(
-                    node_id=f"{s.role.value}-{i}",
-                    role=s.role,
-                    model=model,
-                    url=f"sim://{s.role.value}-{i}",
-                    block_size=s.block_size,
-                    max_model_len=1 << 30,
-                    kv_connector="sim" if s.role is not Role.BOTH else "none",
-                    num_kv_blocks=s.num_blocks,
-                ),
-                spec=s,
-                pool=SimBlockPool(s.num_blocks, s.block_size),
+        self.lookup = SimLookup(model)
+        self.nodes: list[SimNode] = []
+        self._lists: dict[Role, list[Candidate]] = {Role.PREFILL: [], Role.DECODE: [], Role.BOTH: []}
+        for i, s in enumerate(specs):
+            node_id = f"{s.role.value}-{i}"
+            info = NodeInfo(
+                node_id=node_id,
+                role=s.role,
+                model=model,
+                url=f"sim://{node_id}",
+                block_size=s.block_size,
+                max_model_len=1 << 30,
+                kv_connector="sim" if s.role is not Role.BOTH else "none",
+                num_kv_blocks=s.num_blocks,
             )
-            for i, s in enumerate(specs)
-        ]
+            pool = SimBlockPool(s.num_blocks, s.block_size, events=record, index=self.lookup.index, owner=node_id)
+            node = SimNode(number=i, info=info, spec=s, pool=pool, step=profile.for_role(s.role))
+            node.slot = len(self._lists[s.role])
+            self._lists[s.role].append(Candidate(node=node.live))  # type: ignore[arg-type]
+            self.nodes.append(node)
         self._by_id = {n.info.node_id: n for n in self.nodes}
-        self.lookup = SimLookup(self.nodes)
         self.policy = make_policy(self.lookup)
         self.inflight: dict[str, int] = {}
         self.preemptions = 0
         self.record = record
         self.log: list[LogEntry] = []
-        self._events: list[tuple[float, int, str, object]] = []
-        self._current: dict[str, tuple[list[_Work], list[_Work]]] = {}
-        """Per busy node: the step in progress (requests decoding, requests admitted)."""
+        self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.now = 0.0
+        self._pending = 0
 
     # --- the event loop -------------------------------------------------------------------------
-    def _at(self, t: float, kind: str, payload: object) -> None:
+    def _at(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, payload))
 
-    def run(self, trace: Trace) -> list[SimRequest]:
-        base = trace.meta.block_tokens
-        t = trace.table
-        reqs = [
-            SimRequest(
-                index=i,
-                request_id=rid,
-                session_id=sid,
-                arrival_s=arr,
-                prompt_tokens=n_in,
-                output_tokens=max(1, n_out),
-                keys=regroup(h, n_in, base, self.block_size),
-            )
-            for i, (rid, sid, arr, n_in, n_out, h) in enumerate(
-                zip(
-                    t.column("request_id").to_pylist(),
-                    t.column("session_id").to_pylist(),
-                    t.column("arrival_s").to_pylist(),
-                    t.column("input_tokens").to_pylist(),
-                    t.column("output_tokens").to_pylist(),
-                    t.column("block_hashes").to_pylist(),
-                    strict=True,
-                )
-            )
-        ]
+    def run(self, trace: Trace | PreparedTrace) -> list[SimRequest]:
+        prep = trace if isinstance(trace, PreparedTrace) else prepare(trace, self.block_size)
+        if prep.block_size != self.block_size:
+            raise ValueError(f"trace prepared for block size {prep.block_size}, fleet uses {self.block_size}")
+        n_req = len(prep)
         smallest = min(n.pool.num_blocks - 1 for n in self.nodes)
-        for r in reqs:
-            if -(-(r.prompt_tokens + r.output_tokens) // self.block_size) > smallest:
-                raise ValueError(
-                    f"request {r.request_id} ({r.prompt_tokens} + {r.output_tokens} tokens) cannot fit a node's "
-                    f"{smallest} blocks of {self.block_size}"
-                )
-            self._at(r.arrival_s, "arrive", r)
+        need = -(-(prep.input_tokens + prep.output_tokens) // self.block_size)
+        if n_req and int(need.max()) > smallest:
+            i = int(need.argmax())
+            raise ValueError(
+                f"request {prep.request_id[i]} ({prep.input_tokens[i]} + {prep.output_tokens[i]} tokens) cannot fit "
+                f"a node's {smallest} blocks of {self.block_size}"
+            )
+        arrivals = prep.arrival_s.tolist()
+        n_in, n_out = prep.input_tokens.tolist(), prep.output_tokens.tolist()
+        reqs: list[SimRequest] = []
         self._heartbeat()
-        pending = len(reqs)
-        while self._events and pending:
-            if len(self._events) == 1:  # only the heartbeat left: nothing can happen any more
-                raise RuntimeError(f"simulation stalled at {self.now:.1f} s with {pending} requests unfinished")
-            self.now, _, kind, payload = heapq.heappop(self._events)
-            if kind == "arrive":
-                assert isinstance(payload, SimRequest)
-                self._route(payload)
-            elif kind == "step":
-                assert isinstance(payload, SimNode)
-                pending -= self._end_step(payload)
-            elif kind == "transfer":
-                assert isinstance(payload, tuple)
-                self._transferred(*payload)
-            elif kind == "heartbeat":
+        self._pending = n_req
+        events = self._events
+        nxt = 0
+        while self._pending:
+            if nxt < n_req and arrivals[nxt] <= events[0][0]:
+                # the next arrival comes before (or with) the next event: arrivals first on ties
+                i = nxt
+                nxt += 1
+                self.now = max(self.now, arrivals[i])
+                r = SimRequest(
+                    index=i,
+                    request_id=prep.request_id[i],
+                    session_id=prep.session_id[i],
+                    arrival_s=arrivals[i],
+                    prompt_tokens=n_in[i],
+                    output_tokens=n_out[i],
+                    keys=prep.keys_of(i),
+                )
+                reqs.append(r)
+                self._route(r)
+                continue
+            if nxt == n_req and len(events) == 1:  # only the heartbeat left: nothing can happen any more
+                raise RuntimeError(f"simulation stalled at {self.now:.1f} s with {self._pending} requests unfinished")
+            self.now, _, kind, payload = heapq.heappop(events)
+            if kind == _STEP:
+                self._end_step(payload)  # type: ignore[arg-type]
+            elif kind == _TRANSFER:
+                self._transferred(*payload)  # type: ignore[misc]
+            else:
                 self._heartbeat()
+        events.clear()
         return reqs
 
     def _heartbeat(self) -> None:
@@ -288,29 +327,26 @@ class FleetSim:
             n.load = NodeLoad(
                 running=len(n.running), waiting=len(n.waiting), kv_usage=n.pool.usage, updated_at=self.now
             )
-        self._at(self.now + self.heartbeat_s, "heartbeat", None)
+            n.live = LiveNode(info=n.info, load=n.load)
+            self._lists[n.info.role][n.slot] = Candidate(node=n.live, inflight=self.inflight.get(n.info.node_id, 0))
+        self._at(self.now + self.heartbeat_s, _HEARTBEAT, None)
 
     # --- routing --------------------------------------------------------------------------------
-    def _candidates(self, role: Role) -> list[Candidate]:
-        return [
-            Candidate(node=n.live(), inflight=self.inflight.get(n.info.node_id, 0))
-            for n in self.nodes
-            if n.info.role is role
-        ]
-
     def _track(self, node_id: str, delta: int) -> None:
         left = self.inflight.get(node_id, 0) + delta
         if left > 0:
             self.inflight[node_id] = left
         else:
             self.inflight.pop(node_id, None)
+        n = self._by_id[node_id]
+        self._lists[n.info.role][n.slot] = Candidate(node=n.live, inflight=max(left, 0))  # type: ignore[arg-type]
 
     def _route(self, r: SimRequest) -> None:
-        pools = Pools(
-            prefill=self._candidates(Role.PREFILL),
-            decode=self._candidates(Role.DECODE),
-            colocated=self._candidates(Role.BOTH),
-        )
+        lists = self._lists
+        if self.record:  # the log keeps what the policy saw, so it gets copies
+            pools = Pools(list(lists[Role.PREFILL]), list(lists[Role.DECODE]), list(lists[Role.BOTH]))
+        else:
+            pools = Pools(lists[Role.PREFILL], lists[Role.DECODE], lists[Role.BOTH])
         rr = RoutingRequest(
             request_id=r.request_id,
             model=self.model,
@@ -338,83 +374,158 @@ class FleetSim:
         if self.record:
             for kind, key in node.pool.events:
                 self.log.append(("kv", (node.info.node_id, kind, key)))
-        node.pool.events.clear()
+            node.pool.events.clear()
+
+    def _schedule_grow(self, node: SimNode, w: _Work, held_tokens: int, not_before: int) -> None:
+        """The step at whose start ``w`` first holds more tokens than its blocks (``held_tokens``'s) do."""
+        bs = node.pool.block_size
+        capacity = -(-held_tokens // bs) * bs
+        s = max(w.base + capacity + 1 - w.req.prompt_tokens, not_before)
+        w.grow_step = s
+        if s <= w.finish_step:
+            node.grow_at.setdefault(s, []).append(w)
+
+    def _unschedule(self, node: SimNode, w: _Work) -> None:
+        for table, s in ((node.grow_at, w.grow_step), (node.finish_at, w.finish_step)):
+            lst = table.get(s)
+            if lst is not None and w in lst:
+                lst.remove(w)
+                if not lst:
+                    del table[s]
 
     def _start_step(self, node: SimNode) -> None:
-        bs = node.pool.block_size
-        decoding = []
-        for w in node.running:
-            n = w.req.prompt_tokens + w.req.generated  # the last token made needs its KV slot now
-            if node.pool.grow(w.req.request_id, w.req.all_keys(n, bs), n):
-                decoding.append(w)
-        prefill_tokens = 0
-        admitted: list[_Work] = []
-        while node.waiting:
-            w = node.waiting[0]
-            r = w.req
-            if admitted and prefill_tokens + r.prompt_tokens > node.spec.max_batched_tokens:
-                break
-            hit = node.pool.admit(r.request_id, r.keys, r.prompt_tokens)
-            if hit is None:
-                break
-            node.waiting.popleft()
-            if w.phase != "remote":
-                r.engine_cached_tokens = hit
-                prefill_tokens += r.prompt_tokens - hit
-            admitted.append(w)
-        self._kv(node)
-        if not decoding and not admitted and node.running:
-            # every running request is out of blocks: the newest gives its blocks back and waits at the
-            # head of the queue (vLLM preempts the same way; its recomputation is not charged here)
-            w = node.running.pop()
-            node.pool.free(w.req.request_id)
+        s = node.steps
+        pool = node.pool
+        due = node.grow_at.pop(s, None)
+        while True:
+            stalled: list[_Work] = []
+            if due:
+                due.sort(key=lambda w: w.seq)
+                for w in due:
+                    n = w.req.prompt_tokens + s - w.base  # the last token made needs its KV slot now
+                    if pool.grow(w.req.request_id, w.req.all_keys(n, pool.block_size), n):
+                        self._schedule_grow(node, w, n, s + 1)
+                    else:
+                        stalled.append(w)
+            prefill_tokens = 0
+            admitted: list[_Work] = []
+            while node.waiting:
+                w = node.waiting[0]
+                r = w.req
+                if admitted and prefill_tokens + r.prompt_tokens > node.spec.max_batched_tokens:
+                    break
+                hit = pool.admit(r.request_id, r.keys, r.prompt_tokens)
+                if hit is None:
+                    break
+                node.waiting.popleft()
+                if w.phase != "remote":
+                    r.engine_cached_tokens = hit
+                    prefill_tokens += r.prompt_tokens - hit
+                admitted.append(w)
             self._kv(node)
-            node.waiting.appendleft(w)
-            self.preemptions += 1
-            self._start_step(node)
-            return
+            decoding = len(node.running) - len(stalled)
+            if decoding == 0 and not admitted and node.running:
+                # every running request is out of blocks: the newest gives its blocks back and waits at
+                # the head of the queue (vLLM preempts the same way; its recomputation is not charged here)
+                w = node.running.pop(next(reversed(node.running)))
+                self._preempt(node, w, s)
+                due = [x for x in stalled if x is not w]
+                continue
+            break
+        for w in stalled:  # no token this step: everything it has to come moves a step later
+            self._unschedule(node, w)
+            w.base += 1
+            node.ctx_const -= 1
+            w.req.stalls.append((node.number, s))
+            w.finish_step += 1
+            w.grow_step = s + 1
+            node.grow_at.setdefault(s + 1, []).append(w)
+            node.finish_at.setdefault(w.finish_step, []).append(w)
         if not decoding and not admitted:
             node.busy = False
             return
         node.busy = True
-        self._current[node.info.node_id] = (decoding, admitted)
-        self._at(self.now + self.step.step_s(prefill_tokens, len(decoding)), "step", node)
+        node.decoding = decoding
+        node.admitted = admitted
+        stalled_ctx = sum(w.req.prompt_tokens + s - w.base for w in stalled)
+        ctx = node.ctx_const + s * len(node.running) - stalled_ctx
+        self._seq += 1
+        end = self.now + node.step.step_s(prefill_tokens, decoding, ctx)
+        heapq.heappush(self._events, (end, self._seq, _STEP, node))
 
-    def _end_step(self, node: SimNode) -> int:
-        decoding, admitted = self._current.pop(node.info.node_id)
-        finished = 0
-        for w in decoding:
-            finished += self._token(node, w)
-        for w in admitted:
+    def _preempt(self, node: SimNode, w: _Work, s: int) -> None:
+        r = w.req
+        self._unschedule(node, w)
+        r.generated = s - w.base
+        if s - 1 >= w.first_step:
+            r.spans.append((node.number, w.first_step, s - 1))
+        node.ctx_const -= r.prompt_tokens - w.base
+        node.pool.free(r.request_id)
+        self._kv(node)
+        node.waiting.appendleft(w)
+        self.preemptions += 1
+
+    def _end_step(self, node: SimNode) -> None:
+        s = node.steps
+        node.step_end.append(self.now)
+        node.steps = s + 1
+        for w in node.finish_at.pop(s, ()):
+            self._finish(node, w, s)
+        for w in node.admitted:
+            r = w.req
             if w.phase == "prefill":
-                d = w.req.decision
+                d = r.decision
                 assert d is not None and d.prefill is not None
                 self._track(d.prefill.node_id, -1)
-                self._at(self.now + self.step.transfer_s(w.req.prompt_tokens), "transfer", (node, w.req))
-            else:
-                node.running.append(w)
-                finished += self._token(node, w)
+                self._at(self.now + node.step.transfer_s(r.prompt_tokens), _TRANSFER, (node, r))
+                continue
+            # its first token (or the first since a preemption) is made by this step
+            self._seq += 1
+            w.seq = self._seq
+            w.base = s - r.generated
+            w.first_step = s
+            if r.first_token_s is None:
+                r.first_token_s = self.now
+            w.finish_step = w.base + r.output_tokens - 1
+            if w.finish_step <= s:
+                node.running[w.seq] = w
+                node.ctx_const += r.prompt_tokens - w.base
+                self._finish(node, w, s)
+                continue
+            node.running[w.seq] = w
+            node.ctx_const += r.prompt_tokens - w.base
+            node.finish_at.setdefault(w.finish_step, []).append(w)
+            self._schedule_grow(node, w, r.prompt_tokens, s + 1)  # admission holds the prompt's blocks
+        node.admitted = []
         self._start_step(node)
-        return finished
 
-    def _token(self, node: SimNode, w: _Work) -> int:
+    def _finish(self, node: SimNode, w: _Work, s: int) -> None:
         r = w.req
-        r.generated += 1
-        r.token_times.append(self.now)
-        if r.first_token_s is None:
-            r.first_token_s = self.now
-        if r.generated < r.output_tokens:
-            return 0
+        r.generated = r.output_tokens
         r.finish_s = self.now
-        node.running.remove(w)
+        r.spans.append((node.number, w.first_step, s))
+        del node.running[w.seq]
+        node.ctx_const -= r.prompt_tokens - w.base
+        if w.grow_step > s:
+            lst = node.grow_at.get(w.grow_step)
+            if lst is not None and w in lst:
+                lst.remove(w)
+                if not lst:
+                    del node.grow_at[w.grow_step]
+        n = r.prompt_tokens + r.output_tokens - 1  # the last token's KV slot (cached if its block filled)
+        node.pool.grow(r.request_id, r.all_keys(n, node.pool.block_size), n)
         node.pool.free(r.request_id)
+        self._kv(node)
         d = r.decision
         assert d is not None
         self._track(d.decode.node_id, -1)
         self.policy.on_complete(d)
         if self.record:
             self.log.append(("done", d))
-        return 1
+        else:
+            r.keys = []
+            r._all_keys = None
+        self._pending -= 1
 
     def _transferred(self, prefill: SimNode, r: SimRequest) -> None:
         prefill.pool.free(r.request_id)  # the lease ends: P's blocks stay cached, evictable
@@ -424,3 +535,16 @@ class FleetSim:
         d = r.decision
         assert d is not None
         self._enqueue(self._by_id[d.decode.node_id], _Work(r, "remote"))
+
+    # --- reading the results --------------------------------------------------------------------
+    def token_times(self, r: SimRequest) -> np.ndarray:
+        """When each of ``r``'s tokens was made (simulated seconds)."""
+        parts = []
+        stalls = set(r.stalls)
+        for number, first, last in r.spans:
+            ends = np.asarray(self.nodes[number].step_end[first : last + 1])
+            if stalls:
+                keep = [k for k in range(first, last + 1) if (number, k) not in stalls]
+                ends = np.asarray([self.nodes[number].step_end[k] for k in keep])
+            parts.append(ends)
+        return np.concatenate(parts) if parts else np.zeros(0)

@@ -9,6 +9,8 @@ from bench.cli import bench_app
 from host_tier.cli import tier_app
 from infra.cli import cluster_app, model_app, up
 from node_agent.cli import node
+from planner.cli import plan_cmd
+from profiling.cli import profile_cmd
 from replay.cli import replay
 from router.admission.cli import keys_app
 from router.cli import router
@@ -20,6 +22,8 @@ app.command()(node)
 app.command()(router)
 app.command()(up)
 app.command()(replay)
+app.command("plan")(plan_cmd)
+app.command("profile")(profile_cmd)
 app.add_typer(model_app, name="model")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(bench_app, name="bench")

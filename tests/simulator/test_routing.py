@@ -71,8 +71,9 @@ def _key(d: Decision) -> tuple:
         [NodeSpec(Role.PREFILL, num_blocks=600), NodeSpec(Role.PREFILL, num_blocks=600)]
         + [NodeSpec(Role.DECODE, num_blocks=600), NodeSpec(Role.DECODE, num_blocks=600)],
         [NodeSpec(Role.BOTH, num_blocks=500) for _ in range(3)],
+        [NodeSpec(Role.BOTH, num_blocks=400) for _ in range(3)],
     ],
-    ids=["2P2D", "3colocated"],
+    ids=["2P2D", "3colocated", "3colocated-tight"],
 )
 def test_simulated_decisions_equal_the_real_routers_on_the_same_inputs(specs):
     sim = FleetSim(specs, lambda lookup: CacheAware(lookup, CONFIG), record=True)
@@ -87,6 +88,8 @@ def test_simulated_decisions_equal_the_real_routers_on_the_same_inputs(specs):
     assert sum(d.extra["routed_cached_tokens"] > 0 for d in decisions) > len(decisions) // 2
     assert any(kind == "kv" and item[1] == "removed" for kind, item in sim.log)
     assert len({d.decode.node_id for d in decisions}) > 1
+    if specs[0].num_blocks == 400:  # requests waited for blocks and were preempted on the way
+        assert sim.preemptions > 0 and any(r.stalls for r in done)
     if specs[0].role is Role.PREFILL:
         assert any(d.prefill is not None for d in decisions) and any(d.prefill is None for d in decisions)
 
