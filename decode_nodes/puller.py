@@ -30,7 +30,15 @@ from contracts.transfer import TransferReport
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.stats import TransferStats
-from kv_transfer.transports import CmaTransport, KnownPeer, TransferFailed, Transport, transport_for, verify_answer
+from kv_transfer.transports import (
+    CmaTransport,
+    KnownPeer,
+    LayerwiseTransport,
+    TransferFailed,
+    Transport,
+    transport_for,
+    verify_answer,
+)
 
 if TYPE_CHECKING:
     from kv_transfer.ucx import UcxReceiver
@@ -50,6 +58,9 @@ class PullJob:
     """time.monotonic() by which the pull must be complete."""
     checksum: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
+    layerwise: bool = False
+    """Pull while the prefill computes (``transports.LayerwiseTransport``): ``segments`` address prompt
+    positions, and ``deadline`` is a stall timeout, restarted by every sign of progress."""
     submitted: float = field(default_factory=time.perf_counter)
     """When the engine thread handed the job over: a pull's time counts from here, its wait for a
     pool thread included (that is time the request waits too)."""
@@ -172,6 +183,9 @@ class Puller:
             if job.transport == "ucx":
                 receiver = transport = self._ucx_receiver()
                 pull = wire.Pull(job.transfer_id, job.segments, "ucx", job.checksum, receiver.target(self.layout))
+            elif job.layerwise:
+                transport = LayerwiseTransport(job.transport, stall_s=max(0.0, job.deadline - time.monotonic()))
+                pull = transport.pull(job.transfer_id, job.segments, job.checksum, self.layout)
             else:
                 with self._lock:
                     known = self._peers.get(job.endpoint)
