@@ -43,6 +43,8 @@ class FillSpec:
 
     transfer_id: str
     block_ids: list[int]
+    request_id: str = ""
+    """The request filling it (a lease another request opened under the same id is left alone)."""
 
 
 @dataclass
@@ -52,6 +54,7 @@ class FillEnd:
     transfer_id: str
     ok: bool
     reason: str = ""
+    request_id: str = ""
 
 
 @dataclass

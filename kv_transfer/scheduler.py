@@ -85,7 +85,7 @@ class TandemScheduler:
             n = (scheduled or {}).get(rid, 0)
             if n and rid not in self._filled and request.num_computed_tokens + n >= request.num_prompt_tokens:
                 self._filled.add(rid)
-                fills.append(FillSpec(tid, self._prompt_blocks(request)))
+                fills.append(FillSpec(tid, self._prompt_blocks(request), rid))
         return TandemMetadata(
             recvs=recvs,
             leases=leases,
@@ -142,7 +142,8 @@ class TandemScheduler:
 
         self._filled.discard(request.request_id)
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        self._fill_ends.append(FillEnd(tid, ok, "" if ok else f"prefill {request.status.name.lower()}"))
+        reason = "" if ok else f"prefill {request.status.name.lower()}"
+        self._fill_ends.append(FillEnd(tid, ok, reason, request.request_id))
         if not ok:
             return True, None
         deadline = time.time() + self.settings.lease_s

@@ -21,7 +21,7 @@ from kv_transfer.metadata import TandemMetadata, TransferReports
 from kv_transfer.settings import ConnectorSettings
 from kv_transfer.stats import COUNTS, LISTS, TransferStats
 from prefill_nodes.block_server import BlockServer
-from prefill_nodes.lease import LeaseTable
+from prefill_nodes.lease import LeaseError, LeaseTable
 
 log = logging.getLogger("tandem.kv.worker")
 
@@ -88,6 +88,8 @@ class TandemWorker:
             self.server.offer(lease.transfer_id, lease.block_ids, lease.deadline)
         self.begin_step(meta)
         for end in meta.fill_ends:
+            if not self._owns(end.transfer_id, end.request_id):
+                continue
             if end.ok:
                 self.server.fill(end.transfer_id, self.server.layout.num_layers, done=True)
             else:
@@ -139,10 +141,19 @@ class TandemWorker:
             return
         self._step_meta = meta
         for tid, request_id in meta.opens:
+            try:
+                self.server.open_fill(tid, self.settings.lease_s)
+            except LeaseError as exc:  # a sender reused a transfer id: no lease; its pull is refused
+                log.warning("layer-wise lease for request %s not opened: %s", request_id, exc)
+                continue
             self._request_of[tid] = request_id
-            self.server.open_fill(tid, self.settings.lease_s)
-        self._step_fills = [(f.transfer_id, f.block_ids) for f in meta.fills]
+        self._step_fills = [(f.transfer_id, f.block_ids) for f in meta.fills if self._owns(f.transfer_id, f.request_id)]
         self._saved, self._ready = set(), 0
+
+    def _owns(self, transfer_id: str, request_id: str) -> bool:
+        """Whether this request opened the layer-wise lease ``transfer_id`` (not another one that a
+        sender gave the same id, whose lease must not be touched)."""
+        return self._request_of.get(transfer_id) == request_id
 
     def layer_saved(self, layer_name: str, meta: TandemMetadata) -> None:
         """``save_kv_layer``: the engine has written this layer for this step (``meta``: the step's
