@@ -17,8 +17,21 @@ Clusters, one after the other (never two at once: two cores):
 The memcpy ceiling copies the same number of bytes, in blocks of the engine's block size, between two
 arrays in this process.
 
+Two more figures per transport, from our connector's own report (the decode leg's
+``kv_transfer_params["tandem_transfer"]``, wall clock on this one host):
+  - exposed transfer time: from the prefill leg's answer (the prefill has ended) to the decode engine
+    having every block (the end of its pull), at every size: what the transfer adds to the first
+    token. ``exposed_whole_ms``: the pull after the prefill (the prefill leg a prefix-cache hit, as
+    for the GB/s figures). ``exposed_layerwise_ms``: both legs sent at once and the layers pulled
+    while the prefill computes them (``LAYERWISE_TRANSPORTS``; both caches emptied first, so every
+    such sample is a real prefill).
+  - the fixed cost per pull: a 1-block prompt's pull (``PULL_FIXED_TOKENS``), timed by the decode
+    engine from the hand-over to its pull thread to the Done.
+
 Last line: ``RESULT best_gbps=... memcpy_gbps=... nixl_gbps=... tcp_gbps=... nixl_tcp_gbps=...
-ttft_pd_ms=... ttft_colo_ms=...`` (transfer figures at the largest prompt; TTFT at ``ttft_tokens``).
+ttft_pd_ms=... ttft_colo_ms=... exposed_whole_ms=... exposed_layerwise_ms=... pull_fixed_ms=...``
+(transfer figures at the largest prompt and, for the last three, on the best transport there; TTFT at
+``ttft_tokens``).
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import os
 import statistics
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +53,7 @@ from rich.console import Console
 
 from bench.loadgen import run_level
 from contracts.config import redis_url as configured_redis_url
+from contracts.transfer import LAYERWISE_ID_KEY, TransferParams
 from infra.launcher import Cluster, ClusterSpec
 from kv_transfer import prefill_request_params
 from kv_transfer.auth import engine_auth_headers
@@ -48,6 +63,10 @@ console = Console(stderr=True)
 
 TRANSPORTS = ("tcp", "ipc", "shm", "ucx")
 CROSS_HOST = ("tcp", "ucx")
+PULL_FIXED_TOKENS = 60
+"""Prompt size of the fixed-cost pulls: ~90 tokens with the chat-free prompt below, one 128-token block."""
+PULL_FIXED_REPEATS = 8
+LAYERWISE_TRANSPORTS = ("tcp", "ipc", "shm")
 
 
 @dataclass(frozen=True)
@@ -91,26 +110,76 @@ class Sample:
     tokens: int
     nbytes: float
     seconds: float
+    exposed_s: float | None = None
+    """From the prefill leg's answer to the decode engine's last block (our connector only)."""
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
+@dataclass
+class Legs:
+    tokens: int
+    """The prompt's token count."""
+    exposed_s: float | None
+    """Prefill leg answered → the decode engine's pull ended (None: no report, e.g. NIXL)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The prefill leg's kv_transfer_params (where its block server is)."""
+
+
 def _two_legs(
     prefill: str, decode: str, model: str, prompt: str, transport: str | None, nixl: bool, client: httpx.Client
-) -> int:
-    """One P/D request done by hand; returns the prompt's token count."""
+) -> Legs:
+    """One P/D request done by hand."""
     params: dict[str, Any] = prefill_request_params()
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     first = client.post(f"{prefill}/v1/completions", json={**body, "kv_transfer_params": params})
     first.raise_for_status()
+    prefill_end = time.time()  # the same clock as the decode engine's report: one host
     kv = first.json()["kv_transfer_params"]
     if transport and not nixl:
         kv["transport"] = transport
     second = client.post(f"{decode}/v1/completions", json={**body, "kv_transfer_params": kv})
     second.raise_for_status()
-    return first.json()["usage"]["prompt_tokens"]
+    report = (second.json().get("kv_transfer_params") or {}).get("tandem_transfer") or {}
+    exposed = report["end"] - prefill_end if report.get("ok") and report.get("end") else None
+    return Legs(first.json()["usage"]["prompt_tokens"], exposed, first.json()["kv_transfer_params"])
+
+
+def _layerwise_legs(
+    prefill: str, decode: str, model: str, prompt: str, transport: str, where: dict[str, Any], client: httpx.Client
+) -> Legs:
+    """Both legs at once, as layer-wise transfer has them: the decode leg first, with params naming the
+    prefill node's block server (``where``: an earlier prefill leg's params) and a transfer id of our
+    choosing, then the prefill leg under that id. The decode node pulls each layer while the prefill
+    computes it."""
+    tid = f"lw-{uuid.uuid4().hex}"
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    pull = TransferParams(
+        transfer_id=tid,
+        remote_block_ids=[],
+        remote_endpoints=where["remote_endpoints"],
+        remote_host_id=where["remote_host_id"],
+        remote_engine_id=where["remote_engine_id"],
+        remote_num_tokens=0,
+        lease_deadline=time.time() + 3600,  # a layer-wise lease has no deadline before its prefill ends
+        transport=transport,
+        layerwise=True,
+    ).to_dict()
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(client.post, f"{decode}/v1/completions", json={**body, "kv_transfer_params": pull})
+        first = client.post(
+            f"{prefill}/v1/completions",
+            json={**body, "kv_transfer_params": {**prefill_request_params(), LAYERWISE_ID_KEY: tid}},
+        )
+        first.raise_for_status()
+        prefill_end = time.time()
+        answer = second.result()
+    answer.raise_for_status()
+    report = (answer.json().get("kv_transfer_params") or {}).get("tandem_transfer") or {}
+    exposed = report["end"] - prefill_end if report.get("ok") and report.get("end") else None
+    return Legs(first.json()["usage"]["prompt_tokens"], exposed)
 
 
 def _reset_prefix_cache(url: str, client: httpx.Client) -> None:
@@ -121,7 +190,16 @@ def _reset_prefix_cache(url: str, client: httpx.Client) -> None:
 
 
 def measure_transfers(
-    cluster: Cluster, model: str, cfg: KvBenchConfig, *, nixl: bool, label: str, transports: tuple[str | None, ...]
+    cluster: Cluster,
+    model: str,
+    cfg: KvBenchConfig,
+    *,
+    nixl: bool,
+    label: str,
+    transports: tuple[str | None, ...],
+    sizes: tuple[int, ...] | None = None,
+    repeats: int | None = None,
+    layerwise: tuple[str, ...] = (),
 ) -> list[Sample]:
     """Per size, the prompt is prefilled once; every measured pull after that reuses the prefill
     node's prefix cache (its prefill leg is a cache hit that still leases every block) while the decode
@@ -134,27 +212,38 @@ def measure_transfers(
         else ("tandem_kv_transfer_seconds_sum", "tandem_kv_transfer_bytes_total")
     )
     samples: list[Sample] = []
+    repeats = cfg.repeats if repeats is None else repeats
     # The legs go straight to the engines, which take only the cluster's engine key (kv_transfer.auth).
     with httpx.Client(timeout=1800, headers=engine_auth_headers(loopback_only=True)) as client:
-        for size in cfg.sizes:
+        for size in cfg.sizes if sizes is None else sizes:
             prompt = prompt_text(size, uuid.uuid4().hex)
             with console.status(f"{label}: prefilling {size} tokens once…"):
-                _two_legs(prefill, decode, model, prompt, transports[0], nixl, client)
+                where = _two_legs(prefill, decode, model, prompt, transports[0], nixl, client).params
+            for transport in layerwise:
+                for _ in range(repeats):  # a real prefill each time: the overlap is with its compute
+                    _reset_prefix_cache(prefill, client)
+                    _reset_prefix_cache(decode, client)
+                    with console.status(f"layer-wise {transport}: prefilling {size} tokens…"):
+                        legs = _layerwise_legs(prefill, decode, model, prompt, transport, where, client)
+                    samples.append(Sample(f"layerwise-{transport}", legs.tokens, 0.0, 0.0, legs.exposed_s))
+                    exposed = "failed" if legs.exposed_s is None else f"{legs.exposed_s * 1000:8.1f} ms"
+                    console.print(f"{'layerwise-' + transport:>12} {legs.tokens:5d} tok  exposed {exposed}")
             for transport in transports:
-                for _ in range(cfg.repeats):
+                for _ in range(repeats):
                     _reset_prefix_cache(decode, client)
                     s0, b0 = _metric(decode, secs_name), _metric(decode, bytes_name)
-                    tokens = _two_legs(prefill, decode, model, prompt, transport, nixl, client)
+                    legs = _two_legs(prefill, decode, model, prompt, transport, nixl, client)
                     # the decode engine's metrics are updated from its stats stream: wait for this transfer
                     end = time.monotonic() + 30
                     while _metric(decode, bytes_name) == b0 and time.monotonic() < end:
                         time.sleep(0.2)  # metrics offer no notification
                     s1, b1 = _metric(decode, secs_name), _metric(decode, bytes_name)
                     name = label if transport is None else f"{label}-{transport}"
-                    samples.append(Sample(name, tokens, b1 - b0, s1 - s0))
+                    samples.append(Sample(name, legs.tokens, b1 - b0, s1 - s0, legs.exposed_s))
+                    exposed = "" if legs.exposed_s is None else f"  exposed {legs.exposed_s * 1000:8.1f} ms"
                     console.print(
-                        f"{name:>12} {tokens:5d} tok  {(b1 - b0) / 1e6:8.1f} MB  "
-                        f"{(s1 - s0) * 1000:8.1f} ms  {samples[-1].gbps:6.2f} GB/s"
+                        f"{name:>12} {legs.tokens:5d} tok  {(b1 - b0) / 1e6:8.1f} MB  "
+                        f"{(s1 - s0) * 1000:8.1f} ms  {samples[-1].gbps:6.2f} GB/s{exposed}"
                     )
     return samples
 
@@ -236,7 +325,19 @@ def run_kv_transfer_bench(out: Path, cfg: KvBenchConfig | None = None) -> dict[s
     ttfts: dict[str, float] = {}
     cluster = _cluster(cfg, workdir / "tandem", "tandem", both=1)
     with _started(cluster, "tandem") as model:
-        samples += measure_transfers(cluster, model, cfg, nixl=False, label="tandem", transports=TRANSPORTS)
+        samples += measure_transfers(
+            cluster, model, cfg, nixl=False, label="tandem", transports=TRANSPORTS, layerwise=LAYERWISE_TRANSPORTS
+        )
+        fixed = measure_transfers(
+            cluster,
+            model,
+            cfg,
+            nixl=False,
+            label="fixed",
+            transports=TRANSPORTS,
+            sizes=(PULL_FIXED_TOKENS,),
+            repeats=max(cfg.repeats, PULL_FIXED_REPEATS),
+        )
         ttfts["pd"] = ttft(cluster, model, cfg.ttft_tokens, "disaggregated", cfg.repeats)
         ttfts["colo"] = ttft(cluster, model, cfg.ttft_tokens, "colocated", cfg.repeats)
         console.print(f"TTFT at {cfg.ttft_tokens} tokens: P/D {ttfts['pd']:.0f} ms, colocated {ttfts['colo']:.0f} ms")
@@ -246,7 +347,7 @@ def run_kv_transfer_bench(out: Path, cfg: KvBenchConfig | None = None) -> dict[s
             cluster = _cluster(cfg, workdir / label, "nixl", both=0)
             with _env(**env), _started(cluster, label) as model:
                 samples += measure_transfers(cluster, model, cfg, nixl=True, label=label, transports=(None,))
-    result = summarise(samples, cfg, ttfts, block_nbytes)
+    result = summarise(samples, cfg, ttfts, block_nbytes, fixed)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     png = out.with_suffix(".png")
@@ -261,7 +362,21 @@ def _block_nbytes(samples: list[Sample]) -> float:
     return s.nbytes / -(-s.tokens // 128)
 
 
-def summarise(samples: list[Sample], cfg: KvBenchConfig, ttfts: dict[str, float], block_nbytes: int) -> dict:
+def _median_ms(values: list[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return round(statistics.median(got) * 1000, 2) if got else None
+
+
+def summarise(
+    samples: list[Sample],
+    cfg: KvBenchConfig,
+    ttfts: dict[str, float],
+    block_nbytes: int,
+    fixed: list[Sample] | None = None,
+    *,
+    memcpy_gbps: float | None = None,
+) -> dict:
+    """``memcpy_gbps``: the ceiling, when already measured (tests); else measured here."""
     by: dict[str, dict[int, list[Sample]]] = {}
     for s in samples:
         size = min(cfg.sizes, key=lambda x: abs(x - s.tokens))
@@ -273,6 +388,7 @@ def summarise(samples: list[Sample], cfg: KvBenchConfig, ttfts: dict[str, float]
                 "mbytes": round(statistics.median(x.nbytes for x in xs) / 1e6, 2),
                 "ms": round(statistics.median(x.seconds for x in xs) * 1000, 2),
                 "gbps": round(statistics.median(x.gbps for x in xs), 3),
+                "exposed_ms": _median_ms([x.exposed_s for x in xs]),
             }
             for size, xs in sizes.items()
         }
@@ -280,12 +396,17 @@ def summarise(samples: list[Sample], cfg: KvBenchConfig, ttfts: dict[str, float]
     }
     top = str(max(cfg.sizes))
     top_bytes = int(table["tandem-shm"][top]["mbytes"] * 1e6)
-    memcpy = memcpy_ceiling(top_bytes, block_nbytes)
+    memcpy = memcpy_ceiling(top_bytes, block_nbytes) if memcpy_gbps is None else memcpy_gbps
 
     def g(name: str) -> float | None:
         return table.get(name, {}).get(top, {}).get("gbps")
 
     ours = {t: g(f"tandem-{t}") for t in TRANSPORTS}
+    best = max((t for t, v in ours.items() if v is not None), key=lambda t: ours[t] or 0.0)
+    fixed_ms = {t: _median_ms([x.seconds for x in fixed or () if x.transport == f"fixed-{t}"]) for t in TRANSPORTS}
+    exposed_whole = {t: table.get(f"tandem-{t}", {}).get(top, {}).get("exposed_ms") for t in TRANSPORTS}
+    exposed_layerwise = {t: table.get(f"layerwise-{t}", {}).get(top, {}).get("exposed_ms") for t in TRANSPORTS}
+    lw_best = exposed_layerwise.get(best)
     result = {
         "config": cfg.__dict__ | {"sizes": list(cfg.sizes)},
         "transfers": table,
@@ -296,6 +417,11 @@ def summarise(samples: list[Sample], cfg: KvBenchConfig, ttfts: dict[str, float]
         "tcp_gbps": max((v for t, v in ours.items() if t in CROSS_HOST and v is not None), default=None),
         "nixl_gbps": g("nixl"),
         "nixl_tcp_gbps": g("nixl_tcp"),
+        "best_transport": best,
+        "pull_fixed_ms": fixed_ms,
+        "pull_fixed_samples": [s.__dict__ for s in fixed or ()],
+        "exposed_whole_ms": exposed_whole,
+        "exposed_layerwise_ms": exposed_layerwise,
     }
     result["targets"] = {
         "best_vs_memcpy": round(result["best_gbps"] / memcpy, 3),
@@ -303,6 +429,11 @@ def summarise(samples: list[Sample], cfg: KvBenchConfig, ttfts: dict[str, float]
         "best_not_slower_than_nixl": result["nixl_gbps"] is None or result["best_gbps"] >= result["nixl_gbps"],
         "tcp_not_slower_than_nixl_tcp": result["nixl_tcp_gbps"] is None
         or (result["tcp_gbps"] or 0) >= result["nixl_tcp_gbps"],
+        "pull_fixed_at_most_3ms": fixed_ms[best] is not None and fixed_ms[best] <= 3.0,
+        # on shm and on tcp; None: not measured on one of them
+        "layerwise_at_most_30pct_of_whole": None
+        if any(exposed_layerwise.get(t) is None or exposed_whole.get(t) is None for t in ("shm", "tcp"))
+        else all((exposed_layerwise[t] or 0.0) <= 0.3 * (exposed_whole[t] or 0.0) for t in ("shm", "tcp")),
     }
     console.print(json.dumps(result["targets"]))
     print(
@@ -317,6 +448,9 @@ def summarise(samples: list[Sample], cfg: KvBenchConfig, ttfts: dict[str, float]
                 ("nixl_tcp_gbps", result["nixl_tcp_gbps"]),
                 ("ttft_pd_ms", ttfts.get("pd")),
                 ("ttft_colo_ms", ttfts.get("colo")),
+                ("exposed_whole_ms", exposed_whole[best]),
+                ("exposed_layerwise_ms", lw_best),
+                ("pull_fixed_ms", fixed_ms[best]),
             )
         ),
         flush=True,

@@ -31,6 +31,11 @@ from contracts.errors import UpstreamError, VersionMismatch
 PARAMS_VERSION = 1
 
 
+LAYERWISE_ID_KEY = "tandem_layerwise_id"
+"""In a prefill leg's kv_transfer_params (beside ``do_remote_decode``): the transfer id its decode leg,
+sent at the same time with ``TransferParams.layerwise``, pulls under."""
+
+
 class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
     """Where a request's KV waits: handed out by the prefill node for the blocks it leased."""
 
@@ -54,11 +59,17 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
     """Wall clock by which the decode node must have pulled; past it the blocks are freed."""
     transport: str | None = None
     """Forces a transport (``tcp``, ``ipc``, ``shm``, ``ucx``); None: the decode node's own choice."""
+    layerwise: bool = False
+    """Sent with the prefill leg, before the prefill has run: the decode node pulls by prompt position
+    (``remote_block_ids`` is empty) while the prefill computes, layer by layer; ``transfer_id`` is the
+    one the sender gave the prefill leg (``LAYERWISE_ID_KEY``). tcp, ipc and shm only."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = msgspec.to_builtins(self)
         if self.transport is None:
             del out["transport"]
+        if not self.layerwise:
+            del out["layerwise"]
         return out
 
     @classmethod

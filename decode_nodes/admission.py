@@ -102,7 +102,8 @@ class RemoteKvAdmission:
         first = self._matched_from.pop(request.request_id, 0) // self.block_size
         n_prompt = -(-len(request.prompt_token_ids or ()) // self.block_size)
         local = list(blocks.get_block_ids()[0][first:n_prompt])
-        remote = params.remote_block_ids[first:n_prompt]
+        # Layer-wise: the prefill has not allocated its blocks yet when we ask; ask by position.
+        remote = list(range(first, n_prompt)) if params.layerwise else params.remote_block_ids[first:n_prompt]
         if len(remote) != len(local):
             log.warning(
                 "request %s: prefill node leased %d prompt blocks, %d needed; the pull will fail and "
@@ -122,6 +123,7 @@ class RemoteKvAdmission:
                 local,
                 params.lease_deadline,
                 params.transport,
+                params.layerwise,
             )
         )
 

@@ -6,6 +6,11 @@ Threads block in ``zmq.poll`` with the transfer's deadline: none spins. A socket
 is closed and never reused (its state is unknown; a late frame must not land in the next transfer).
 Every message is signed and every answer verified with the cluster secret (``wire.Codec``): a prefill
 node that refuses our MAC answers at once with a Reject, and the pull fails then, not at its deadline.
+
+A pull's time runs from the job's hand-over by the engine thread to the Done. What never changes
+between pulls is kept: one socket per endpoint per pool thread, and per ipc endpoint the prefill
+process the last shm Grant proved, so the next shm pull there copies while its Grant is in flight
+(``transports.KnownPeer``; forgotten after any failure there).
 """
 
 from __future__ import annotations
@@ -25,7 +30,15 @@ from contracts.transfer import TransferReport
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.stats import TransferStats
-from kv_transfer.transports import TransferFailed, Transport, transport_for, verify_answer
+from kv_transfer.transports import (
+    CmaTransport,
+    KnownPeer,
+    LayerwiseTransport,
+    TransferFailed,
+    Transport,
+    transport_for,
+    verify_answer,
+)
 
 if TYPE_CHECKING:
     from kv_transfer.ucx import UcxReceiver
@@ -45,6 +58,12 @@ class PullJob:
     """time.monotonic() by which the pull must be complete."""
     checksum: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
+    layerwise: bool = False
+    """Pull while the prefill computes (``transports.LayerwiseTransport``): ``segments`` address prompt
+    positions, and ``deadline`` is a stall timeout, restarted by every sign of progress."""
+    submitted: float = field(default_factory=time.perf_counter)
+    """When the engine thread handed the job over: a pull's time counts from here, its wait for a
+    pool thread included (that is time the request waits too)."""
 
 
 @dataclass
@@ -95,6 +114,11 @@ class Puller:
         self.outcomes: queue.SimpleQueue[PullOutcome] = queue.SimpleQueue()
         self._ucx: UcxReceiver | None = None
         self._ucx_lock = threading.Lock()
+        self._peers: dict[str, KnownPeer] = {}
+        """Per ipc endpoint, the prefill process its last shm Grant proved (``transports.KnownPeer``):
+        the next shm pull there copies before its Grant comes."""
+        self.early_copies = 0
+        """shm pulls whose copy started before their Grant."""
 
     def submit(self, job: PullJob) -> None:
         with self._lock:
@@ -148,7 +172,8 @@ class Puller:
             self._discard(endpoint)
 
     def _run(self, job: PullJob) -> None:
-        t0, wall0 = time.perf_counter(), time.time()
+        t0 = job.submitted
+        wall0 = time.time() - (time.perf_counter() - t0)
         sock = None
         try:
             if job.cancelled.is_set():
@@ -158,11 +183,20 @@ class Puller:
             if job.transport == "ucx":
                 receiver = transport = self._ucx_receiver()
                 pull = wire.Pull(job.transfer_id, job.segments, "ucx", job.checksum, receiver.target(self.layout))
+            elif job.layerwise:
+                transport = LayerwiseTransport(job.transport, stall_s=max(0.0, job.deadline - time.monotonic()))
+                pull = transport.pull(job.transfer_id, job.segments, job.checksum, self.layout)
             else:
-                transport = transport_for(job.transport, shm_split=self.shm_split)
+                with self._lock:
+                    known = self._peers.get(job.endpoint)
+                transport = transport_for(job.transport, shm_split=self.shm_split, known=known)
                 pull = transport.pull(job.transfer_id, job.segments, job.checksum, self.layout)
             sock.send(self.codec.encode(pull))
             nbytes = transport.receive(sock, pull, self.layout, job.deadline, codec=self.codec)
+            if isinstance(transport, CmaTransport) and transport.learned is not None:
+                with self._lock:
+                    self._peers[job.endpoint] = transport.learned
+                    self.early_copies += int(transport.early)
             if job.cancelled.is_set():
                 raise TransferFailed("cancelled")
             sock.send(self.codec.encode(wire.Done(job.transfer_id, True)))
@@ -197,6 +231,8 @@ class Puller:
             self.stats.rejected += int(refused)
         if sock is not None:
             self._discard(job.endpoint)
+        with self._lock:  # whatever failed, the next shm pull there waits for its Grant to copy
+            self._peers.pop(job.endpoint, None)
         if not refused:  # tell the prefill node, on a fresh socket, so it frees the lease now
             self._send_done(job.endpoint, job.transfer_id, reason)
         self._finish(

@@ -5,7 +5,9 @@ A thin facade: vLLM builds one instance per role, and each delegates to its half
 (``scheduler.py``) or the worker half (``worker.py``), which never import each other. They share only
 the metadata types (``metadata.py``), the wire format (``wire.py``) and the settings.
 
-The KV moves after the prefill finishes (pull model): the prefill node leases the request's blocks,
+The KV moves after the prefill finishes (pull model), or, for a prefill sent together with its decode
+leg (layer-wise), while it computes: each layer of the last chunk is served as ``save_kv_layer`` reports it.
+In both, the prefill node leases the request's blocks,
 the decode node pulls them over the chosen transport and acknowledges, and the lease state machine
 (``prefill_nodes/lease.py``) frees them on every path, including the failures.
 """
@@ -58,7 +60,7 @@ class TandemConnector(KVConnectorBase_V1):
     # -- worker side -----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register(KVLayout.from_torch(kv_caches, self._worker.num_blocks))
+        self._worker.register(KVLayout.from_torch(kv_caches, self._worker.num_blocks), list(kv_caches))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -70,7 +72,12 @@ class TandemConnector(KVConnectorBase_V1):
         return  # pulls complete before the request is scheduled (asynchronous load)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # blocks are served from the engine's cache itself, under a lease: nothing to copy out
+        # Blocks are served from the engine's cache itself, under a lease: nothing to copy out. A step
+        # that ends a layer-wise prefill tells the block server each layer as it is written.
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TandemMetadata)
+        self._worker.layer_saved(layer_name, meta)
 
     def wait_for_save(self) -> None:
         return
@@ -119,7 +126,9 @@ class TandemConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         # A step that schedules no tokens only waits for transfers (vLLM keeps stepping while a
         # request waits for remote KV or a finished one waits for its lease): tell the worker.
-        return self._scheduler.build_connector_meta(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        return self._scheduler.build_connector_meta(
+            idle=scheduler_output.total_num_scheduled_tokens == 0, scheduled=scheduler_output.num_scheduled_tokens
+        )
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None

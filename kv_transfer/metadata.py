@@ -23,6 +23,8 @@ class RecvSpec:
     """Wall clock: the prefill node frees the blocks then, pulled or not."""
     transport: str | None = None
     """Per-request choice (``kv_transfer_params["transport"]``), else the node's setting."""
+    layerwise: bool = False
+    """``remote_block_ids`` are prompt positions: pull while the prefill computes."""
 
 
 @dataclass
@@ -32,6 +34,27 @@ class LeaseSpec:
     transfer_id: str
     block_ids: list[int]
     deadline: float
+
+
+@dataclass
+class FillSpec:
+    """Prefill side, layer-wise: this step computes the last of the prompt; report each layer of it,
+    as it is written, for the lease ``transfer_id`` over these blocks."""
+
+    transfer_id: str
+    block_ids: list[int]
+    request_id: str = ""
+    """The request filling it (a lease another request opened under the same id is left alone)."""
+
+
+@dataclass
+class FillEnd:
+    """Prefill side, layer-wise: the prefill ended (``ok``) or failed or was aborted half-way."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+    request_id: str = ""
 
 
 @dataclass
@@ -51,12 +74,18 @@ class TandemMetadata(KVConnectorMetadata):
     releases: list[ReleaseSpec] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     """Decode side: requests aborted while their pull was in flight."""
+    opens: list[tuple[str, str]] = field(default_factory=list)
+    """Prefill side, layer-wise: (transfer id, request id) of leases to open as their prefill starts."""
+    fills: list[FillSpec] = field(default_factory=list)
+    fill_ends: list[FillEnd] = field(default_factory=list)
     idle: bool = False
     """This step computes nothing (it only waits for transfers): the worker may sleep briefly until a
     transfer ends instead of letting the engine loop spin (see ``ConnectorSettings.idle_wait_ms``)."""
 
     def empty(self) -> bool:
-        return not (self.recvs or self.leases or self.releases or self.cancels)
+        return not (
+            self.recvs or self.leases or self.releases or self.cancels or self.opens or self.fills or self.fill_ends
+        )
 
 
 @dataclass

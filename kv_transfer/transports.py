@@ -8,6 +8,17 @@ copied by the decode process out of the prefill process's memory with one kernel
 and on any answer whose MAC does not verify under the cluster secret (``wire.Codec``). ``shm`` reads
 only from the process its ipc socket's kernel credentials prove to be the prefill node (the Grant's
 pid is checked against them), never over tcp.
+
+``shm`` copies while the Grant is in flight (``KnownPeer``): a prefill process's pid and cache addresses
+never change while it lives, so once one Grant on an endpoint has proven them, the next pull to that
+endpoint reads its own share of the layers right after sending the Pull, beside the prefill node's
+answer instead of after it. That is as safe as the copy after the Grant: the prefill blocks are
+immutable from the prefill's end (they are delay-freed, then leased) until the lease ends, and a lease
+that ended answers with a Reject, which fails the pull and sends its local blocks to recompute. The
+bytes read early are kept only if this pull's Grant, from the socket's proven peer, names the same
+pid and addresses; otherwise (the prefill node restarted) they are read again from the proven one. A
+pid is taken for the same process only with the same start time (``/proc/<pid>/stat``), so a reused
+pid is never read from.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import ctypes
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import zmq
@@ -116,20 +128,29 @@ class FrameTransport:
                 raise TransferFailed(
                     f"layout mismatch: remote {msg.dtype}{msg.shape}, local {layout.dtype}{layout.block_shape}"
                 )
-            for i, seg in enumerate(pull.segments):
-                if not sock.getsockopt(zmq.RCVMORE):
-                    raise TransferFailed(f"layer {msg.layer}: {i} of {len(pull.segments)} segments")
-                dest = layout.span(msg.layer, seg.local, seg.count)
-                n = sock.recv_into(cast(Any, dest))  # an ndarray is a writable buffer
-                if n != dest.nbytes:
-                    _drain(sock)
-                    raise TransferFailed(f"layer {msg.layer} segment {i}: {n} bytes, expected {dest.nbytes}")
-                if msg.checksums and checksum(dest) != msg.checksums[i]:
-                    _drain(sock)
-                    raise TransferFailed(f"bad checksum in layer {msg.layer} segment {i}")
-                total += n
-            _drain(sock)
+            total += _receive_layer(sock, msg, pull.segments, layout)
             seen += 1
+
+
+def _receive_layer(
+    sock: zmq.Socket[bytes], msg: wire.LayerHeader, segments: list[wire.Segment], layout: KVLayout
+) -> int:
+    """The raw frames after one LayerHeader, each into its destination blocks, verified; bytes moved."""
+    total = 0
+    for i, seg in enumerate(segments):
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise TransferFailed(f"layer {msg.layer}: {i} of {len(segments)} segments")
+        dest = layout.span(msg.layer, seg.local, seg.count)
+        n = sock.recv_into(cast(Any, dest))  # an ndarray is a writable buffer
+        if n != dest.nbytes:
+            _drain(sock)
+            raise TransferFailed(f"layer {msg.layer} segment {i}: {n} bytes, expected {dest.nbytes}")
+        if msg.checksums and checksum(dest) != msg.checksums[i]:
+            _drain(sock)
+            raise TransferFailed(f"bad checksum in layer {msg.layer} segment {i}")
+        total += n
+    _drain(sock)
+    return total
 
 
 class _IoVec(ctypes.Structure):
@@ -186,16 +207,49 @@ def cma_pairs(
     return out
 
 
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of process ``pid`` (clock ticks since boot), or None when there is no
+    such process: with the pid, it names one process for the machine's uptime (pids are reused)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return int(fields[19])  # field 22 of proc(5); the first field after the name is field 3
+
+
+@dataclass(frozen=True)
+class KnownPeer:
+    """What a proven Grant said that does not change while the prefill process lives."""
+
+    pid: int
+    start_time: int
+    layer_addresses: tuple[int, ...]
+
+    def alive(self) -> bool:
+        """The very process that was proven (not a newer one under a reused pid)."""
+        return process_start_time(self.pid) == self.start_time
+
+
 class CmaTransport:
     """One host: the prefill node answers with a Grant (its pid and cache addresses) and this process
     copies the leased blocks straight into its own cache with one kernel copy. With ``split``, the
     prefill node writes half of the layers into this process meanwhile (``process_vm_writev``), so the
-    copy runs on both nodes' cores at once; if it cannot, this side copies those layers too."""
+    copy runs on both nodes' cores at once; if it cannot, this side copies those layers too.
+
+    ``known``: the peer an earlier Grant on this endpoint proved; this side's layers are then read
+    before the Grant arrives (module docstring). ``learned``, after ``receive``: this pull's proven
+    peer, for the next pull."""
 
     name = "shm"
 
-    def __init__(self, split: bool = True) -> None:
+    def __init__(self, split: bool = True, known: KnownPeer | None = None) -> None:
         self.split = split
+        self.known = known
+        self.learned: KnownPeer | None = None
+        self.early = False
+        """Whether this pull's copy started before its Grant (and was kept)."""
 
     def pull(self, transfer_id: str, segments: list[wire.Segment], checksum: bool, layout: KVLayout) -> wire.Pull:
         return wire.Pull(transfer_id, segments, self.name, checksum, cma=self.target(layout))
@@ -213,23 +267,22 @@ class CmaTransport:
     def receive(
         self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *, codec: wire.Codec
     ) -> int:
-        msg, frame = _recv_frame(sock, deadline, codec)
-        if not isinstance(msg, wire.Grant) or msg.transfer_id != pull.transfer_id:
-            raise TransferFailed(f"expected a Grant, got {type(msg).__name__}")
-        # Read only from the process that holds the other end of this Unix socket (the kernel says
-        # which), whatever pid the Grant names: never from a process that a message alone names.
-        peer = peer_credentials(frame)
-        if peer is None or peer.pid != msg.pid:
-            raise TransferFailed(
-                f"Grant names pid {msg.pid}, but the socket's proven peer is "
-                f"{'pid ' + str(peer.pid) if peer else 'unknown (not an ipc socket)'}"
-            )
-        if len(msg.layer_addresses) != layout.num_layers or any(b != layout.block_nbytes for b in msg.block_nbytes):
-            raise TransferFailed("layout mismatch between prefill and decode caches")
         bn = layout.block_nbytes
         here = [layout.address(i) for i in range(layout.num_layers)]
+        asked = set(pull.cma.push_layers) if pull.cma is not None else set()
+        early = [layer for layer in range(layout.num_layers) if layer not in asked]
+        read_early = self._read_early(pull, early, here, bn)
+        # Read only from the process that holds the other end of this Unix socket (the kernel says
+        # which), whatever pid the Grant names: never from a process that a message alone names.
+        msg = _proven_grant(*_recv_frame(sock, deadline, codec), pull, layout)
+        start_time = process_start_time(msg.pid)
+        if start_time is None:
+            raise TransferFailed(f"the prefill process {msg.pid} is gone")
+        proven = KnownPeer(msg.pid, start_time, tuple(msg.layer_addresses))
+        self.early = read_early and proven == self.known
+        copied = set(early) if self.early else set()
         pushing = set(msg.pushing)
-        mine = [layer for layer in range(layout.num_layers) if layer not in pushing]
+        mine = [layer for layer in range(layout.num_layers) if layer not in pushing and layer not in copied]
         process_vm_readv(msg.pid, cma_pairs(pull, mine, here, msg.layer_addresses, bn, local_is_remote_side=False))
         if pushing:
             done = _recv_msg(sock, deadline, codec)
@@ -244,12 +297,124 @@ class CmaTransport:
                 for i, s in enumerate(pull.segments):
                     if checksum(layout.span(layer, s.local, s.count)) != msg.checksums[layer][i]:
                         raise TransferFailed(f"bad checksum in layer {layer} segment {i}")
+        self.learned = proven
         return layout.nbytes(pull.segments)
 
+    def _read_early(self, pull: wire.Pull, layers: list[int], here: list[int], block_nbytes: int) -> bool:
+        """Copy ``layers`` from the known peer before its Grant comes; whether that was done. Any
+        failure only means the copy waits for the Grant, as without a known peer."""
+        known = self.known
+        if known is None or len(known.layer_addresses) != len(here) or not known.alive():
+            return False
+        pairs = cma_pairs(pull, layers, here, list(known.layer_addresses), block_nbytes, local_is_remote_side=False)
+        try:
+            process_vm_readv(known.pid, pairs)
+        except TransferFailed:
+            return False
+        return True
 
-def transport_for(name: str, *, shm_split: bool = True) -> Transport:
+
+def _proven_grant(msg: wire.Message, frame: zmq.Frame, pull: wire.Pull, layout: KVLayout) -> wire.Grant:
+    """A Grant for this pull, from the process its socket's kernel credentials prove, for this layout."""
+    if not isinstance(msg, wire.Grant) or msg.transfer_id != pull.transfer_id:
+        raise TransferFailed(f"expected a Grant, got {type(msg).__name__}")
+    peer = peer_credentials(frame)
+    if peer is None or peer.pid != msg.pid:
+        raise TransferFailed(
+            f"Grant names pid {msg.pid}, but the socket's proven peer is "
+            f"{'pid ' + str(peer.pid) if peer else 'unknown (not an ipc socket)'}"
+        )
+    if len(msg.layer_addresses) != layout.num_layers or any(b != layout.block_nbytes for b in msg.block_nbytes):
+        raise TransferFailed("layout mismatch between prefill and decode caches")
+    return msg
+
+
+class LayerwiseTransport:
+    """A layer-wise pull (``wire.Pull.layerwise``), asked before or while the prefill computes: each
+    ``Filling`` says how many layers are written and restarts the stall timer (``stall_s``), so the
+    pull waits as long as the prefill takes but fails ``stall_s`` after the prefill node goes quiet.
+    tcp/ipc: each layer's frames follow as on a whole pull. shm: the Grant comes first, and this side
+    copies every layer itself as it is announced (the prefill node's core is computing)."""
+
+    def __init__(self, name: str, stall_s: float) -> None:
+        if name not in ("tcp", "ipc", "shm"):
+            raise ValueError(f"no layer-wise pull over {name!r} (tcp, ipc, shm)")
+        self.name = name
+        self.stall_s = stall_s
+        self.first_layer_at: float | None = None
+        """monotonic: when the first layer arrived (or was announced, for shm)."""
+
+    def pull(self, transfer_id: str, segments: list[wire.Segment], checksum: bool, layout: KVLayout) -> wire.Pull:
+        return wire.Pull(transfer_id, segments, self.name, checksum, layerwise=True)
+
+    def receive(
+        self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *, codec: wire.Codec
+    ) -> int:
+        n = layout.num_layers
+        grant = None
+        if self.name == "shm":
+            grant = _proven_grant(*_recv_frame(sock, deadline, codec), pull, layout)
+        here = [layout.address(i) for i in range(n)]
+        positions, _ = wire.positions_of(pull.segments)
+        segments: list[wire.Segment] | None = None
+        done: set[int] = set()
+        while True:
+            msg = _recv_msg(sock, deadline, codec)
+            if getattr(msg, "transfer_id", pull.transfer_id) != pull.transfer_id:
+                _drain(sock)
+                continue  # the tail of an earlier, abandoned pull on this socket
+            if isinstance(msg, wire.Filling):
+                deadline = max(deadline, time.monotonic() + self.stall_s)
+                if msg.layers and segments is None:
+                    if len(msg.block_ids) != len(positions):
+                        raise TransferFailed(f"{len(msg.block_ids)} block ids for {len(positions)} positions")
+                    segments = wire.resolve(pull.segments, msg.block_ids)
+                if grant is not None and segments is not None:
+                    new = [layer for layer in range(min(msg.layers, n)) if layer not in done]
+                    if new:
+                        self.first_layer_at = self.first_layer_at or time.monotonic()
+                        process_vm_readv(
+                            grant.pid,
+                            cma_pairs(
+                                wire.Pull(pull.transfer_id, segments, "shm"),
+                                new,
+                                here,
+                                grant.layer_addresses,
+                                layout.block_nbytes,
+                                local_is_remote_side=False,
+                            ),
+                        )
+                        for k, layer in enumerate(new):
+                            if msg.checksums:
+                                for i, seg in enumerate(segments):
+                                    if checksum(layout.span(layer, seg.local, seg.count)) != msg.checksums[k][i]:
+                                        raise TransferFailed(f"bad checksum in layer {layer} segment {i}")
+                            done.add(layer)
+                    if len(done) == n:
+                        return layout.nbytes(pull.segments)
+            elif isinstance(msg, wire.LayerHeader) and grant is None:
+                if segments is None or not 0 <= msg.layer < n or msg.layer in done:
+                    _drain(sock)
+                    raise TransferFailed(f"layer {msg.layer} out of order")
+                if msg.dtype != layout.dtype or msg.shape != layout.block_shape:
+                    _drain(sock)
+                    raise TransferFailed(
+                        f"layout mismatch: remote {msg.dtype}{msg.shape}, local {layout.dtype}{layout.block_shape}"
+                    )
+                self.first_layer_at = self.first_layer_at or time.monotonic()
+                _receive_layer(sock, msg, segments, layout)
+                done.add(msg.layer)
+            elif isinstance(msg, wire.End) and grant is None:
+                if len(done) != n:
+                    raise TransferFailed(f"got {len(done)} of {n} layers")
+                return layout.nbytes(pull.segments)
+            else:
+                _drain(sock)
+
+
+def transport_for(name: str, *, shm_split: bool = True, known: KnownPeer | None = None) -> Transport:
     if name in ("tcp", "ipc"):
         return FrameTransport(name)
     if name == "shm":
-        return CmaTransport(split=shm_split)
+        return CmaTransport(split=shm_split, known=known)
     raise ValueError(f"unknown transport {name!r} (tcp, ipc, shm; ucx is the puller's own)")

@@ -19,6 +19,20 @@ send from and receive into the cache itself.
                                              ◀───  UcxPosted(checksums)   (ucx: blocks went over UCX)
       Done(ok | reason)                      ───▶  lease released, blocks freed
       Release(reason)                        ───▶  lease released without a transfer (reject, abort)
+
+    layer-wise (Pull.layerwise: the prefill is still computing; segments address prompt positions)
+      Pull(layerwise, segments by position)  ───▶  lease FILLING → SENDING
+                                             ◀───  Grant(pid, addresses)        (shm only, at once)
+                                             ◀───  Filling(layers=0)            every keepalive_s while
+                                                   the prefill has not reached a new layer (the
+                                                   decode node's stall timer restarts on each)
+                                             ◀───  Filling(layers=k, block_ids, checksums of the new
+                                                   layers for shm) as the prefill writes layer k-1
+                                                   of the last chunk; tcp/ipc: LayerHeader + frames
+                                                   of each new layer follow it, End after the last
+                                             ◀───  Reject("prefill ended ...")  the prefill failed or
+                                                   was aborted half-way: the pull fails, nothing
+                                                   stays leased
     router (DEALER)
       Query(transfer_id)                     ───▶
                                              ◀───  LeaseReport(state, bytes, start, end)  (the lake's
@@ -50,6 +64,11 @@ Versions (``PROTOCOL``)
     2  every control frame in the signed envelope above; ``shm`` only over ipc with proven peer
        credentials. A v1 frame fails the MAC check and is answered with a Reject; a v1 peer cannot read
        v2 answers and fails at its deadline.
+
+    2, later: ``Pull.layerwise``, ``Filling``. A Pull without ``layerwise`` is served as before, and
+       only a puller that asks for layer-wise gets a ``Filling``, so peers of the earlier 2 still
+       interoperate for whole pulls (msgspec skips a field it does not know, and the field defaults
+       to off).
 
 The check: the envelope's marker is the version (``TKV`` + the protocol number). ``Codec.decode`` reads
 it before anything else, and a frame under another version's marker is a ``VersionMismatch`` naming
@@ -130,6 +149,10 @@ class Pull(msgspec.Struct, tag="kv.pull.v1", frozen=True):
     checksum: bool = True
     ucx: UcxTarget | None = None
     cma: CmaTarget | None = None
+    layerwise: bool = False
+    """Served while the prefill computes: each segment's ``remote`` is a position in the lease's block
+    list (the decode node cannot know the block ids yet), and each layer is sent once the prefill has
+    written it (``Filling``). tcp, ipc and shm only."""
 
 
 class LayerHeader(msgspec.Struct, tag="kv.layer.v1", frozen=True):
@@ -173,6 +196,19 @@ class Pushed(msgspec.Struct, tag="kv.pushed.v1", frozen=True):
     transfer_id: str
     ok: bool
     reason: str = ""
+
+
+class Filling(msgspec.Struct, tag="kv.filling.v1", frozen=True):
+    """Layer-wise pulls: the prefill has written the first ``layers`` layers of every position asked.
+    Also the heartbeat while it has not (same ``layers`` again): the decode node waits for as long
+    as these keep coming, however long the prefill takes."""
+
+    transfer_id: str
+    layers: int
+    block_ids: list[int] = []
+    """The lease's block ids at the positions asked, in the Pull's order (empty until ``layers`` > 0)."""
+    checksums: list[list[int]] = []
+    """shm with checksums: per newly written layer, per segment of ``resolve(...)``."""
 
 
 class UcxPosted(msgspec.Struct, tag="kv.ucx_posted.v1", frozen=True):
@@ -239,7 +275,20 @@ class Ack(msgspec.Struct, tag="kv.ack.v1", frozen=True):
 
 
 Message = (
-    Pull | LayerHeader | End | Grant | Pushed | UcxPosted | Done | Release | Reject | Query | LeaseReport | Fault | Ack
+    Pull
+    | LayerHeader
+    | End
+    | Grant
+    | Pushed
+    | Filling
+    | UcxPosted
+    | Done
+    | Release
+    | Reject
+    | Query
+    | LeaseReport
+    | Fault
+    | Ack
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -308,3 +357,20 @@ def segments_of(remote_ids: list[int], local_ids: list[int]) -> list[Segment]:
         out.append(Segment(remote_ids[i], local_ids[i], j - i))
         i = j
     return out
+
+
+def positions_of(segments: list[Segment]) -> tuple[list[int], list[int]]:
+    """A layer-wise pull's (remote positions, local block ids), block by block."""
+    remote: list[int] = []
+    local: list[int] = []
+    for seg in segments:
+        remote.extend(range(seg.remote, seg.remote + seg.count))
+        local.extend(range(seg.local, seg.local + seg.count))
+    return remote, local
+
+
+def resolve(segments: list[Segment], block_ids: list[int]) -> list[Segment]:
+    """A layer-wise pull's segments with block ids for positions: ``block_ids`` are the lease's ids at
+    the positions asked, in order (``Filling.block_ids``). Both ends cut them the same way."""
+    _, local = positions_of(segments)
+    return segments_of(block_ids, local)

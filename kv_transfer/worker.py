@@ -21,7 +21,7 @@ from kv_transfer.metadata import TandemMetadata, TransferReports
 from kv_transfer.settings import ConnectorSettings
 from kv_transfer.stats import COUNTS, LISTS, TransferStats
 from prefill_nodes.block_server import BlockServer
-from prefill_nodes.lease import LeaseTable
+from prefill_nodes.lease import LeaseError, LeaseTable
 
 log = logging.getLogger("tandem.kv.worker")
 
@@ -43,8 +43,19 @@ class TandemWorker:
         self._load_errors: set[int] = set()
         self._reports: dict[str, TransferReport] = {}
         self._last_gauges = (0, 0, 0)
+        self._layer_index: dict[str, int] = {}
+        self._request_of: dict[str, str] = {}
+        """Layer-wise leases: transfer id → the prefill request holding its blocks (vLLM frees blocks
+        by request id; those leases are named by the sender's transfer id)."""
+        self._step_fills: list[tuple[str, list[int]]] = []
+        """Layer-wise leases whose last prompt chunk this step computes: report each layer written."""
+        self._step_meta: TandemMetadata | None = None
+        self._saved: set[int] = set()
+        self._ready = 0
+        """This step's layers written, and how many of the first layers are all written."""
 
-    def register(self, layout: KVLayout) -> None:
+    def register(self, layout: KVLayout, layer_names: list[str] | None = None) -> None:
+        self._layer_index = {name: i for i, name in enumerate(layer_names or [])}
         if self.settings.huge_pages:
             outcomes = {advise_huge_pages(layout.address(i), layout.layers[i].nbytes) for i in range(layout.num_layers)}
             log.info("KV cache huge pages: %s", ", ".join(sorted(outcomes)))
@@ -75,6 +86,14 @@ class TandemWorker:
         self._idle = meta.idle
         for lease in meta.leases:
             self.server.offer(lease.transfer_id, lease.block_ids, lease.deadline)
+        self.begin_step(meta)
+        for end in meta.fill_ends:
+            if not self._owns(end.transfer_id, end.request_id):
+                continue
+            if end.ok:
+                self.server.fill(end.transfer_id, self.server.layout.num_layers, done=True)
+            else:
+                self.server.abort_fill(end.transfer_id, end.reason)
         for release in meta.releases:
             self.puller.release(
                 self._endpoint(release.endpoints, self.settings.choose_transport(release.host_id)),
@@ -83,9 +102,14 @@ class TandemWorker:
             )
         for recv in meta.recvs:
             transport = self.settings.choose_transport(recv.host_id, recv.transport)
-            deadline = time.monotonic() + min(
-                self.settings.transfer_timeout_s, max(0.0, recv.lease_deadline - time.time())
+            # A layer-wise pull's deadline is a stall timeout (every sign of progress restarts it).
+            deadline = time.monotonic() + (
+                self.settings.transfer_timeout_s
+                if recv.layerwise
+                else min(self.settings.transfer_timeout_s, max(0.0, recv.lease_deadline - time.time()))
             )
+            if recv.layerwise and transport not in ("tcp", "ipc", "shm"):
+                transport = "tcp"  # layer-wise pulls are served over frames or kernel copies only
             try:
                 segments = wire.segments_of(recv.remote_block_ids, recv.local_block_ids)
             except ValueError as exc:  # the prefill node holds fewer blocks than we need: recompute
@@ -103,10 +127,52 @@ class TandemWorker:
                     recv.local_block_ids,
                     deadline,
                     checksum=self.settings.checksum_for(transport),
+                    layerwise=recv.layerwise,
                 )
             )
         for request_id in meta.cancels:
             self.puller.cancel(request_id)
+
+    def begin_step(self, meta: TandemMetadata) -> None:
+        """Open this step's layer-wise leases and note which of them end their prompt in it. Run at the
+        first ``save_kv_layer`` of the step or at ``start``, whichever comes first: vLLM calls
+        ``start_load_kv`` after the forward when no load is synchronous, too late for the layers."""
+        if meta is self._step_meta or self.server is None:
+            return
+        self._step_meta = meta
+        for tid, request_id in meta.opens:
+            try:
+                self.server.open_fill(tid, self.settings.lease_s)
+            except LeaseError as exc:  # a sender reused a transfer id: no lease; its pull is refused
+                log.warning("layer-wise lease for request %s not opened: %s", request_id, exc)
+                continue
+            self._request_of[tid] = request_id
+        self._step_fills = [(f.transfer_id, f.block_ids) for f in meta.fills if self._owns(f.transfer_id, f.request_id)]
+        self._saved, self._ready = set(), 0
+
+    def _owns(self, transfer_id: str, request_id: str) -> bool:
+        """Whether this request opened the layer-wise lease ``transfer_id`` (not another one that a
+        sender gave the same id, whose lease must not be touched)."""
+        return self._request_of.get(transfer_id) == request_id
+
+    def layer_saved(self, layer_name: str, meta: TandemMetadata) -> None:
+        """``save_kv_layer``: the engine has written this layer for this step (``meta``: the step's
+        metadata); a layer-wise prefill ending in this step may now be served that far."""
+        self.begin_step(meta)
+        if not self._step_fills or self.server is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        self._saved.add(layer)
+        ready = self._ready
+        while ready in self._saved:  # the count of leading layers written, whatever order they came in
+            ready += 1
+        if ready == self._ready:
+            return
+        first, self._ready = self._ready == 0, ready
+        for tid, block_ids in self._step_fills:
+            self.server.fill(tid, ready, block_ids if first else None)
 
     @staticmethod
     def _endpoint(endpoints: dict[str, str], transport: str) -> str:
@@ -121,7 +187,7 @@ class TandemWorker:
         self._seen_finished |= finished_req_ids
         ended = self.leases.take_ended()
         self.stats.record_outcomes([lease.state.value for lease in ended])
-        self._ended_unreported |= {lease.transfer_id for lease in ended}
+        self._ended_unreported |= {self._request_of.pop(lease.transfer_id, lease.transfer_id) for lease in ended}
         sending = self._ended_unreported & self._seen_finished
         self._ended_unreported -= sending
         self._seen_finished -= sending

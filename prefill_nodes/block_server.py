@@ -8,7 +8,14 @@ At the boundary (``_handle``), before anything else: every frame's MAC under the
 (``unauthenticated``), never acted on. An ``shm`` Pull is served only on the ipc socket, and only when
 the peer's Unix-socket credentials show this uid and the pid its ``CmaTarget`` names (``auth.py``):
 ``process_vm_writev`` then writes into the process that asked, not one the message names. Faults
-(``wire.Fault``) are armed only on a server started with ``faults=True``, which says so at start."""
+(``wire.Fault``) are armed only on a server started with ``faults=True``, which says so at start.
+
+Layer-wise pulls (``Pull.layerwise``) are served while the prefill computes: the engine thread opens
+the lease before the prefill (``open_fill``) and reports each layer as it is written (``fill``, from
+``save_kv_layer``); this thread keeps one stream per such pull and, whenever it wakes, sends what the
+prefill has written since (``Filling`` and, for tcp/ipc, the layers' frames), a heartbeat every
+``keepalive_s`` while nothing new is there, and a Reject if the prefill failed or was aborted
+(``abort_fill``), which ends the lease at once."""
 
 from __future__ import annotations
 
@@ -47,12 +54,33 @@ SERVED_KEPT = 10_000
 """Recent pulls remembered for ``Query`` (a router asks right after a streamed answer ends)."""
 
 
+KEEPALIVE_S = 1.0
+"""How often a layer-wise stream tells its decode node the prefill is still computing (its stall
+timeout, ``transfer_timeout_s``, must be longer)."""
+
+
 @dataclass
 class _Parked:
     sock: zmq.Socket[bytes]
     ident: bytes
     pull: wire.Pull
     since: float
+
+
+@dataclass
+class _Stream:
+    """A layer-wise pull being served as the prefill writes its layers."""
+
+    sock: zmq.Socket[bytes]
+    ident: bytes
+    pull: wire.Pull
+    last: float
+    """monotonic: the last message sent on it."""
+    sent: int = 0
+    """Layers announced (and, for tcp/ipc, sent)."""
+    block_ids: list[int] | None = None
+    """The lease's block ids at the positions asked, once known."""
+    segments: list[wire.Segment] | None = None
 
 
 class BlockServer:
@@ -65,8 +93,11 @@ class BlockServer:
         codec: wire.Codec,
         *,
         faults: bool = False,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         self.layout = layout
+        self.keepalive_s = keepalive_s
+        self._streams: dict[str, _Stream] = {}
         self.leases = leases
         self.endpoints = endpoints
         self.stats = stats
@@ -116,6 +147,34 @@ class BlockServer:
         if self._armed.pop("expire", None) is not None:
             deadline = time.time() - 1
         self.leases.add(transfer_id, block_ids, deadline)
+        self._wake()
+
+    def open_fill(self, transfer_id: str, lease_s: float) -> None:
+        """A layer-wise lease, opened as its prefill starts (nothing written yet, no deadline)."""
+        self.leases.open_fill(transfer_id, lease_s)
+        self._wake()
+
+    def fill(self, transfer_id: str, layers: int, block_ids: list[int] | None = None, *, done: bool = False) -> None:
+        """The prefill has written ``layers`` layers of its last chunk into ``block_ids`` (``done``: it
+        has ended). Called on the engine thread after each layer: it only wakes this server."""
+        try:
+            self.leases.fill(transfer_id, layers, block_ids, done=done)
+        except LeaseError as exc:  # the decode node failed or released it meanwhile: nothing to serve
+            log.debug("fill of %s ignored: %s", transfer_id, exc)
+            return
+        self._wake()
+
+    def abort_fill(self, transfer_id: str, reason: str) -> None:
+        """The prefill failed or was aborted before its KV was whole: end the lease now (a decode
+        node pulling it gets a Reject and recomputes or fails the request)."""
+        lease = self.leases.get(transfer_id)
+        if lease is None:
+            return
+        to = LeaseState.RELEASED if lease.state in (LeaseState.FILLING, LeaseState.HELD) else LeaseState.FAILED
+        try:
+            self.leases.move(transfer_id, to, f"prefill ended before its KV was whole: {reason}")
+        except LeaseError as exc:
+            log.info("abort of %s ignored: %s", transfer_id, exc)
         self._wake()
 
     def _wake(self) -> None:
@@ -186,6 +245,7 @@ class BlockServer:
 
     def _timeout_ms(self) -> int:
         nexts = [p.since + PARK_S for p in self._parked.values()] + [until for _, until in self._held.values()]
+        nexts += [st.last + self.keepalive_s for st in self._streams.values()]
         deadline = self.leases.next_deadline()
         if deadline is not None:
             nexts.append(deadline - time.time() + time.monotonic())
@@ -210,7 +270,13 @@ class BlockServer:
                 self._parked[tid] = parked
         for tid, parked in list(self._parked.items()):
             ended = self.leases.ended_state(tid)
-            if self.leases.get(tid) is not None:
+            live = self.leases.get(tid)
+            if live is not None and live.state is LeaseState.FILLING and not parked.pull.layerwise:
+                if now - parked.since > PARK_S:
+                    del self._parked[tid]
+                    self._reply(parked.sock, parked.ident, wire.Reject(tid, "the prefill is still computing"))
+                continue  # a whole pull waits for the prefill to end (or for PARK_S)
+            if live is not None:
                 del self._parked[tid]
                 self._serve(parked.sock, parked.ident, parked.pull)
             elif ended is not None:
@@ -219,6 +285,8 @@ class BlockServer:
             elif now - parked.since > PARK_S:
                 del self._parked[tid]
                 self._reply(parked.sock, parked.ident, wire.Reject(tid, "unknown or ended lease"))
+        for tid in list(self._streams):
+            self._advance(tid)
 
     def _handle(self, sock: zmq.Socket[bytes], frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
@@ -264,9 +332,10 @@ class BlockServer:
                 )
                 log.warning("fault injection: holding pull %s", msg.transfer_id)
                 return
+            live = self.leases.get(msg.transfer_id)
             if ended is not None:
                 self._reply(sock, ident, wire.Reject(msg.transfer_id, f"lease already {ended}"))
-            elif self.leases.get(msg.transfer_id) is None:
+            elif live is None or (live.state is LeaseState.FILLING and not msg.layerwise):
                 self._parked[msg.transfer_id] = _Parked(sock, ident, msg, time.monotonic())
             else:
                 self._serve(sock, ident, msg)
@@ -342,6 +411,9 @@ class BlockServer:
             self.stats.record_send(lease.block_ids, time.time() - lease.created)
 
     def _serve(self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull) -> None:
+        if pull.layerwise:
+            self._open_stream(sock, ident, pull)
+            return
         tid = pull.transfer_id
         lease = self.leases.get(tid)
         if lease is None or lease.state is not LeaseState.HELD:
@@ -385,26 +457,109 @@ class BlockServer:
     def _send_frames(self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull) -> None:
         lay = self.layout
         for layer in range(lay.num_layers):
-            spans = [lay.span(layer, s.remote, s.count) for s in pull.segments]
-            sums = [checksum(v) for v in spans] if pull.checksum else []
-            if "corrupt" in self._armed and spans:
-                self._armed.pop("corrupt")
-                bad = spans[0].copy()
-                bad[len(bad) // 2] ^= 0xFF
-                spans[0] = bad
-            header = wire.LayerHeader(
-                pull.transfer_id,
-                layer,
-                [s.remote for s in pull.segments],
-                lay.dtype,
-                lay.block_shape,
-                [v.nbytes for v in spans],
-                sums,
-            )
-            sock.send_multipart([ident, self.codec.encode(header), *cast(list[Any], spans)], copy=False)
-            if layer == 0 and "stall" in self._armed:
-                self._stall(self._armed.pop("stall"))
+            self._send_layer(sock, ident, pull, layer, pull.segments)
         sock.send_multipart([ident, self.codec.encode(wire.End(pull.transfer_id, lay.num_layers))])
+
+    # -- layer-wise streams ----------------------------------------------------------------------------
+    def _open_stream(self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull) -> None:
+        tid = pull.transfer_id
+        lease = self.leases.get(tid)
+        if lease is None or lease.state not in (LeaseState.FILLING, LeaseState.HELD):
+            self._reply(sock, ident, wire.Reject(tid, f"lease is {lease.state if lease else 'gone'}"))
+            return
+        if pull.transport not in ("tcp", "ipc", "shm") or any(s.count <= 0 or s.remote < 0 for s in pull.segments):
+            self._reply(sock, ident, wire.Reject(tid, f"not a layer-wise pull this server serves ({pull.transport})"))
+            return
+        self.leases.move(tid, LeaseState.SENDING)
+        self._served[tid] = (
+            pull.transport,
+            self.layout.nbytes(pull.segments),
+            sum(s.count for s in pull.segments),
+            time.time(),
+        )
+        lay = self.layout
+        if pull.transport == "shm":  # the decode node copies every layer itself: this core computes
+            here = [lay.address(i) for i in range(lay.num_layers)]
+            self._reply(sock, ident, wire.Grant(tid, os.getpid(), here, [lay.block_nbytes] * lay.num_layers, []))
+        self._streams[tid] = _Stream(sock, ident, pull, time.monotonic())
+        self._advance(tid)
+
+    def _advance(self, tid: str) -> None:
+        """Send a stream what its prefill has written since it last looked, a heartbeat when nothing,
+        or a Reject when the lease ended under it (the prefill failed, or the decode node said Done)."""
+        st = self._streams[tid]
+        lease = self.leases.get(tid)
+        if lease is None:
+            del self._streams[tid]
+            info = self.leases.ended_info(tid)
+            state, reason = (info[0].value, info[2]) if info else ("gone", "")
+            self._reply(st.sock, st.ident, wire.Reject(tid, f"lease {state}: {reason}"))
+            return
+        lay, pull = self.layout, st.pull
+        ready = lay.num_layers if lease.layers_ready is None else min(lease.layers_ready, lay.num_layers)
+        now = time.monotonic()
+        try:
+            if ready > st.sent:
+                if st.segments is None:
+                    positions, _ = wire.positions_of(pull.segments)
+                    nblocks = lay.layers[0].shape[0]
+                    if any(p >= len(lease.block_ids) for p in positions) or any(
+                        not 0 <= lease.block_ids[p] < nblocks for p in positions
+                    ):
+                        del self._streams[tid]
+                        self.leases.move(tid, LeaseState.FAILED, "layer-wise pull asks positions outside the lease")
+                        self._reply(st.sock, st.ident, wire.Reject(tid, "positions outside the lease"))
+                        return
+                    st.block_ids = [lease.block_ids[p] for p in positions]
+                    st.segments = wire.resolve(pull.segments, st.block_ids)
+                ids, segments = st.block_ids or [], st.segments or []  # both set together, just above
+                new = range(st.sent, ready)
+                sums = (
+                    [[checksum(lay.span(layer, s.remote, s.count)) for s in segments] for layer in new]
+                    if pull.checksum and pull.transport == "shm"
+                    else []
+                )
+                self._reply(st.sock, st.ident, wire.Filling(tid, ready, ids, sums))
+                if pull.transport != "shm":
+                    for layer in new:
+                        self._send_layer(st.sock, st.ident, pull, layer, segments)
+                st.sent, st.last = ready, now
+                if ready == lay.num_layers:
+                    del self._streams[tid]
+                    if pull.transport != "shm":
+                        st.sock.send_multipart([st.ident, self.codec.encode(wire.End(tid, lay.num_layers))])
+                    self.leases.move(tid, LeaseState.AWAIT_ACK)
+            elif now - st.last >= self.keepalive_s:
+                self._reply(st.sock, st.ident, wire.Filling(tid, st.sent, st.block_ids or []))
+                st.last = now
+        except (zmq.ZMQError, OSError) as exc:
+            log.warning("layer-wise send of %s failed: %s", tid, exc)
+            self._streams.pop(tid, None)
+            self.leases.move(tid, LeaseState.FAILED, f"send failed: {exc}")
+
+    def _send_layer(
+        self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull, layer: int, segments: list[wire.Segment]
+    ) -> None:
+        lay = self.layout
+        spans = [lay.span(layer, s.remote, s.count) for s in segments]
+        sums = [checksum(v) for v in spans] if pull.checksum else []
+        if "corrupt" in self._armed and spans:
+            self._armed.pop("corrupt")
+            bad = spans[0].copy()
+            bad[len(bad) // 2] ^= 0xFF
+            spans[0] = bad
+        header = wire.LayerHeader(
+            pull.transfer_id,
+            layer,
+            [s.remote for s in segments],
+            lay.dtype,
+            lay.block_shape,
+            [v.nbytes for v in spans],
+            sums,
+        )
+        sock.send_multipart([ident, self.codec.encode(header), *cast(list[Any], spans)], copy=False)
+        if layer == 0 and "stall" in self._armed:
+            self._stall(self._armed.pop("stall"))
 
     def _stall(self, seconds: float) -> None:
         log.warning("fault injection: stalling a transfer for %.1f s", seconds)

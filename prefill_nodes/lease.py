@@ -21,6 +21,19 @@ reports the request as ``finished_sending``).
        └──────── deadline passes in HELD, SENDING or AWAIT_ACK ─────────────┴──▶ EXPIRED
                  (decode died, never pulled, or never acknowledged)
 
+Layer-wise (a lease opened when the prefill starts, served while it computes)::
+
+    ┌─────────┐  Pull(layerwise)   ┌─────────┐  every layer sent (the prefill has ended)
+    │ FILLING │ ─────────────────▶ │ SENDING │ ─────────────────────────────────────────▶ AWAIT_ACK
+    └─────────┘                    └─────────┘
+       │  │ prefill ended, no pull yet → HELD            │
+       │  └─ prefill failed or aborted half-way ─────────┴──▶ FAILED (the pull is answered with a Reject)
+       │     (RELEASED when nobody was pulling yet)
+
+A lease being filled has no deadline (it lives exactly as long as its prefill, which ends it one way or
+the other); its deadline, ``lease_s`` from then, starts when the prefill ends, so a decode node that
+died half-way through the layers strands nothing: the lease expires like any other.
+
 Terminal states: DONE, FAILED, RELEASED, EXPIRED. Each frees the prefill node's blocks; the decode
 node frees (or recomputes into) its own blocks on its side (``worker.py``): a failed or refused pull
 is reported to vLLM as a load error, which either recomputes the prompt locally
@@ -33,6 +46,7 @@ never had, or already ended, is answered with Reject.
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from collections import Counter
@@ -41,6 +55,7 @@ from dataclasses import dataclass, field
 
 
 class LeaseState(enum.StrEnum):
+    FILLING = "filling"
     HELD = "held"
     SENDING = "sending"
     AWAIT_ACK = "await_ack"
@@ -57,6 +72,7 @@ class LeaseState(enum.StrEnum):
 _TERMINAL = {LeaseState.DONE, LeaseState.FAILED, LeaseState.RELEASED, LeaseState.EXPIRED}
 
 _ALLOWED: dict[LeaseState, set[LeaseState]] = {
+    LeaseState.FILLING: {LeaseState.SENDING, LeaseState.HELD, LeaseState.RELEASED, LeaseState.FAILED},
     LeaseState.HELD: {LeaseState.SENDING, LeaseState.RELEASED, LeaseState.EXPIRED},
     LeaseState.SENDING: {
         LeaseState.AWAIT_ACK,
@@ -87,6 +103,13 @@ class Lease:
     reason: str = ""
     created: float = field(default_factory=time.time)
     ended: float | None = None
+    layers_ready: int | None = None
+    """Layer-wise leases: how many layers of the last chunk the prefill has written (None: the
+    lease was made after the prefill, every layer is there)."""
+    filled: bool = True
+    """Whether the prefill has ended (always, for a lease made after it)."""
+    lease_s: float = 0.0
+    """Layer-wise leases: the deadline set when the prefill ends, from then."""
 
 
 class LeaseTable:
@@ -111,6 +134,43 @@ class LeaseTable:
                 raise LeaseError(f"lease {transfer_id} already exists")
             lease = Lease(transfer_id, list(block_ids), deadline, self.holder)
             self._leases[transfer_id] = lease
+            self._cond.notify_all()
+            return lease
+
+    def open_fill(self, transfer_id: str, lease_s: float) -> Lease:
+        """A layer-wise lease, before its prefill has written anything: no blocks known, no deadline."""
+        with self._cond:
+            if transfer_id in self._leases:
+                raise LeaseError(f"lease {transfer_id} already exists")
+            lease = Lease(
+                transfer_id,
+                [],
+                math.inf,
+                self.holder,
+                LeaseState.FILLING,
+                layers_ready=0,
+                filled=False,
+                lease_s=lease_s,
+            )
+            self._leases[transfer_id] = lease
+            self._cond.notify_all()
+            return lease
+
+    def fill(self, transfer_id: str, layers: int, block_ids: list[int] | None = None, *, done: bool = False) -> Lease:
+        """The prefill has written ``layers`` layers (of its last chunk) into ``block_ids``; ``done``: it
+        has ended, so the deadline starts and, if nobody pulls yet, the lease is simply HELD."""
+        with self._cond:
+            lease = self._leases.get(transfer_id)
+            if lease is None or lease.filled:
+                raise LeaseError(f"no lease {transfer_id} being filled")
+            if block_ids is not None:
+                lease.block_ids = list(block_ids)
+            lease.layers_ready = max(lease.layers_ready or 0, layers)
+            if done:
+                lease.filled = True
+                lease.deadline = time.time() + lease.lease_s
+                if lease.state is LeaseState.FILLING:
+                    lease.state = LeaseState.HELD
             self._cond.notify_all()
             return lease
 
@@ -176,8 +236,9 @@ class LeaseTable:
             return bool(self._ended)
 
     def next_deadline(self) -> float | None:
+        """The earliest finite deadline (leases being filled have none)."""
         with self._cond:
-            return min((lease.deadline for lease in self._leases.values()), default=None)
+            return min((lease.deadline for lease in self._leases.values() if lease.deadline < math.inf), default=None)
 
     def wait_for(self, transfer_id: str, timeout: float) -> Lease | None:
         """Wait until a lease with this id exists (a Pull may overtake the step that creates it)."""
@@ -197,7 +258,9 @@ class LeaseTable:
     def sending(self) -> int:
         """Leases whose transfer has started (SENDING or AWAIT_ACK)."""
         with self._cond:
-            return sum(1 for lease in self._leases.values() if lease.state is not LeaseState.HELD)
+            return sum(
+                1 for lease in self._leases.values() if lease.state in (LeaseState.SENDING, LeaseState.AWAIT_ACK)
+            )
 
     def leased_blocks(self) -> int:
         with self._cond:

@@ -35,6 +35,7 @@ from kv_transfer import wire
 from kv_transfer.auth import engine_auth_headers, load_cluster_secret
 from tests.e2e.conftest import engine_metric
 from tests.support.helpers import wait_for
+from tests.support.layerwise import layerwise_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -95,6 +96,8 @@ class FaultCluster:
                 "--max-model-len",
                 "2048",
                 "--engine-arg=--num-gpu-blocks-override=20",
+                # prefills of several chunks: a layer-wise pull waits through the first ones
+                "--engine-arg=--max-num-batched-tokens=256",
                 "--log-dir",
                 str(self.workdir),
             ],
@@ -310,6 +313,24 @@ def test_full_decode_node_rejects_and_releases_the_lease_at_once(fc: FaultCluste
     resp = victim.join()
     assert text(resp) == want
     assert resp.json()["usage"]["tandem"]["mode"] == "disaggregated"
+    assert wait_for(lambda: at_baseline(P_PORT) and at_baseline(D_PORT), timeout_s=30)
+
+
+def _chat_body(fc: FaultCluster, messages: list[dict[str, str]], max_tokens: int) -> dict:
+    return {"model": fc.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+
+
+def test_layerwise_corrupted_layer_is_caught_and_the_decode_node_recomputes(fc: FaultCluster) -> None:
+    msgs = prompt(300, "lwcrc")
+    want = reference(fc, msgs)
+    failed, failures = outcome(P_PORT, "failed"), metric(D_PORT, "tandem_kv_transfer_failures_total")
+    arm(P_PORT, "corrupt")
+    resp = layerwise_chat(node_url(P_PORT), node_url(D_PORT), P_PORT, _chat_body(fc, msgs, 8), "tcp")
+    assert text(resp) == want
+    report = resp.json()["kv_transfer_params"]["tandem_transfer"]
+    assert not report["ok"] and "checksum" in report["reason"], report
+    assert wait_for(lambda: outcome(P_PORT, "failed") == failed + 1, timeout_s=30)
+    assert metric(D_PORT, "tandem_kv_transfer_failures_total") == failures + 1
     assert wait_for(lambda: at_baseline(P_PORT) and at_baseline(D_PORT), timeout_s=30)
 
 

@@ -123,3 +123,44 @@ def test_blocks_past_the_prompt_are_not_pulled() -> None:
     d.update_state_after_alloc(req, _blocks([], [3, 4, 5]), 8)
     (recv,) = d.build_connector_meta().recvs
     assert recv.remote_block_ids == [7, 8] and recv.local_block_ids == [3, 4]
+
+
+# -- layer-wise, prefill side ------------------------------------------------------------------------------
+def _filling(rid: str, n_tokens: int, tid: str) -> SimpleNamespace:
+    from contracts.transfer import LAYERWISE_ID_KEY
+
+    r = _req(rid, n_tokens, {"do_remote_decode": True, LAYERWISE_ID_KEY: tid}, RequestStatus.RUNNING)
+    r.num_computed_tokens, r.num_prompt_tokens = 0, n_tokens
+    return r
+
+
+def test_layerwise_prefill_opens_its_lease_at_allocation_and_reports_only_its_last_chunk() -> None:
+    p = _sched()
+    p.kv_cache_manager.get_block_ids = lambda rid: ([7, 8, 9, 11],)  # 10 tokens: 3 prompt blocks + 1 more
+    r = _filling("r1", 10, "lw-1")
+    p.update_state_after_alloc(r, None, 0)
+    p.update_state_after_alloc(r, None, 0)  # allocated again (after a preemption): one lease still
+    meta = p.build_connector_meta(scheduled={"r1": 4})  # the first chunk: nothing to report yet
+    assert meta.opens == [("lw-1", "r1")] and meta.fills == [] and meta.leases == []
+    r.num_computed_tokens = 4
+    meta = p.build_connector_meta(scheduled={"r1": 6})  # the last chunk: its layers are reported
+    assert [(f.transfer_id, f.block_ids) for f in meta.fills] == [("lw-1", [7, 8, 9])]
+    r.num_computed_tokens, r.status = 10, RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished(r, [7, 8, 9])
+    assert delay is True and params is not None and params["transfer_id"] == "lw-1"
+    meta = p.build_connector_meta()
+    assert [(e.transfer_id, e.ok) for e in meta.fill_ends] == [("lw-1", True)]
+    assert meta.leases == [] and meta.fills == []  # no second lease for the same blocks
+    assert p.build_connector_meta().empty()
+
+
+def test_layerwise_prefill_aborted_half_way_closes_its_fill_and_keeps_its_blocks_until_the_lease_ends() -> None:
+    p = _sched()
+    r = _filling("r1", 10, "lw-2")
+    p.update_state_after_alloc(r, None, 0)
+    p.build_connector_meta(scheduled={"r1": 4})
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert p.request_finished(r, [7, 8, 9]) == (True, None)  # a decode node may be reading them now
+    meta = p.build_connector_meta()
+    assert [(e.transfer_id, e.ok) for e in meta.fill_ends] == [("lw-2", False)]
+    assert "aborted" in meta.fill_ends[0].reason

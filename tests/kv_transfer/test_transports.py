@@ -188,3 +188,63 @@ def test_a_dead_prefill_node_fails_the_pull_at_its_deadline(local) -> None:  # n
     )
     out = puller.outcomes.get(timeout=10)
     assert not out.ok and "timed out" in out.reason and time.monotonic() - t0 < 5
+
+
+# -- shm: the copy starts while the Grant is in flight ----------------------------------------------------
+def test_a_second_shm_pull_copies_before_its_grant_and_delivers_the_exact_blocks(remote: Remote, local) -> None:  # noqa: ANN001
+    arrays, puller = local
+    src = _source()
+    remote.offer("early-1", [1, 2])
+    assert _pull(remote, puller, "early-1", "shm", [1, 2], [1, 2]).ok
+    assert puller.early_copies == 0  # nothing was known of the peer before its first Grant
+    remote.offer("early-2", [5, 6, 7])
+    out = _pull(remote, puller, "early-2", "shm", [5, 6, 7], [20, 21, 22])
+    assert out.ok, out.reason
+    assert puller.early_copies == 1
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(arrays[layer][[20, 21, 22]], src[layer][[5, 6, 7]])
+    assert remote.ended("early-2") == "done"
+
+
+def test_an_early_copy_is_not_kept_when_the_grant_names_another_process(remote: Remote, local) -> None:  # noqa: ANN001
+    """The known peer is stale (here: this very process, with decoy bytes at its addresses, as if the
+    prefill node had restarted): the Grant from the socket's proven peer differs, so the blocks are
+    read again from that peer, and what lands is the prefill node's data, not the decoy's."""
+    import os
+
+    from kv_transfer.transports import KnownPeer, process_start_time
+
+    arrays, puller = local
+    decoy = [np.full((BLOCKS, *SHAPE), 7.0, np.float32) for _ in range(LAYERS)]
+    start = process_start_time(os.getpid())
+    assert start is not None
+    puller._peers[remote.ipc] = KnownPeer(os.getpid(), start, tuple(a.ctypes.data for a in decoy))
+    remote.offer("stale-peer", [3, 4])
+    out = _pull(remote, puller, "stale-peer", "shm", [3, 4], [10, 11])
+    assert out.ok, out.reason
+    assert puller.early_copies == 0
+    src = _source()
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(arrays[layer][[10, 11]], src[layer][[3, 4]])
+
+
+def test_an_early_copy_for_an_ended_lease_fails_the_pull(remote: Remote, local) -> None:  # noqa: ANN001
+    _, puller = local
+    remote.offer("known-first", [8])
+    assert _pull(remote, puller, "known-first", "shm", [8], [8]).ok
+    out = _pull(remote, puller, "never-leased-shm", "shm", [9], [9], timeout=3.0)
+    assert not out.ok and out.local_block_ids == [9]  # its blocks go to recompute
+
+
+def test_a_reused_pid_is_not_taken_for_the_known_peer() -> None:
+    import os
+    import subprocess
+
+    from kv_transfer.transports import KnownPeer, process_start_time
+
+    me = process_start_time(os.getpid())
+    assert me is not None and KnownPeer(os.getpid(), me, ()).alive()
+    assert not KnownPeer(os.getpid(), me + 1, ()).alive()  # same pid, another process's start
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert process_start_time(child.pid) is None

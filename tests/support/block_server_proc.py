@@ -32,7 +32,9 @@ def _serve(conn, endpoints: list[str], secret: bytes, faults: bool) -> None:  # 
     arrays = source()
     leases = LeaseTable("child")
     stats = TransferStats()
-    server = BlockServer(KVLayout.from_arrays(arrays), leases, endpoints, stats, wire.Codec(secret), faults=faults)
+    server = BlockServer(
+        KVLayout.from_arrays(arrays), leases, endpoints, stats, wire.Codec(secret), faults=faults, keepalive_s=0.2
+    )
     server.start()
     conn.send("ready")
     ended: list[tuple[str, str]] = []
@@ -40,6 +42,12 @@ def _serve(conn, endpoints: list[str], secret: bytes, faults: bool) -> None:  # 
         cmd = conn.recv()
         if cmd[0] == "offer":
             server.offer(*cmd[1:])
+        elif cmd[0] == "open_fill":
+            server.open_fill(*cmd[1:])
+        elif cmd[0] == "fill":
+            server.fill(cmd[1], cmd[2], cmd[3], done=cmd[4])
+        elif cmd[0] == "abort_fill":
+            server.abort_fill(*cmd[1:])
         elif cmd[0] == "ended":
             ended += [(lease.transfer_id, lease.state.value) for lease in leases.take_ended()]
             conn.send(ended)
@@ -71,6 +79,18 @@ class Remote:
 
     def offer(self, tid: str, ids: list[int], ttl: float = 30.0) -> None:
         self.conn.send(("offer", tid, ids, time.time() + ttl))
+
+    def open_fill(self, tid: str, lease_s: float = 30.0) -> None:
+        """A layer-wise lease, as a prefill node opens it when its prefill starts."""
+        self.conn.send(("open_fill", tid, lease_s))
+
+    def fill(self, tid: str, layers: int, ids: list[int] | None = None, *, done: bool = False) -> None:
+        """The prefill has written ``layers`` layers into the lease's blocks ``ids`` (the child's source
+        blocks hold their data from the start: what this changes is what the server may send)."""
+        self.conn.send(("fill", tid, layers, ids, done))
+
+    def abort_fill(self, tid: str, reason: str) -> None:
+        self.conn.send(("abort_fill", tid, reason))
 
     def ended(self, tid: str, timeout: float = 10.0) -> str:
         """The lease's terminal state, waiting for it (the server acts asynchronously)."""

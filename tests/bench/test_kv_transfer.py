@@ -1,0 +1,38 @@
+"""The kv-transfer bench's summary: the exposed transfer time and the fixed cost per pull come out per
+transport, on the best transport in the RESULT line, and a missing figure reads ``na``."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.kv_transfer import PULL_FIXED_TOKENS, KvBenchConfig, Sample, summarise
+
+
+def test_summary_reports_exposed_time_and_fixed_cost_on_the_best_transport(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = KvBenchConfig(sizes=(1000, 7500), repeats=2, nixl=False)
+    mb = 1e6
+    samples = [
+        # shm is the fastest at the top size, so its figures are the RESULT's
+        Sample("tandem-shm", 7510, 348 * mb, 0.040, 0.060),
+        Sample("tandem-shm", 7510, 348 * mb, 0.044, 0.070),
+        Sample("tandem-tcp", 7510, 348 * mb, 0.220, 0.250),
+        Sample("tandem-tcp", 7510, 348 * mb, 0.230, 0.240),
+        Sample("tandem-shm", 1010, 46 * mb, 0.008, None),  # a pull without a report: no exposed time
+        Sample("tandem-shm", 1010, 46 * mb, 0.009, 0.020),
+    ]
+    fixed = [
+        Sample("fixed-shm", PULL_FIXED_TOKENS, 2.9 * mb, s)
+        for s in (0.0019, 0.0021, 0.0050)  # the median, not the mean
+    ] + [Sample("fixed-tcp", PULL_FIXED_TOKENS, 2.9 * mb, 0.006)]
+    result = summarise(samples, cfg, {}, 2_900_000, fixed, memcpy_gbps=10.0)
+    assert result["best_transport"] == "shm"
+    assert result["exposed_whole_ms"] == {"tcp": 245.0, "ipc": None, "shm": 65.0, "ucx": None}
+    assert result["transfers"]["tandem-shm"]["1000"]["exposed_ms"] == 20.0
+    assert result["pull_fixed_ms"]["shm"] == 2.1 and result["pull_fixed_ms"]["tcp"] == 6.0
+    assert result["targets"]["pull_fixed_at_most_3ms"] is True
+    assert result["targets"]["layerwise_at_most_30pct_of_whole"] is None
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("RESULT ")
+    fields = dict(kv.split("=") for kv in line.removeprefix("RESULT ").split())
+    assert fields["exposed_whole_ms"] == "65.000" and fields["pull_fixed_ms"] == "2.100"
+    assert fields["exposed_layerwise_ms"] == "na"
