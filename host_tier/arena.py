@@ -29,6 +29,7 @@ matches its checksum), so the tier survives its own server's restart as well as 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -94,7 +95,11 @@ class Arena:
         stride = -(-(SLOT_HEADER + slot_bytes) // 64) * 64
         size = FILE_HEADER + stride * n_slots
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+        # 0600: the blocks are tenants' prompts in KV form; only this user's processes may map them.
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # left by a crashed start of a process with this pid
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "wb") as f:
             # Allocated up front: the configured bound is taken at start (a host short of memory fails
             # here, not mid-offload), and no write pays a first-touch fault (0.8 against 5.9 GB/s here).
             # Zero-filled: gen 0 marks every slot empty.
@@ -152,28 +157,35 @@ class Arena:
         off = self._off(slot) + SLOT_HEADER
         return self._buf[off : off + self.slot_bytes]
 
-    def begin_write(self, slot: int) -> None:
+    def begin_write(self, slot: int) -> int:
+        """Open a slot for writing; returns the odd ``gen`` this write holds (``end_write`` checks it)."""
         off = self._off(slot)
         g = int(_GEN.unpack_from(self._mm, off)[0])
-        _GEN.pack_into(self._mm, off, g + 1 if g % 2 == 0 else g + 2)  # odd: readers keep out
+        mine = g + 1 if g % 2 == 0 else g + 2  # odd: readers keep out
+        _GEN.pack_into(self._mm, off, mine)
+        return mine
 
-    def end_write(self, slot: int, key: bytes, length: int) -> int:
-        """Seal a written slot: its checksum over the first ``length`` bytes, then an even ``gen``."""
+    def end_write(self, slot: int, key: bytes, length: int, mine: int) -> bool:
+        """Seal a written slot (its checksum over the first ``length`` bytes, then an even ``gen``), only
+        if no one opened it since ``begin_write`` returned ``mine``: a writer the server gave up on (its
+        slot reclaimed and handed on) never seals a block over bytes the next writer changed."""
         off = self._off(slot)
         digest = checksum(self.data(slot)[:length])
+        if int(_GEN.unpack_from(self._mm, off)[0]) != mine:
+            return False
         _META.pack_into(self._mm, off + _META_OFF, key, digest, length)
-        g = int(_GEN.unpack_from(self._mm, off)[0])
-        _GEN.pack_into(self._mm, off, g + 1)
-        return digest
+        _GEN.pack_into(self._mm, off, mine + 1)
+        return True
 
-    def write(self, slot: int, key: bytes, payload: memoryview | bytes | np.ndarray) -> int:
+    def write(self, slot: int, key: bytes, payload: memoryview | bytes | np.ndarray) -> bool:
         """Write a whole block from one buffer (engines write theirs in parts: ``write_gather``)."""
         src = payload.view(np.uint8) if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=np.uint8)
         return self.write_gather(slot, key, [src.reshape(-1)])
 
-    def write_gather(self, slot: int, key: bytes, parts: list[np.ndarray]) -> int:
-        """Write a block from its parts (one per layer, in the engine's memory), one after another."""
-        self.begin_write(slot)
+    def write_gather(self, slot: int, key: bytes, parts: list[np.ndarray]) -> bool:
+        """Write a block from its parts (one per layer, in the engine's memory), one after another.
+        False: the slot was taken from this writer meanwhile, nothing was sealed."""
+        mine = self.begin_write(slot)
         data = self.data(slot)
         pos = 0
         for part in parts:
@@ -182,7 +194,7 @@ class Arena:
                 raise ValueError(f"block parts of {pos + n}+ bytes > slot of {self.slot_bytes}")
             data[pos : pos + n] = part.reshape(-1)
             pos += n
-        return self.end_write(slot, key, pos)
+        return self.end_write(slot, key, pos, mine)
 
     def read_scatter(self, slot: int, key: bytes, parts: list[np.ndarray]) -> bool:
         """Copy a held block straight into its destinations (one per layer), no staging copy: the

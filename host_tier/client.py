@@ -41,6 +41,12 @@ class TierClient:
         self.arena = Arena.open(Path(welcome.path))
         self.block_bytes = welcome.slot_bytes
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Change the reply timeout (e.g. generous to connect, short on a serving path)."""
+        self._timeout_ms = int(timeout_s * 1000)
+        self._sock.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
+        self._sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+
     def _connect(self) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
@@ -72,15 +78,19 @@ class TierClient:
         into their slots."""
         reserved = self._call(m.Reserve(list(keys)))
         assert isinstance(reserved, m.Reserved)
-        done_slots, done_keys = [], []
-        for slot, key, parts in zip(reserved.slots, keys, blocks, strict=True):
-            if slot >= 0:
-                self.arena.write_gather(slot, key, parts)
-                done_slots.append(slot)
-                done_keys.append(key)
-        if done_slots:
-            self._call(m.Commit(done_slots, done_keys))
-        return len(done_slots)
+        mine = [(slot, key, parts) for slot, key, parts in zip(reserved.slots, keys, blocks, strict=True) if slot >= 0]
+        sealed: list[tuple[int, bytes]] = []
+        try:
+            for slot, key, parts in mine:
+                if self.arena.write_gather(slot, key, parts):
+                    sealed.append((slot, key))
+        except BaseException:
+            # Give every reservation back at once rather than leave them to the reclaim timeout.
+            self._call(m.Abort([s for s, _, _ in mine], [k for _, k, _ in mine]))
+            raise
+        if sealed:
+            self._call(m.Commit([s for s, _ in sealed], [k for _, k in sealed]))
+        return len(sealed)
 
     def slots(self, keys: Sequence[bytes]) -> list[int]:
         """The slots of the longest held prefix of ``keys`` (read them with ``arena.read_scatter``)."""

@@ -6,7 +6,7 @@ slot numbers and keys cross this socket; block bytes never do (clients copy thro
     Hello                          -> Welcome(path, geometry, fingerprint)
     Reserve(keys)                  -> Reserved(slots)       one per key, -1 = already held or no room
     Commit(slots, keys)            -> Done                  written and sealed: now readable, evictable
-    Abort(slots)                   -> Done                  a reservation given back unwritten
+    Abort(slots, keys)             -> Done                  a reservation given back unwritten
     Lookup(keys, prefix)           -> Found(slots)          -1 = not held; prefix: stop at the first miss
     Pin(keys, ttl_s, owner)        -> Pinned(n)             kept across a pause (``eviction.py``)
     Forget(keys, reason)           -> Done                  a reader found a block corrupt or stale
@@ -35,6 +35,7 @@ class Commit(msgspec.Struct, tag=True):
 
 class Abort(msgspec.Struct, tag=True):
     slots: list[int]
+    keys: list[bytes]
 
 
 class Lookup(msgspec.Struct, tag=True):

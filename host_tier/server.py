@@ -94,8 +94,10 @@ class TierCore:
             self._commit(req.slots, req.keys)
             return m.Done()
         if isinstance(req, m.Abort):
-            for slot in req.slots:
-                if self.writing.pop(slot, None) is not None:
+            for slot, key in zip(req.slots, req.keys, strict=True):
+                w = self.writing.get(slot)
+                if w is not None and w[0] == key:  # a stale Abort never frees another writer's slot
+                    del self.writing[slot]
                     self.arena.invalidate(slot)
                     self.free.append(slot)
             return m.Done()
@@ -154,9 +156,12 @@ class TierCore:
     def _commit(self, slots: list[int], keys: list[bytes]) -> None:
         stored = []
         for slot, key in zip(slots, keys, strict=True):
-            w = self.writing.pop(slot, None)
+            w = self.writing.get(slot)
             if w is None or w[0] != key:
-                continue  # reclaimed meanwhile (a writer slower than write_timeout_s): its copy is void
+                # Reclaimed meanwhile (a writer slower than write_timeout_s), maybe handed to another
+                # writer since: this copy is void, and the slot's new reservation is left alone.
+                continue
+            del self.writing[slot]
             if self.arena.gen(slot) % 2 or key in self.by_key:
                 self.arena.invalidate(slot)  # never sealed, or a duplicate committed by another writer
                 self.free.append(slot)

@@ -24,7 +24,8 @@ The sequence, per request:
 
 Keys are the engine's own block hashes (``request.block_hashes``, sha256_cbor), the same the router's
 fleet index and every tier use. A tier that is down costs a miss, never a failed request: lookups
-answer 0 and offloads are skipped while it does not answer.
+answer 0 and offloads are skipped while it does not answer (one 0.5 s timeout, then off for
+``tier_retry_s``, so a dead tier does not stall the scheduler on every lookup).
 
 Not done yet: the copies run on the engine's thread inside the step (a 7.5k-token bf16 prompt is
 about 170 MB: ~40 ms at the 4 GB/s measured here); blocks are offloaded when their request ends, not
@@ -34,6 +35,7 @@ when the engine evicts them.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,11 +99,16 @@ class HostTierConnector(KVConnectorBase_V1):
         endpoint = str(extra.get("tier_endpoint", "ipc:///tmp/tandem-tier.sock"))
         self._tier: TierClient | None = None
         try:
-            self._tier = TierClient(endpoint, layout.fingerprint(), timeout_s=float(extra.get("tier_timeout_s", 5.0)))
+            # 10 s to find the tier at start (it may still be starting); then a short timeout: a lookup
+            # runs on the scheduler's thread for every waiting request.
+            self._tier = TierClient(endpoint, layout.fingerprint(), timeout_s=10.0)
+            self._tier.set_timeout(float(extra.get("tier_timeout_s", 0.5)))
         except TierUnavailable as exc:  # no tier answering: serve without it (a miss costs a prefill)
             log.warning("host tier off: %s", exc.message)
         # Any other ConfigError (a tier of another layout) ends the start with its message: a tier the
         # engine could never hit is a configuration error, not a silent 0% hit rate.
+        self._retry_s = float(extra.get("tier_retry_s", 10.0))
+        self._down_until = 0.0
         self._num_blocks = kv_cache_config.num_blocks
         self._kv: KVLayout | None = None
         # scheduler side
@@ -114,9 +121,21 @@ class HostTierConnector(KVConnectorBase_V1):
         self.loaded_blocks = 0
         self.stored_blocks = 0
 
+    def _up(self) -> TierClient | None:
+        """The tier, unless it is off or failed to answer within the last ``tier_retry_s``: a tier that is
+        down costs one timeout per ``tier_retry_s``, not one per lookup."""
+        if self._tier is None or time.monotonic() < self._down_until:
+            return None
+        return self._tier
+
+    def _down(self, exc: ConfigError) -> None:
+        self._down_until = time.monotonic() + self._retry_s
+        log.warning("host tier not answering (%s): off for %.0f s", exc.message, self._retry_s)
+
     # -- scheduler side --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if self._tier is None:
+        tier = self._up()
+        if tier is None:
             return 0, False
         first = num_computed_tokens // self.block_size
         # Never the last prompt token: the engine computes it for the first output's logits.
@@ -125,8 +144,9 @@ class HostTierConnector(KVConnectorBase_V1):
         if not keys:
             return 0, False
         try:
-            n = self._tier.lookup(keys)
-        except ConfigError:
+            n = tier.lookup(keys)
+        except ConfigError as exc:
+            self._down(exc)
             return 0, False
         if n == 0:
             return 0, False
@@ -152,7 +172,7 @@ class HostTierConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
 
         self._pending_load.pop(request.request_id, None)
-        if self._tier is None or request.status not in (
+        if self._up() is None or request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         ):
@@ -175,36 +195,49 @@ class HostTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HostTierMetadata)
-        if self._tier is None or self._kv is None:
-            return
         for copy in meta.stores:
             self._store(copy)
+            self._stored.add(copy.request_id)  # always: vLLM frees the blocks only once it is reported
         for copy in meta.loads:
             self._load(copy)
 
     def _load(self, copy: BlockCopy) -> None:
-        assert self._tier is not None
-        try:
-            found = self._tier.slots(copy.keys)
-        except ConfigError:
-            found = []
+        """Fill the claimed blocks, or report them as load errors: a claimed block left unfilled would
+        be computed on from whatever the cache held, so every path ends in one or the other."""
+        tier = self._up()
+        found: list[int] = []
+        if tier is not None and self._kv is not None:
+            try:
+                found = tier.slots(copy.keys)
+            except ConfigError as exc:
+                self._down(exc)
         for i, block_id in enumerate(copy.block_ids):
-            ok = i < len(found) and self._tier.arena.read_scatter(found[i], copy.keys[i], self._parts(block_id))
+            ok = (
+                i < len(found)
+                and tier is not None
+                and tier.arena.read_scatter(found[i], copy.keys[i], self._parts(block_id))
+            )
             if not ok:
                 # This block and the rest are recomputed (vLLM recomputes from the first failed block).
                 self._load_errors.update(copy.block_ids[i:])
-                if i < len(found):
-                    self._tier.forget([copy.keys[i]])
+                if tier is not None and i < len(found):
+                    try:
+                        tier.forget([copy.keys[i]])
+                    except ConfigError as exc:
+                        self._down(exc)
                 return
             self.loaded_blocks += 1
 
     def _store(self, copy: BlockCopy) -> None:
-        assert self._tier is not None
+        tier = self._up()
+        if tier is None or self._kv is None:
+            return
         try:
-            self.stored_blocks += self._tier.put_parts(copy.keys, [self._parts(b) for b in copy.block_ids])
+            self.stored_blocks += tier.put_parts(copy.keys, [self._parts(b) for b in copy.block_ids])
         except ConfigError as exc:
-            log.warning("host tier offload skipped: %s", exc.message)
-        self._stored.add(copy.request_id)
+            self._down(exc)
+        except ValueError as exc:  # a block larger than the tier's slots: another layout slipped through
+            log.warning("host tier offload skipped: %s", exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv, before the forward

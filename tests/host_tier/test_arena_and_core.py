@@ -188,3 +188,49 @@ def test_a_duplicate_commit_keeps_one_copy(arena: Arena) -> None:
         core.handle(m.Commit(r.slots, [key(0)]))
     stats = core.stats()
     assert (stats.held, stats.stored, len(core.free)) == (1, 1, 3)
+
+
+def test_a_late_writer_neither_seals_nor_disturbs_the_slot_s_new_owner(arena: Arena) -> None:
+    clock = Clock()
+    core = TierCore(arena, write_timeout_s=30.0, clock=clock)
+    late = core.handle(m.Reserve([key(0)]))
+    assert isinstance(late, m.Reserved)
+    slot = late.slots[0]
+    late_gen = arena.begin_write(slot)  # writer A starts, then stalls past the timeout
+    clock.t += 31
+    for i in (1, 2, 3):
+        put(core, i)
+    nxt = core.handle(m.Reserve([key(4)]))  # the reclaimed slot goes to writer B
+    assert isinstance(nxt, m.Reserved) and nxt.slots == [slot]
+    b_gen = arena.begin_write(slot)
+    arena.data(slot)[: SLOT // 2] = block(4)[: SLOT // 2]
+    assert arena.end_write(slot, key(0), SLOT, late_gen) is False  # A's seal over B's bytes is refused
+    core.handle(m.Commit([slot], [key(0)]))  # A's late commit
+    core.handle(m.Abort([slot], [key(0)]))  # and a stale abort: neither touches B's reservation
+    assert core.writing[slot][0] == key(4)
+    arena.data(slot)[:] = block(4)
+    assert arena.end_write(slot, key(4), SLOT, b_gen) is True
+    core.handle(m.Commit([slot], [key(4)]))
+    assert core.by_key[key(4)] == slot and key(0) not in core.by_key
+    assert arena.read(slot, key(4)) == block(4).tobytes()
+
+
+def test_read_scatter_fills_every_part_or_reports_failure(arena: Arena) -> None:
+    arena.write(0, key(0), block(0))
+    parts = [np.zeros(SLOT // 4, dtype=np.uint8) for _ in range(4)]
+    assert arena.read_scatter(0, key(0), parts)
+    assert np.concatenate(parts).tobytes() == block(0).tobytes()
+    assert not arena.read_scatter(0, key(1), parts)  # another key
+    arena.data(0)[5] ^= 1
+    assert not arena.read_scatter(0, key(0), parts)  # a corrupt byte
+    arena.write(1, key(1), block(1))
+    real_data = arena.data
+
+    def data_then_overwrite(slot: int) -> np.ndarray:
+        view = real_data(slot)
+        arena.data = real_data  # type: ignore[method-assign]
+        arena.write(1, key(2), block(2))  # reused after the checksum passed, before the copy ended
+        return view
+
+    arena.data = data_then_overwrite  # type: ignore[method-assign]
+    assert not arena.read_scatter(1, key(1), parts)
