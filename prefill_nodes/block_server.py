@@ -19,6 +19,7 @@ prefill has written since (``Filling`` and, for tcp/ipc, the layers' frames), a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -430,7 +431,11 @@ class BlockServer:
             ):
                 self._reply(sock, ident, wire.Reject(tid, f"segment {s} is outside the lease"))
                 return
-        self.leases.move(tid, LeaseState.SENDING)
+        try:
+            self.leases.move(tid, LeaseState.SENDING)
+        except LeaseError as exc:  # ended by the engine thread (abort_fill) since the check above
+            self._reply(sock, ident, wire.Reject(tid, f"lease ended: {exc}"))
+            return
         self._served[tid] = (
             pull.transport,
             self.layout.nbytes(pull.segments),
@@ -470,7 +475,11 @@ class BlockServer:
         if pull.transport not in ("tcp", "ipc", "shm") or any(s.count <= 0 or s.remote < 0 for s in pull.segments):
             self._reply(sock, ident, wire.Reject(tid, f"not a layer-wise pull this server serves ({pull.transport})"))
             return
-        self.leases.move(tid, LeaseState.SENDING)
+        try:
+            self.leases.move(tid, LeaseState.SENDING)
+        except LeaseError as exc:  # ended by the engine thread (abort_fill) since the check above
+            self._reply(sock, ident, wire.Reject(tid, f"lease ended: {exc}"))
+            return
         self._served[tid] = (
             pull.transport,
             self.layout.nbytes(pull.segments),
@@ -532,10 +541,16 @@ class BlockServer:
             elif now - st.last >= self.keepalive_s:
                 self._reply(st.sock, st.ident, wire.Filling(tid, st.sent, st.block_ids or []))
                 st.last = now
+        except LeaseError as exc:
+            # The engine thread ended the lease (abort_fill) while this stream was being served: the
+            # decode node gets a Reject and recomputes; this thread keeps serving every other lease.
+            self._streams.pop(tid, None)
+            self._reply(st.sock, st.ident, wire.Reject(tid, f"lease ended: {exc}"))
         except (zmq.ZMQError, OSError) as exc:
             log.warning("layer-wise send of %s failed: %s", tid, exc)
             self._streams.pop(tid, None)
-            self.leases.move(tid, LeaseState.FAILED, f"send failed: {exc}")
+            with contextlib.suppress(LeaseError):
+                self.leases.move(tid, LeaseState.FAILED, f"send failed: {exc}")
 
     def _send_layer(
         self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull, layer: int, segments: list[wire.Segment]
