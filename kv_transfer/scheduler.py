@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from contracts.transfer import LAYERWISE_ID_KEY, TransferParams, TransferReport
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("tandem.kv.scheduler")
+
+USED_TIDS_KEPT = 65536
+"""How many layer-wise transfer ids a scheduler remembers to refuse their reuse (about 4 MB)."""
 
 
 class TandemScheduler:
@@ -46,6 +50,8 @@ class TandemScheduler:
         self._filled: set[str] = set()
         """Of those, the ones whose last prompt step was handed to the worker."""
         self._opens: list[tuple[str, str]] = []
+        self._used_tids: OrderedDict[str, None] = OrderedDict()
+        """Layer-wise transfer ids seen lately (router-chosen, unique): a repeat is refused."""
         self._fill_ends: list[FillEnd] = []
 
     @property
@@ -64,10 +70,18 @@ class TandemScheduler:
         params = request.kv_transfer_params or {}
         tid = params.get(LAYERWISE_ID_KEY)
         if params.get("do_remote_decode") and isinstance(tid, str) and tid:
-            if request.request_id not in self._filling:  # (a preempted request is allocated again)
+            if request.request_id in self._filling:  # (a preempted request is allocated again)
+                return
+            if tid not in self._used_tids:
+                self._used_tids[tid] = None
+                while len(self._used_tids) > USED_TIDS_KEPT:
+                    self._used_tids.popitem(last=False)
                 self._filling[request.request_id] = (tid, request)
                 self._opens.append((tid, request.request_id))
-            return
+                return
+            # A transfer id this engine has seen: never a second lease under it (its decode leg would
+            # pull the first request's blocks). This request is leased whole under its own id instead.
+            log.warning("layer-wise id %s reused by request %s: served as a whole pull", tid, request.request_id)
         self.admission.allocated(request, blocks, num_external_tokens)
 
     def update_connector_output(self, finished_recving: set[str], reports: dict[str, TransferReport] | None) -> None:

@@ -145,6 +145,9 @@ class TandemWorker:
                 self.server.open_fill(tid, self.settings.lease_s)
             except LeaseError as exc:  # a sender reused a transfer id: no lease; its pull is refused
                 log.warning("layer-wise lease for request %s not opened: %s", request_id, exc)
+                # No lease will end under this request, yet the scheduler keeps its blocks until one is
+                # reported: report it finished as soon as vLLM says the request ended.
+                self._ended_unreported.add(request_id)
                 continue
             self._request_of[tid] = request_id
         self._step_fills = [(f.transfer_id, f.block_ids) for f in meta.fills if self._owns(f.transfer_id, f.request_id)]

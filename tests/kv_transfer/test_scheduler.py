@@ -164,3 +164,17 @@ def test_layerwise_prefill_aborted_half_way_closes_its_fill_and_keeps_its_blocks
     meta = p.build_connector_meta()
     assert [(e.transfer_id, e.ok) for e in meta.fill_ends] == [("lw-2", False)]
     assert "aborted" in meta.fill_ends[0].reason
+
+
+def test_a_reused_layerwise_id_opens_no_second_lease_and_is_leased_whole_under_its_own_id() -> None:
+    p = _sched()
+    first = _filling("r1", 10, "lw-same")
+    p.update_state_after_alloc(first, None, 0)
+    second = _filling("r2", 10, "lw-same")  # a sender reused the id (router-chosen ids never repeat)
+    p.update_state_after_alloc(second, None, 0)
+    assert p.build_connector_meta().opens == [("lw-same", "r1")]
+    second.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished(second, [4, 5, 6])
+    # Its decode leg pulls its own blocks under its own id, never the first request's lease.
+    assert delay is True and params is not None and params["transfer_id"] == "r2"
+    assert [(lease.transfer_id, lease.block_ids) for lease in p.build_connector_meta().leases] == [("r2", [4, 5, 6])]
