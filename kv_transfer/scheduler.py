@@ -138,15 +138,7 @@ class TandemScheduler:
             return False, None  # aborted or failed prefill: nothing to hand over, free now
         deadline = time.time() + self.settings.lease_s
         self._leases.append(LeaseSpec(request.request_id, list(block_ids), deadline))
-        return True, TransferParams(
-            transfer_id=request.request_id,
-            remote_block_ids=list(block_ids),
-            remote_endpoints=self.settings.endpoints,
-            remote_host_id=host_id(),
-            remote_engine_id=self.engine_id,
-            remote_num_tokens=request.num_computed_tokens,
-            lease_deadline=deadline,
-        ).to_dict()
+        return True, self._handover(request.request_id, list(block_ids), request, deadline)
 
     def _fill_finished(self, request: Request, tid: str, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A layer-wise prefill ended: close its fill. Its blocks stay allocated until the lease ends
@@ -160,8 +152,11 @@ class TandemScheduler:
         self._fill_ends.append(FillEnd(tid, ok, reason, request.request_id))
         if not ok:
             return True, None
-        deadline = time.time() + self.settings.lease_s
-        return True, TransferParams(
+        return True, self._handover(tid, block_ids, request, time.time() + self.settings.lease_s)
+
+    def _handover(self, tid: str, block_ids: list[int], request: Request, deadline: float) -> dict[str, Any]:
+        """The transfer params the prefill leg answers with: what its decode node pulls, from where."""
+        return TransferParams(
             transfer_id=tid,
             remote_block_ids=block_ids,
             remote_endpoints=self.settings.endpoints,

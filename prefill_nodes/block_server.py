@@ -431,19 +431,8 @@ class BlockServer:
             ):
                 self._reply(sock, ident, wire.Reject(tid, f"segment {s} is outside the lease"))
                 return
-        try:
-            self.leases.move(tid, LeaseState.SENDING)
-        except LeaseError as exc:  # ended by the engine thread (abort_fill) since the check above
-            self._reply(sock, ident, wire.Reject(tid, f"lease ended: {exc}"))
+        if not self._begin_sending(sock, ident, pull):
             return
-        self._served[tid] = (
-            pull.transport,
-            self.layout.nbytes(pull.segments),
-            sum(s.count for s in pull.segments),
-            time.time(),
-        )
-        if len(self._served) > SERVED_KEPT:
-            del self._served[next(iter(self._served))]
         try:
             if pull.transport == "shm":
                 self._grant(sock, ident, pull)
@@ -466,6 +455,25 @@ class BlockServer:
         sock.send_multipart([ident, self.codec.encode(wire.End(pull.transfer_id, lay.num_layers))])
 
     # -- layer-wise streams ----------------------------------------------------------------------------
+    def _begin_sending(self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull) -> bool:
+        """Move the lease to SENDING and note what is served (for the router's later Query); False, with
+        a Reject sent, when the engine thread ended the lease (abort_fill) since the caller's check."""
+        tid = pull.transfer_id
+        try:
+            self.leases.move(tid, LeaseState.SENDING)
+        except LeaseError as exc:
+            self._reply(sock, ident, wire.Reject(tid, f"lease ended: {exc}"))
+            return False
+        self._served[tid] = (
+            pull.transport,
+            self.layout.nbytes(pull.segments),
+            sum(s.count for s in pull.segments),
+            time.time(),
+        )
+        if len(self._served) > SERVED_KEPT:
+            del self._served[next(iter(self._served))]
+        return True
+
     def _open_stream(self, sock: zmq.Socket[bytes], ident: bytes, pull: wire.Pull) -> None:
         tid = pull.transfer_id
         lease = self.leases.get(tid)
@@ -475,17 +483,8 @@ class BlockServer:
         if pull.transport not in ("tcp", "ipc", "shm") or any(s.count <= 0 or s.remote < 0 for s in pull.segments):
             self._reply(sock, ident, wire.Reject(tid, f"not a layer-wise pull this server serves ({pull.transport})"))
             return
-        try:
-            self.leases.move(tid, LeaseState.SENDING)
-        except LeaseError as exc:  # ended by the engine thread (abort_fill) since the check above
-            self._reply(sock, ident, wire.Reject(tid, f"lease ended: {exc}"))
+        if not self._begin_sending(sock, ident, pull):
             return
-        self._served[tid] = (
-            pull.transport,
-            self.layout.nbytes(pull.segments),
-            sum(s.count for s in pull.segments),
-            time.time(),
-        )
         lay = self.layout
         if pull.transport == "shm":  # the decode node copies every layer itself: this core computes
             here = [lay.address(i) for i in range(lay.num_layers)]
