@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from host_tier.settings import layout_from_model
 from kv_transfer.auth import engine_auth_headers
 from node_agent.model import default_model_dir
 from tests.conftest import REDIS_E2E_URL
-from tests.support.helpers import tier_serve_command, wait_for
+from tests.support.helpers import colocated_node_command, tier_serve_command, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -59,30 +58,18 @@ class Running:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"tier_endpoint": self.endpoint, "tier_timeout_s": 30},
         }
-        node = [
-            sys.executable,
-            "-m",
-            "tandem",
-            "node",
-            "--role",
-            "both",
-            "--port",
-            str(PORT),
-            "--node-id",
+        node = colocated_node_command(
+            PORT,
             f"tier-{PORT}",
-            "--redis-url",
             REDIS_E2E_URL,
-            "--dtype",
-            "float32",
+            self.tmp,
             "--cores",
             "1",
             "--block-size",
             str(BLOCK),
             "--engine-arg=--kv-transfer-config",
             f"--engine-arg={json.dumps(kv)}",
-            "--log-dir",
-            str(self.tmp),
-        ]
+        )
         for cmd in (tier, node):
             self.procs.append(
                 subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import psutil
@@ -20,7 +19,7 @@ import pytest
 
 from node_agent.lifetime import stop_group
 from tests.conftest import REDIS_E2E_URL
-from tests.support.helpers import OutputLines
+from tests.support.helpers import OutputLines, colocated_node_command
 
 pytestmark = pytest.mark.e2e
 
@@ -49,28 +48,16 @@ def test_a_two_core_node_keeps_vllms_one_core_binding(tmp_path: Path) -> None:
         pytest.fail("this test needs 2 cores")
     node_cores = set(cores)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tandem",
-            "node",
-            "--role",
-            "both",
-            "--port",
-            str(PORT),
-            "--node-id",
+        colocated_node_command(
+            PORT,
             f"pin-test-{PORT}",
-            "--redis-url",
             REDIS_E2E_URL,
+            tmp_path,
             "--cores",
             f"{cores[0]},{cores[1]}",
-            "--dtype",
-            "float32",
             "--max-model-len",
             "2048",
-            "--log-dir",
-            str(tmp_path),
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

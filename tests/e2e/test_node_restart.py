@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,7 @@ from router.app import create_app
 from router.settings import RouterSettings
 from tests.e2e.conftest import LiveCluster
 from tests.e2e.test_cache_routing import SYSTEM
-from tests.support.helpers import wait_for
+from tests.support.helpers import colocated_node_command, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -28,26 +27,7 @@ NODE_ID = "restart-both-18160"
 
 
 def _start_node(cluster: LiveCluster, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem",
-        "node",
-        "--role",
-        "both",
-        "--port",
-        str(PORT),
-        "--node-id",
-        NODE_ID,
-        "--redis-url",
-        cluster.redis_url,
-        "--dtype",
-        "float32",
-        "--cores",
-        "1",
-        "--log-dir",
-        str(log.parent),
-    ]
+    cmd = colocated_node_command(PORT, NODE_ID, cluster.redis_url, log.parent, "--cores", "1")
     return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -100,3 +100,28 @@ def tier_serve_command(model: Path, dtype: str, block_size: int, size_bytes: int
         "--size",
         str(size_bytes),
     ]
+
+
+def colocated_node_command(port: int, node_id: str, redis_url: str, log_dir: Path, *extra: str) -> list[str]:
+    """``tandem node`` for a test's own colocated float32 node (greedy outputs comparable exactly)."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "tandem",
+        "node",
+        "--role",
+        "both",
+        "--port",
+        str(port),
+        "--node-id",
+        node_id,
+        "--redis-url",
+        redis_url,
+        "--dtype",
+        "float32",
+        "--log-dir",
+        str(log_dir),
+        *extra,
+    ]
