@@ -135,7 +135,9 @@ class HostTierConnector(KVConnectorBase_V1):
     # -- scheduler side --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         tier = self._up()
-        if tier is None:
+        # A decode leg's prompt comes from its prefill node (the P/D connector before this one claims
+        # it): no lookup round trip on its way to the first token.
+        if tier is None or (request.kv_transfer_params or {}).get("do_remote_prefill"):
             return 0, False
         first = num_computed_tokens // self.block_size
         # Never the last prompt token: the engine computes it for the first output's logits.
