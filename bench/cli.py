@@ -89,7 +89,7 @@ def bench_overhead(
     vllm-router in front of it, a Tandem node straight to its engine, and Tandem through its router;
     load from `vllm bench serve` and the agent workload; then the router's SSE chunks/s on one core
     over a stand-in engine. ~15 min on 2 cores."""
-    redis_url = redis_url or _redis_url(db=11)
+    redis_url = redis_url or _redis_url(db=6)
     from bench.overhead import OverheadBenchConfig, result_line, run_overhead_bench
 
     cfg = OverheadBenchConfig(
@@ -232,6 +232,45 @@ def bench_routing(
     print("RESULT " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
 
 
+@bench_app.command("kv-cache")
+def bench_kv_cache(
+    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
+        "results/bench-kv-cache.json"
+    ),
+    node_blocks: Annotated[int, typer.Option(help="Engine KV blocks per node (32 tokens each).")] = 128,
+    tier_mib: Annotated[int, typer.Option(help="Host tier size, MiB (the bigger_cache arm splits it).")] = 192,
+    sessions_per_repo: Annotated[int, typer.Option(help="Agent sessions per repository (5 repositories).")] = 2,
+    think_s: Annotated[float, typer.Option(help="Mean tool pause between an answer and the next turn, s.")] = 12.0,
+    seed: Annotated[int, typer.Option(help="Workload seed (the content is salted per arm anyway).")] = 7,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 6)."),
+    ] = None,
+) -> None:
+    """Host tier and session retention against the engines alone and against giving the engines the
+    tier's memory as KV cache, on agent sessions whose shared context outgrows one node's cache, with
+    tool pauses; the unlimited-cache ceiling alongside. Four arms of 2 fresh colocated nodes each,
+    ~15-20 min on 2 cores. The last line is RESULT ceiling_hit=… engines_hit=… bigger_cache_hit=…
+    tier_hit=… retention_hit=… engines_ttft_p50_ms=… tier_ttft_p50_ms=… local_hit_ttft_ms=…
+    remote_hit_ttft_ms=… miss_ttft_ms=…"""
+    from dataclasses import replace
+
+    from bench.kv_cache import KVCacheBenchConfig, result_line, run_kv_cache_bench
+
+    base = KVCacheBenchConfig()
+    cfg = replace(
+        base,
+        node_blocks=node_blocks,
+        tier_mib=tier_mib,
+        workload=replace(base.workload, sessions_per_repo=sessions_per_repo, think_s=think_s, seed=seed),
+        redis_url=redis_url or _redis_url(db=6),
+    )
+    signal.signal(signal.SIGTERM, interrupt)
+    with clean_errors():
+        s = run_kv_cache_bench(out, cfg)
+    print(result_line(s), flush=True)
+
+
 @bench_app.command("telemetry")
 def bench_telemetry(
     out: Annotated[Path, typer.Option(help="JSON results.")] = Path("results/bench-telemetry.json"),
@@ -352,3 +391,61 @@ def bench_chaos(
     with clean_errors():
         summary = run_chaos_bench(out, cfg)
     print(result_line(summary), flush=True)
+
+
+@bench_app.command("sim")
+def bench_sim(
+    out: Annotated[Path, typer.Option(help="JSON results; a PNG and a folder of raw files are written beside it.")] = (
+        Path("results/bench-sim.json")
+    ),
+    sessions: Annotated[int, typer.Option(help="Agent sessions in the synthetic trace.")] = 30,
+    session_rate: Annotated[float, typer.Option(help="Session arrivals per second.")] = 0.5,
+    seed: Annotated[
+        int | None, typer.Option(help="Trace seed (default: from the clock, so no earlier run's cache can hit).")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="Engine dtype (float32 prefills ~2x faster than bfloat16 on AVX2).")] = (
+        "float32"
+    ),
+    block_size: Annotated[int, typer.Option(help="KV block size of every node (multiple of 32 on CPU).")] = 32,
+    kv_cache_gib: Annotated[int, typer.Option(help="KV cache per node, GiB.")] = 1,
+    router_port: Annotated[int, typer.Option(help="Router port of the benchmark's clusters.")] = 19700,
+    node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 19710,
+    from_json: Annotated[
+        Path | None,
+        typer.Option(
+            help="Simulate a recorded run again (its trace, nodes, profiles and real figures) without engines, "
+            "and write the comparison to --out: for work on the simulator."
+        ),
+    ] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 8)."),
+    ] = None,
+) -> None:
+    """The simulator against the real cluster, same trace: 1P+1D and two colocated nodes, each behind a
+    router, each started fresh, profiled where it stands (a step model per node kind, the router's
+    overhead, the P/D handover), replayed closed loop, stopped; then the SIMULATED run of the same trace
+    on the same nodes with that profile. Errors per metric (TTFT p50/p90, ITL p50, throughput relative;
+    hit rate absolute) and whether the simulator ranks the two as they measured. ~10-15 min on 2 cores."""
+    from bench.sim import SimBenchConfig, resimulate, run_sim_bench
+
+    def say(message: str) -> None:
+        console.print(message, highlight=False)
+
+    with clean_errors():
+        if from_json is not None:
+            doc = resimulate(from_json, out, say)
+        else:
+            cfg = SimBenchConfig(
+                sessions=sessions,
+                seed=seed,
+                session_rate=session_rate,
+                dtype=dtype,
+                block_size=block_size,
+                kv_cache_gib=kv_cache_gib,
+                router_port=router_port,
+                node_base_port=node_base_port,
+                redis_url=redis_url or _redis_url(db=8),
+            )
+            doc = run_sim_bench(out, cfg, say)
+    print(doc["result"], flush=True)

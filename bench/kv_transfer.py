@@ -26,12 +26,19 @@ Two more figures per transport, from our connector's own report (the decode leg'
     while the prefill computes them (``LAYERWISE_TRANSPORTS``; both caches emptied first, so every
     such sample is a real prefill).
   - the fixed cost per pull: a 1-block prompt's pull (``PULL_FIXED_TOKENS``), timed by the decode
-    engine from the hand-over to its pull thread to the Done.
+    engine from the hand-over to its pull thread to every block in place (its own report's
+    ``seconds``, the figure its ``tandem_kv_transfer_seconds`` adds up). ``PULL_FIXED_REPEATS`` pulls
+    per transport, the transports in turn so that drift on a shared host falls on all of them alike,
+    after ``PULL_FIXED_WARMUP`` pulls each that are not counted; the median, with its quartiles
+    beside it (``pull_fixed_spread_ms`` and the RESULT's ``pull_fixed_p25_ms``/``_p75_ms``).
 
 Last line: ``RESULT best_gbps=... memcpy_gbps=... nixl_gbps=... tcp_gbps=... nixl_tcp_gbps=...
-ttft_pd_ms=... ttft_colo_ms=... exposed_whole_ms=... exposed_layerwise_ms=... pull_fixed_ms=...``
-(transfer figures at the largest prompt and, for the last three, on the best transport there; TTFT at
-``ttft_tokens``).
+ttft_pd_ms=... ttft_colo_ms=... exposed_whole_ms=... exposed_layerwise_ms=... pull_fixed_ms=...
+ttft_pd_layerwise_ms=... ttft_pd_sequential_ms=... pull_fixed_p25_ms=... pull_fixed_p75_ms=...``
+(transfer figures at the largest prompt and, for exposed and fixed, on the best transport there;
+``ttft_pd``/``ttft_colo`` at ``ttft_tokens``; ``ttft_pd_layerwise``/``_sequential``: P/D TTFT through
+the router at the largest prompt, its pairs layer-wise against sequential, measured through two
+routers over the same nodes, request by request in turn; last, the quartiles of ``pull_fixed_ms``).
 """
 
 from __future__ import annotations
@@ -65,7 +72,10 @@ TRANSPORTS = ("tcp", "ipc", "shm", "ucx")
 CROSS_HOST = ("tcp", "ucx")
 PULL_FIXED_TOKENS = 60
 """Prompt size of the fixed-cost pulls: ~90 tokens with the chat-free prompt below, one 128-token block."""
-PULL_FIXED_REPEATS = 8
+PULL_FIXED_REPEATS = 25
+PULL_FIXED_WARMUP = 2
+"""Pulls per transport before the counted ones: a pool thread's first pull to an endpoint connects
+its socket, and the first shm pull learns the prefill process; neither is a fixed cost per pull."""
 LAYERWISE_TRANSPORTS = ("tcp", "ipc", "shm")
 
 
@@ -126,6 +136,8 @@ class Legs:
     """Prefill leg answered → the decode engine's pull ended (None: no report, e.g. NIXL)."""
     params: dict[str, Any] = field(default_factory=dict)
     """The prefill leg's kv_transfer_params (where its block server is)."""
+    report: dict[str, Any] = field(default_factory=dict)
+    """The decode engine's report of its pull (``tandem_transfer``; empty without one, e.g. NIXL)."""
 
 
 def _two_legs(
@@ -144,7 +156,7 @@ def _two_legs(
     second.raise_for_status()
     report = (second.json().get("kv_transfer_params") or {}).get("tandem_transfer") or {}
     exposed = report["end"] - prefill_end if report.get("ok") and report.get("end") else None
-    return Legs(first.json()["usage"]["prompt_tokens"], exposed, first.json()["kv_transfer_params"])
+    return Legs(first.json()["usage"]["prompt_tokens"], exposed, first.json()["kv_transfer_params"], report)
 
 
 def _layerwise_legs(
@@ -248,6 +260,45 @@ def measure_transfers(
     return samples
 
 
+def measure_fixed_pulls(cluster: Cluster, model: str, transports: tuple[str, ...]) -> list[Sample]:
+    """The fixed cost per pull: 1-block pulls of one prompt (prefilled once; each pull after is a
+    prefix-cache hit on the prefill node, the decode node's cache emptied first), the transports in
+    turn, each pull timed by the decode engine's own report. A pull that failed or has no report is
+    left out and said so (never counted as fast)."""
+    prefill, decode = cluster.role_urls("prefill")[0], cluster.role_urls("decode")[0]
+    samples: list[Sample] = []
+    prompt = prompt_text(PULL_FIXED_TOKENS, uuid.uuid4().hex)
+    with httpx.Client(timeout=600, headers=engine_auth_headers(loopback_only=True)) as client:
+        _two_legs(prefill, decode, model, prompt, transports[0], False, client)
+        for i in range(PULL_FIXED_WARMUP + PULL_FIXED_REPEATS):
+            for transport in transports:
+                _reset_prefix_cache(decode, client)
+                legs = _two_legs(prefill, decode, model, prompt, transport, False, client)
+                report = legs.report
+                if not report.get("ok") or report.get("seconds") is None:
+                    console.print(f"fixed-{transport}: pull {i} gave no transfer report ({report}); not counted")
+                    continue
+                if i >= PULL_FIXED_WARMUP:
+                    samples.append(Sample(f"fixed-{transport}", legs.tokens, report["bytes"], report["seconds"]))
+    for transport in transports:
+        ms = sorted(s.seconds * 1000 for s in samples if s.transport == f"fixed-{transport}")
+        if ms:
+            q = _quartiles(ms)
+            console.print(
+                f"{'fixed-' + transport:>12} {len(ms)} pulls of 1 block: median {statistics.median(ms):.2f} ms "
+                f"(quartiles {q[0]:.2f}-{q[1]:.2f}, {ms[0]:.2f}-{ms[-1]:.2f})"
+            )
+    return samples
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    """(p25, p75), inclusive method (a single value is its own quartiles)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
 def memcpy_ceiling(nbytes: int, block_nbytes: int, repeats: int = 5) -> float:
     """GB/s of an in-process copy of ``nbytes`` in engine-sized blocks (the same work a transfer does,
     minus everything between two processes)."""
@@ -271,6 +322,26 @@ def ttft(cluster: Cluster, model: str, tokens: int, route: str, repeats: int) ->
     prompts = [[{"role": "user", "content": prompt_text(tokens, uuid.uuid4().hex)}] for _ in range(repeats)]
     _, results = asyncio.run(run_level(cluster.url, model, prompts, 1, repeats, 8, headers={"x-tandem-route": route}))
     return statistics.median(r.ttft_s for r in results if r.ok) * 1000
+
+
+def ttft_layerwise_vs_sequential(
+    cluster: Cluster, model: str, tokens: int, repeats: int, port: int
+) -> dict[str, float]:
+    """P/D TTFT through the cluster's router (layer-wise pairs, its default) and through a second router
+    over the same nodes with ``TANDEM_ROUTER_LAYERWISE=false``, alternating request by request (fresh
+    prompts) so that drift on the shared host falls on both alike; medians in ms."""
+    import asyncio
+
+    sequential = cluster.add_router(port, None, name="router-sequential", env={"TANDEM_ROUTER_LAYERWISE": "false"})
+    cluster.wait_router(sequential)
+    got: dict[str, list[float]] = {"pd_layerwise": [], "pd_sequential": []}
+    for _ in range(repeats):
+        for key, url in (("pd_layerwise", cluster.url), ("pd_sequential", sequential)):
+            prompt = [[{"role": "user", "content": prompt_text(tokens, uuid.uuid4().hex)}]]
+            pd = {"x-tandem-route": "disaggregated"}
+            _, results = asyncio.run(run_level(url, model, prompt, 1, 1, 8, headers=pd))
+            got[key] += [r.ttft_s * 1000 for r in results if r.ok]
+    return {k: statistics.median(v) for k, v in got.items() if v}
 
 
 @contextmanager
@@ -328,19 +399,15 @@ def run_kv_transfer_bench(out: Path, cfg: KvBenchConfig | None = None) -> dict[s
         samples += measure_transfers(
             cluster, model, cfg, nixl=False, label="tandem", transports=TRANSPORTS, layerwise=LAYERWISE_TRANSPORTS
         )
-        fixed = measure_transfers(
-            cluster,
-            model,
-            cfg,
-            nixl=False,
-            label="fixed",
-            transports=TRANSPORTS,
-            sizes=(PULL_FIXED_TOKENS,),
-            repeats=max(cfg.repeats, PULL_FIXED_REPEATS),
-        )
+        fixed = measure_fixed_pulls(cluster, model, TRANSPORTS)
         ttfts["pd"] = ttft(cluster, model, cfg.ttft_tokens, "disaggregated", cfg.repeats)
         ttfts["colo"] = ttft(cluster, model, cfg.ttft_tokens, "colocated", cfg.repeats)
         console.print(f"TTFT at {cfg.ttft_tokens} tokens: P/D {ttfts['pd']:.0f} ms, colocated {ttfts['colo']:.0f} ms")
+        # The router's layer-wise pairs against sequential ones, at the largest size (where a whole pull
+        # costs most); through two routers over the same nodes.
+        ab = ttft_layerwise_vs_sequential(cluster, model, max(cfg.sizes), cfg.repeats, cfg.router_port + 1)
+        ttfts.update(ab)
+        console.print(f"TTFT at {max(cfg.sizes)} tokens through the router: {json.dumps(ab)}")
         block_nbytes = int(_block_nbytes(samples))
     if cfg.nixl:
         for label, env in (("nixl", {}), ("nixl_tcp", {"UCX_TLS": "tcp"})):
@@ -403,7 +470,9 @@ def summarise(
 
     ours = {t: g(f"tandem-{t}") for t in TRANSPORTS}
     best = max((t for t, v in ours.items() if v is not None), key=lambda t: ours[t] or 0.0)
-    fixed_ms = {t: _median_ms([x.seconds for x in fixed or () if x.transport == f"fixed-{t}"]) for t in TRANSPORTS}
+    fixed_s = {t: sorted(x.seconds for x in fixed or () if x.transport == f"fixed-{t}") for t in TRANSPORTS}
+    fixed_ms = {t: _median_ms(list(v)) for t, v in fixed_s.items()}
+    fixed_spread = {t: [round(q * 1000, 2) for q in _quartiles(v)] if v else None for t, v in fixed_s.items()}
     exposed_whole = {t: table.get(f"tandem-{t}", {}).get(top, {}).get("exposed_ms") for t in TRANSPORTS}
     exposed_layerwise = {t: table.get(f"layerwise-{t}", {}).get(top, {}).get("exposed_ms") for t in TRANSPORTS}
     lw_best = exposed_layerwise.get(best)
@@ -419,6 +488,8 @@ def summarise(
         "nixl_tcp_gbps": g("nixl_tcp"),
         "best_transport": best,
         "pull_fixed_ms": fixed_ms,
+        "pull_fixed_spread_ms": fixed_spread,
+        "pull_fixed_count": {t: len(v) for t, v in fixed_s.items()},
         "pull_fixed_samples": [s.__dict__ for s in fixed or ()],
         "exposed_whole_ms": exposed_whole,
         "exposed_layerwise_ms": exposed_layerwise,
@@ -451,6 +522,10 @@ def summarise(
                 ("exposed_whole_ms", exposed_whole[best]),
                 ("exposed_layerwise_ms", lw_best),
                 ("pull_fixed_ms", fixed_ms[best]),
+                ("ttft_pd_layerwise_ms", ttfts.get("pd_layerwise")),
+                ("ttft_pd_sequential_ms", ttfts.get("pd_sequential")),
+                ("pull_fixed_p25_ms", (fixed_spread[best] or [None])[0]),
+                ("pull_fixed_p75_ms", (fixed_spread[best] or [None, None])[1]),
             )
         ),
         flush=True,

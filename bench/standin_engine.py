@@ -10,7 +10,9 @@ What it does
     records the body, optionally waits while its gate is closed (``close_gate`` / ``open_gate``), and
     answers at once with a fixed reply (``reply(body)`` decides: text, or a tool call). A request that
     carries ``kv_transfer_params`` with ``do_remote_decode`` is a prefill leg: it gets one token and
-    ``kv_transfer_params`` back, as a prefill node answers. Usage counts words, not tokens.
+    ``kv_transfer_params`` back, as a prefill node answers (or, with ``prefill_error`` set, that HTTP
+    status and an OpenAI-format error, as an engine that refused or failed it). Usage counts words, not
+    tokens.
 
     Token streaming (``stream_tokens=N``): a streamed chat answer is instead ``max_tokens`` (at most N,
     N when unset) content chunks of one "token" each, byte for byte in vLLM's chunk shape
@@ -69,6 +71,8 @@ class StandInEngine:
     """Token streaming mode: chunks per write."""
     token_interval_s: float = 0.0
     """Token streaming mode: pause between writes (an engine's time per output token); 0: none."""
+    prefill_error: int | None = None
+    """Prefill legs are answered with this HTTP status and an error (None: answered as a prefill node)."""
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     """(path, body) of every request, in arrival order."""
     traceparents: list[str | None] = field(default_factory=list)
@@ -123,6 +127,9 @@ class StandInEngine:
         rid = f"standin-{uuid.uuid4().hex[:12]}"
         prompt_words = len(json.dumps(body.get("messages") or body.get("prompt") or "").split())
         params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode") and self.prefill_error is not None:
+            error = {"message": "stand-in prefill failed", "type": "InternalServerError", "param": None}
+            return JSONResponse({"error": {**error, "code": self.prefill_error}}, status_code=self.prefill_error)
         if params.get("do_remote_decode"):  # prefill leg
             return JSONResponse(
                 {

@@ -1,5 +1,6 @@
 """What every ``tandem`` sub-command shares: our errors end a command with their message (exit 1),
-not a traceback; one log format; SIGTERM unwinds like Ctrl-C. Each package's own ``cli.py`` uses these,
+and settings that fail validation with one line per field (exit 2, as for a bad flag), not a
+traceback; one log format; SIGTERM unwinds like Ctrl-C. Each package's own ``cli.py`` uses these,
 and ``tandem.cli`` mounts those sub-commands."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import logging
 from collections.abc import Iterator
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from contracts.errors import TandemError
@@ -24,6 +26,11 @@ def clean_errors() -> Iterator[None]:
     except TandemError as exc:
         console.print(f"[red]error:[/red] {exc.message}")
         raise typer.Exit(1) from exc
+    except ValidationError as exc:  # a settings object refused its values (flags or TANDEM_* variables)
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or exc.title
+            console.print(f"[red]error:[/red] {where}: {err['msg'].removeprefix('Value error, ')}", highlight=False)
+        raise typer.Exit(2) from exc
 
 
 def interrupt(*_: object) -> None:

@@ -22,7 +22,10 @@ Beside the routing keys, each agent keeps a status record for operators (``tande
 with a long TTL, so a node that gave up stays visible after its agent exited; routers never read it.
 
 Schema history: v1 the first; v2 adds ``NodeInfo.epoch`` (default 0, so v1 entries still decode and
-v1 readers ignore the field).
+v1 readers ignore the field); v3 adds ``NodeInfo.kv_endpoints`` and ``kv_host_id``, the block server of a
+node with our connector, which a router names in a layer-wise decode leg before the prefill node has
+answered (empty in a v2 entry: that node's pairs go sequentially), and ``host_tier_events_endpoint`` /
+``host_tier_replay_endpoint`` (default None: no host tier).
 
 Readers check each entry (``NodeRegistry.live_nodes``): an entry of a newer schema than the reader's
 (``VersionMismatch``, naming both) or one that does not decode is skipped, counted in
@@ -46,7 +49,7 @@ from contracts.errors import StoreError, VersionMismatch
 
 log = logging.getLogger("tandem.registry")
 
-REGISTRY_SCHEMA_VERSION = 2
+REGISTRY_SCHEMA_VERSION = 3
 NODES_SET = "tandem:nodes"
 STATUS_TTL_S = 3600.0
 """How long a node's status record outlives its last update (an unhealthy node stays visible)."""
@@ -110,6 +113,11 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     """``curve``: both endpoints are the node's CURVE relay (``node_agent.kv_events_relay``), reached
     with keys derived from the cluster secret; ``none``: the engine's own (loopback) sockets. A reader
     that predates the field connects without CURVE and gets no events: fewer hits, nothing wrong."""
+    host_tier_events_endpoint: str | None = None
+    """The events of the host tier (``tandem tier serve``) this node's engine offloads to and loads from;
+    nodes of one host that name the same endpoint share that tier. None: no host tier."""
+    host_tier_replay_endpoint: str | None = None
+    """Where the tier answers a subscriber catching up with a snapshot of its blocks."""
     model_path: str | None = None
     """Local model folder, so a router on the same host can load the exact tokenizer and template."""
     num_kv_blocks: int = 0
@@ -117,6 +125,14 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float = 0.0
     epoch: int = 0
     """Incarnation of the engine behind this id (see the module docstring); 0 for a v1 entry."""
+    kv_endpoints: dict[str, str] = msgspec.field(default_factory=dict)
+    """The node's KV block server (``kv_connector == "tandem"``, prefill or decode role): ``{"tcp":
+    "tcp://host:port", "ipc": "ipc://path"}``, exactly what its own kv_transfer_params would name. A
+    router sends a layer-wise decode leg there before the prefill leg has answered. Empty: none (another
+    connector, a colocated node, or an entry older than v3)."""
+    kv_host_id: str = ""
+    """The node's host (``kv_transfer.settings.host_id``): a decode node on the same one may pull over
+    ``shm``. Empty with ``kv_endpoints``."""
     schema_version: int = REGISTRY_SCHEMA_VERSION
 
 
@@ -128,6 +144,11 @@ class NodeLoad(msgspec.Struct, frozen=True, kw_only=True):
     kv_usage: float = 0.0
     """Fraction of KV blocks in use, 0..1."""
     updated_at: float = 0.0
+    failed_probes: int = 0
+    """Probes of the engine in a row that failed (0: the last one answered). The agent keeps such a
+    node registered, with the last load it read, until it counts as hung; routers leave it out of
+    routing meanwhile (while another node serves the model) but keep what it holds in the fleet index,
+    so one slow probe of a busy engine costs no cache, and a stopped engine gets no new requests."""
 
 
 class NodeState(enum.StrEnum):
@@ -177,7 +198,7 @@ _encoder = msgspec.msgpack.Encoder()
 class NodeRegistry:
     """Async access to the registry; one per process, sharing the process's Redis client."""
 
-    def __init__(self, redis: aioredis.Redis, *, ttl_s: float = 6.0) -> None:
+    def __init__(self, redis: aioredis.Redis, *, ttl_s: float = 15.0) -> None:
         self._redis = redis
         self.ttl_ms = int(ttl_s * 1000)
         self.skipped: Counter[str] = Counter()

@@ -16,7 +16,10 @@ release are a ``VersionMismatch`` naming both versions, never a ``KeyError`` fur
 Versions (``PARAMS_VERSION``, the ``tandem`` field of both)
     1  the first: transfer id, the prefill node's block ids, block server endpoints, host id, engine id,
        prompt tokens computed, lease deadline; optionally the transport the decode node must use. A
-       report without a ``tandem`` field is a version-1 report (they carried none).
+       report without a ``tandem`` field is a version-1 report (they carried none). Later, compatible
+       additions (optional, absent from the dict when unset): ``layerwise``; ``prefix_tokens`` (a peer
+       prefix fetch, ``router.peer_fetch``: a node of an older release ignores it, pulls the whole
+       prompt, finds the lease too short, and recomputes).
 """
 
 from __future__ import annotations
@@ -63,6 +66,15 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
     """Sent with the prefill leg, before the prefill has run: the decode node pulls by prompt position
     (``remote_block_ids`` is empty) while the prefill computes, layer by layer; ``transfer_id`` is the
     one the sender gave the prefill leg (``LAYERWISE_ID_KEY``). tcp, ipc and shm only."""
+    prefix_tokens: int | None = None
+    """A peer prefix fetch (``router.peer_fetch``): only the prompt's first ``prefix_tokens`` (whole
+    blocks, fewer than the prompt) come from the peer, which leased just those; the node computes the
+    rest itself. None: the whole prompt comes from the peer (P/D)."""
+    prefix_key: int | None = None
+    """With ``prefix_tokens``: the router's key of the prefix's last block (``block_key`` of the engine's
+    chain hash, which covers every token before it and the cache salt). Blocks move by position, so the
+    node loads them only if its own hash of that block agrees: a prompt it tokenized otherwise than the
+    peer's leg is computed, never given the peer's KV."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = msgspec.to_builtins(self)
@@ -70,6 +82,10 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
             del out["transport"]
         if not self.layerwise:
             del out["layerwise"]
+        if self.prefix_tokens is None:
+            del out["prefix_tokens"]
+        if self.prefix_key is None:
+            del out["prefix_key"]
         return out
 
     @classmethod
@@ -83,6 +99,11 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
             return msgspec.convert(dict(params), cls)
         except msgspec.ValidationError as exc:
             raise UpstreamError(f"malformed kv_transfer_params: {exc}") from exc
+
+
+def block_key(block_hash: bytes) -> int:
+    """A block's key as the router's fleet index holds it: the low 64 bits of the engine's block hash."""
+    return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
 
 
 def is_transfer_params(params: Mapping[str, Any] | None) -> bool:
@@ -123,4 +144,4 @@ class TransferReport(msgspec.Struct, frozen=True, kw_only=True):
             raise UpstreamError(f"malformed transfer report: {exc}") from exc
 
 
-__all__ = ["PARAMS_VERSION", "TransferParams", "TransferReport", "is_transfer_params"]
+__all__ = ["PARAMS_VERSION", "TransferParams", "TransferReport", "block_key", "is_transfer_params"]

@@ -9,6 +9,10 @@ pull, the prefill node's lease is released instead of being left to its deadline
 version, or malformed ones, are refused with an error in the log naming both versions: the request is
 prefilled here (nothing is pulled, nothing released: we cannot trust their endpoints), and the lease
 ends at its deadline on the prefill node.
+
+A peer prefix fetch (``TransferParams.prefix_tokens``, ``router.peer_fetch``) loads only the prompt's
+first blocks from the peer, from the local hit on; vLLM then computes the rest of the prompt here as
+for any partial hit (its scheduler counts the loaded tokens as computed once the pull ends).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from contracts.errors import TandemError
-from contracts.transfer import TransferParams, TransferReport, is_transfer_params
+from contracts.transfer import TransferParams, TransferReport, block_key, is_transfer_params
 from kv_transfer.metadata import RecvSpec, ReleaseSpec
 
 if TYPE_CHECKING:
@@ -75,9 +79,16 @@ class RemoteKvAdmission:
         params = self._pending(request)
         if params is None:
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        loaded = self._loaded_tokens(request, params)
+        if params.prefix_tokens is not None and not self._same_prefix(request, params, loaded):
+            self._release(request, params, "the peer's prefix is not this prompt's (tokens or salt differ)")
+            return 0, False
+        count = loaded - num_computed_tokens
         if count <= 0:
-            return 0, False  # a full local hit: ``allocated`` releases the lease
+            # Held here already. Released now, not at allocation, so that a connector asked after this
+            # one (the host tier, under MultiConnector) may still load what it holds past that.
+            self._release(request, params, "the node holds the blocks itself")
+            return 0, False
         if params.lease_deadline <= time.time():
             self._release(request, params, "lease already past when the decode node got to it")
             return 0, False
@@ -100,7 +111,7 @@ class RemoteKvAdmission:
         # the local hit are ours already; blocks past the prompt (room for the first output tokens)
         # have nothing to receive.
         first = self._matched_from.pop(request.request_id, 0) // self.block_size
-        n_prompt = -(-len(request.prompt_token_ids or ()) // self.block_size)
+        n_prompt = -(-self._loaded_tokens(request, params) // self.block_size)
         local = list(blocks.get_block_ids()[0][first:n_prompt])
         # Layer-wise: the prefill has not allocated its blocks yet when we ask; ask by position.
         remote = list(range(first, n_prompt)) if params.layerwise else params.remote_block_ids[first:n_prompt]
@@ -151,6 +162,23 @@ class RemoteKvAdmission:
             self.cancels.append(request.request_id)
             return False, None  # vLLM itself delays freeing until the pull reports finished
         return None
+
+    def _loaded_tokens(self, request: Request, params: TransferParams) -> int:
+        """How many leading prompt tokens come from the peer: the whole prompt (P/D), or a prefix fetch's
+        whole blocks, never reaching the prompt's last token (which vLLM always computes)."""
+        n = len(request.prompt_token_ids or ())
+        if params.prefix_tokens is None:
+            return n
+        bs = self.block_size
+        return min(max(params.prefix_tokens, 0), n - 1) // bs * bs
+
+    def _same_prefix(self, request: Request, params: TransferParams, loaded: int) -> bool:
+        """Whether this prompt's own chain hash of the prefix's last block is the one the router sent."""
+        n = loaded // self.block_size
+        hashes = getattr(request, "block_hashes", None) or []
+        if n <= 0 or len(hashes) < n or params.prefix_key is None:
+            return False
+        return block_key(bytes(hashes[n - 1])) == params.prefix_key
 
     def _blocks_for(self, request: Request, num_computed_tokens: int) -> int:
         total = -(-len(request.prompt_token_ids or ()) // self.block_size)

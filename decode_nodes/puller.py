@@ -7,10 +7,13 @@ is closed and never reused (its state is unknown; a late frame must not land in 
 Every message is signed and every answer verified with the cluster secret (``wire.Codec``): a prefill
 node that refuses our MAC answers at once with a Reject, and the pull fails then, not at its deadline.
 
-A pull's time runs from the job's hand-over by the engine thread to the Done. What never changes
-between pulls is kept: one socket per endpoint per pool thread, and per ipc endpoint the prefill
-process the last shm Grant proved, so the next shm pull there copies while its Grant is in flight
-(``transports.KnownPeer``; forgotten after any failure there).
+A pull's time runs from the job's hand-over by the engine thread to its outcome (every block in
+place; the Done that frees the prefill node's blocks follows, off the request's path). What never
+changes between pulls is kept: one socket per endpoint per pool thread, and per ipc endpoint the
+prefill process the last shm Grant proved (held by a pidfd), so the next shm pull there copies while
+its Grant is in flight (``transports.KnownPeer``; forgotten after any failure there, and never taken
+for a restarted prefill node: its Grant names another process). A small shm pull is not split
+(``shm_split_min_bytes``): this side copies it alone, with no second answer to wait for.
 """
 
 from __future__ import annotations
@@ -100,10 +103,13 @@ class Puller:
         threads: int = 4,
         on_outcome: Callable[[], None] | None = None,
         shm_split: bool = True,
+        shm_split_min_bytes: int = 0,
     ) -> None:
         self.layout = layout
         self.codec = codec
         self.shm_split = shm_split
+        self.shm_split_min_bytes = shm_split_min_bytes
+        """``shm`` pulls smaller than this are copied by this side alone (``ConnectorSettings``)."""
         self._on_outcome = on_outcome
         self.stats = stats
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -189,7 +195,8 @@ class Puller:
             else:
                 with self._lock:
                     known = self._peers.get(job.endpoint)
-                transport = transport_for(job.transport, shm_split=self.shm_split, known=known)
+                split = self.shm_split and self.layout.nbytes(job.segments) >= self.shm_split_min_bytes
+                transport = transport_for(job.transport, shm_split=split, known=known)
                 pull = transport.pull(job.transfer_id, job.segments, job.checksum, self.layout)
             sock.send(self.codec.encode(pull))
             nbytes = transport.receive(sock, pull, self.layout, job.deadline, codec=self.codec)
@@ -199,17 +206,28 @@ class Puller:
                     self.early_copies += int(transport.early)
             if job.cancelled.is_set():
                 raise TransferFailed("cancelled")
-            sock.send(self.codec.encode(wire.Done(job.transfer_id, True)))
             seconds = time.perf_counter() - t0
             self.stats.record_recv(nbytes, sum(s.count for s in job.segments), seconds)
-            self._finish(
-                PullOutcome(job.request_id, True, job.local_block_ids, nbytes, seconds, "", job.transport, wall0)
-            )
         except TransferFailed as exc:
             self._fail(job, sock, exc.reason, refused=exc.refused, started=wall0)
+            return
         except Exception as exc:  # never lose an outcome: the engine waits for it
             log.exception("pull %s crashed", job.transfer_id)
             self._fail(job, sock, f"{type(exc).__name__}: {exc}", refused=False, started=wall0)
+            return
+        # Every block is in place: the request goes on now. The Done only frees the prefill node's
+        # blocks, which this request does not wait for, so it is sent after the outcome, off its path.
+        self._finish(PullOutcome(job.request_id, True, job.local_block_ids, nbytes, seconds, "", job.transport, wall0))
+        self._acknowledge(job.endpoint, sock, job.transfer_id)
+
+    def _acknowledge(self, endpoint: str, sock: zmq.Socket[bytes], transfer_id: str) -> None:
+        """The Done of a delivered pull. If it cannot be sent, the pull still stands (its blocks are
+        here and verified): the prefill node's lease then ends at its deadline instead."""
+        try:
+            sock.send(self.codec.encode(wire.Done(transfer_id, True)))
+        except zmq.ZMQError as exc:
+            log.warning("Done for %s at %s not sent (the lease ends at its deadline): %s", transfer_id, endpoint, exc)
+            self._discard(endpoint)
 
     def _ucx_receiver(self) -> UcxReceiver:
         from kv_transfer.ucx import UcxError, UcxReceiver
@@ -260,6 +278,11 @@ class Puller:
                 self._discard(endpoint)
         except zmq.ZMQError:
             self._discard(endpoint)
+
+    def known_peer(self, endpoint: str) -> KnownPeer | None:
+        """The prefill process the last shm Grant on ``endpoint`` proved (None: none, or forgotten)."""
+        with self._lock:
+            return self._peers.get(endpoint)
 
     def in_flight(self) -> int:
         with self._lock:

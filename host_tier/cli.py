@@ -41,6 +41,11 @@ def serve(
         layout = layout_from_model(model, dtype, block_size, os.environ.get("PYTHONHASHSEED"))
         path = settings.path_for(layout)
         console.print(f"host tier: {settings.n_slots(layout)} blocks of {layout.block_bytes} B at {path}")
+        lake = None
+        if settings.telemetry_redis_url:
+            from host_tier.lake import TierIdentity, open_lake
+
+            lake = open_lake(settings, TierIdentity.of(path, layout.model, layout.fingerprint()))
         try:
             run(
                 path,
@@ -51,6 +56,64 @@ def serve(
                 settings.events_endpoint,
                 block_size,
                 settings.write_timeout_s,
+                replay_endpoint=settings.replay_endpoint,
+                tenant_pin_share=settings.tenant_pin_share,
+                metrics_port=settings.metrics_port,
+                lake=lake,
             )
         except KeyboardInterrupt:
             pass
+
+
+def _mapped_by(path: Path) -> list[int]:
+    """Pids of the processes that have ``path`` mapped (a tier server, an engine's connector)."""
+    pids = []
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            if str(path) in maps.read_text():
+                pids.append(int(maps.parent.name))
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return pids
+
+
+@tier_app.command()
+def stats(
+    endpoint: Annotated[str | None, typer.Option(help="The tier's control socket (env TANDEM_TIER_ENDPOINT).")] = None,
+) -> None:
+    """Print what the running tier holds: blocks by state, hits, evictions by reason, pins."""
+    from host_tier import messages as m
+    from host_tier.client import ask
+    from host_tier.settings import TierSettings
+
+    with clean_errors():
+        reply = ask(endpoint or TierSettings().endpoint, m.Stats(), timeout_s=5.0)
+        assert isinstance(reply, m.TierStats)
+        for field in reply.__struct_fields__:
+            console.print(f"{field:>14}  {getattr(reply, field)}")
+
+
+@tier_app.command()
+def clear(
+    dir: Annotated[Path | None, typer.Option(help="Where the tier files are (env TANDEM_TIER_DIR).")] = None,
+    force: Annotated[bool, typer.Option(help="Remove a file even while a process has it mapped.")] = False,
+) -> None:
+    """Remove the tier files (``tandem-tier-*``) and give their RAM back. A tier's blocks outlive every
+    process by design, so nothing else removes them; a file some process still maps (a running tier or
+    engine) is kept unless --force (the processes keep their mapping; new ones start empty)."""
+    from host_tier.settings import TierSettings
+
+    with clean_errors():
+        folder = dir or TierSettings().dir
+        kept = 0
+        for path in sorted(folder.glob("tandem-tier-*")):
+            users = _mapped_by(path.resolve())
+            if users and not force:
+                console.print(f"kept {path}: mapped by pid {', '.join(map(str, users))} (stop them, or --force)")
+                kept += 1
+                continue
+            size = path.stat().st_size
+            path.unlink()
+            console.print(f"removed {path} ({size / 2**20:.0f} MiB)")
+        if kept:
+            raise typer.Exit(1)

@@ -25,6 +25,33 @@ class TierUnavailable(ConfigError):
     """The tier did not answer: the caller carries on without it (compute, do not offload)."""
 
 
+def ask(endpoint: str, req: m.Request, timeout_s: float = 2.0) -> m.Reply:
+    """One request to the tier at ``endpoint`` on a socket of its own (for tools and agents that hold no
+    ``TierClient``); raises ``TierUnavailable`` when it does not answer, ``ConfigError`` on ``Failed``."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    try:
+        sock.connect(endpoint)
+        sock.send(m.encoder.encode(req))
+        reply = m.reply_decoder.decode(sock.recv())
+    except zmq.Again as exc:
+        raise TierUnavailable(f"host tier at {endpoint} did not answer in {timeout_s} s") from exc
+    finally:
+        sock.close()
+    if isinstance(reply, m.Failed):
+        raise ConfigError(f"host tier at {endpoint}: {reply.message}")
+    return reply
+
+
+def tier_endpoints(endpoint: str, timeout_s: float = 2.0) -> tuple[str | None, str | None]:
+    """The (events, replay) endpoints the tier at ``endpoint`` publishes on, from one ``Hello``."""
+    reply = ask(endpoint, m.Hello(), timeout_s)
+    assert isinstance(reply, m.Welcome)
+    return reply.events_endpoint, reply.replay_endpoint
+
+
 class TierClient:
     def __init__(self, endpoint: str, fingerprint: bytes, timeout_s: float = 2.0) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -129,10 +156,12 @@ class TierClient:
             n += 1
         return n if out is not None else blocks
 
-    def pin(self, keys: Sequence[bytes], ttl_s: float, owner: str = "") -> int:
-        pinned = self._call(m.Pin(list(keys), ttl_s, owner))
+    def pin(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", tenant: str = "") -> m.Pinned:
+        """Keep the held blocks of ``keys`` for ``ttl_s`` as ``owner``'s (replacing its previous pins),
+        within ``tenant``'s budget."""
+        pinned = self._call(m.Pin(list(keys), ttl_s, owner, tenant))
         assert isinstance(pinned, m.Pinned)
-        return pinned.n
+        return pinned
 
     def stats(self) -> m.TierStats:
         stats = self._call(m.Stats())

@@ -17,6 +17,8 @@ import zmq
 
 MEDIUM = "CPU_SHM"
 TOPIC = b"kv@host_tier"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The replay's end marker, as vLLM's publisher sends it."""
 _MASK64 = (1 << 64) - 1
 
 
@@ -34,9 +36,16 @@ class BlockRemoved(msgspec.Struct, tag=True, kw_only=True):
     medium: str = MEDIUM
 
 
+class AllBlocksCleared(msgspec.Struct, tag=True):
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
 class _Batch(msgspec.Struct, array_like=True):
     ts: float
-    events: list[BlockStored | BlockRemoved]
+    events: list[Event]
     data_parallel_rank: int | None = None
 
 
@@ -51,8 +60,9 @@ class EventPublisher:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.bind(endpoint)
         self._block_size = block_size
-        self._events: list[BlockStored | BlockRemoved] = []
+        self._events: list[Event] = []
         self._seq = 0
+        self._last = 0.0
         self._enc = msgspec.msgpack.Encoder()
 
     def stored(self, keys: list[bytes]) -> None:
@@ -63,13 +73,41 @@ class EventPublisher:
         if self._sock is not None and keys:
             self._events.append(BlockRemoved(block_hashes=[event_key(k) for k in keys]))
 
-    def flush(self) -> None:
-        if self._sock is None or not self._events:
+    def _snapshot(self, keys: list[bytes]) -> list[Event]:
+        stored = BlockStored(block_hashes=[event_key(k) for k in keys], block_size=self._block_size)
+        return [AllBlocksCleared(), *([stored] if keys else [])]
+
+    def start(self, keys: list[bytes]) -> None:
+        """Publish seq 0: the blocks held at start (recovered from the file), as a snapshot."""
+        if self._sock is not None:
+            self._events = self._snapshot(keys)
+            self.flush()
+
+    def flush(self, *, heartbeat_s: float | None = None) -> None:
+        """Publish what was batched; with nothing batched, an empty batch if ``heartbeat_s`` passed since
+        the last one. Why the heartbeat: PUB drops what it sends before a subscriber has (re)connected,
+        so a restarted tier's seq 0 is often heard by no one; the next batch's seq, lower than the one a
+        subscriber expects, is how it learns of the restart (and resyncs from a snapshot) within
+        ``heartbeat_s`` even when no block is stored."""
+        if self._sock is None:
+            return
+        now = time.monotonic()
+        if not self._events and (heartbeat_s is None or now - self._last < heartbeat_s):
             return
         payload = self._enc.encode(_Batch(ts=time.time(), events=self._events))
         self._events = []
         self._sock.send_multipart([TOPIC, self._seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
         self._seq += 1
+        self._last = now
+
+    def replay(self, start: int, keys: list[bytes]) -> list[tuple[int, bytes]]:
+        """The answer to a replay from ``start``: nothing when no batch that late was published, else the
+        snapshot of ``keys`` (every block held now) as the latest published batch. Call after
+        ``flush``, so the snapshot includes every event published."""
+        last = self._seq - 1
+        if start > last:
+            return []
+        return [(last, self._enc.encode(_Batch(ts=time.time(), events=self._snapshot(keys))))]
 
     def close(self) -> None:
         if self._sock is not None:

@@ -3,8 +3,10 @@
 The stated policy (``RetentionLru``): least recently used first, in two classes. A block pinned by a
 live retention (a session's context kept across a tool pause, until its TTL) is evicted only when no
 unpinned block is left, and then the pin that expires soonest goes first. Lookups that hit refresh a
-block's recency; a store of a block already held refreshes it too. Pins are counted per holder
-(``owner``, e.g. a tenant's session) so the tier can keep a per-owner budget above it.
+block's recency; a store of a block already held refreshes it too. The server keeps who pinned what
+above it (``server.py``: one pinned set per owner, a budget per tenant) and calls ``unpin`` and
+``demote`` for a session's superseded blocks: demoted blocks go to the cold end of the LRU, so they
+are the first to leave.
 
 One policy per file behind ``EvictionPolicy`` (the server calls only these methods).
 """
@@ -21,6 +23,9 @@ class EvictionPolicy(Protocol):
     def touch(self, slot: int) -> None: ...
     def remove(self, slot: int) -> None: ...
     def pin(self, slot: int, until: float) -> None: ...
+    def set_pin(self, slot: int, until: float) -> None: ...
+    def unpin(self, slot: int) -> None: ...
+    def demote(self, slot: int) -> None: ...
     def victim(self, now: float) -> tuple[int, str] | None:
         """The slot to evict and why (``lru`` or ``pinned_lru``), or None if nothing is held."""
         ...
@@ -50,6 +55,26 @@ class RetentionLru:
         if until > self._pinned.get(slot, 0.0):
             self._pinned[slot] = until
             heapq.heappush(self._expiry, (until, slot))
+
+    def set_pin(self, slot: int, until: float) -> None:
+        """Pinned until exactly ``until`` (earlier or later than before: the server computes it over the
+        slot's owners)."""
+        if slot not in self._lru:
+            return
+        self._pinned[slot] = until
+        heapq.heappush(self._expiry, (until, slot))  # an older entry goes stale and is skipped
+
+    def unpin(self, slot: int) -> None:
+        self._pinned.pop(slot, None)  # its heap entry goes stale and is skipped
+
+    def demote(self, slot: int) -> None:
+        """Next to be evicted (unless pinned)."""
+        if slot in self._lru:
+            self._lru.move_to_end(slot, last=False)
+
+    def is_pinned(self, slot: int, now: float) -> bool:
+        until = self._pinned.get(slot)
+        return until is not None and until > now
 
     def pinned(self, now: float) -> int:
         self._expire(now)

@@ -3,12 +3,15 @@
 Versioned: ``Hello`` carries ``PROTOCOL`` and a server answers another version with ``Failed``. Only
 slot numbers and keys cross this socket; block bytes never do (clients copy through the shared file).
 
-    Hello                          -> Welcome(path, geometry, fingerprint)
+    Hello                          -> Welcome(path, geometry, fingerprint, event endpoints)
     Reserve(keys)                  -> Reserved(slots)       one per key, -1 = already held or no room
     Commit(slots, keys)            -> Done                  written and sealed: now readable, evictable
     Abort(slots, keys)             -> Done                  a reservation given back unwritten
     Lookup(keys, prefix)           -> Found(slots)          -1 = not held; prefix: stop at the first miss
-    Pin(keys, ttl_s, owner)        -> Pinned(n)             kept across a pause (``eviction.py``)
+    Pin(keys, ttl_s, owner, tenant) -> Pinned(n, refused)  kept across a pause: the owner's pinned set
+                                                            becomes ``keys`` (what it pinned before and
+                                                            no longer names is unpinned and demoted);
+                                                            past the tenant's budget, refused
     Forget(keys, reason)           -> Done                  a reader found a block corrupt or stale
     Stats                          -> TierStats
 """
@@ -47,6 +50,9 @@ class Pin(msgspec.Struct, tag=True):
     keys: list[bytes]
     ttl_s: float
     owner: str = ""
+    """Who holds the pins (a session): its next Pin replaces this one's set."""
+    tenant: str = ""
+    """Whose budget they count against."""
 
 
 class Forget(msgspec.Struct, tag=True):
@@ -67,6 +73,9 @@ class Welcome(msgspec.Struct, tag=True):
     n_slots: int
     fingerprint: bytes
     protocol: int = PROTOCOL
+    events_endpoint: str | None = None
+    """Where the tier publishes store/remove events (a node agent puts it in its registry entry)."""
+    replay_endpoint: str | None = None
 
 
 class Reserved(msgspec.Struct, tag=True):
@@ -79,6 +88,8 @@ class Found(msgspec.Struct, tag=True):
 
 class Pinned(msgspec.Struct, tag=True):
     n: int
+    refused: int = 0
+    """Held blocks not pinned: the tenant's budget was spent."""
 
 
 class Done(msgspec.Struct, tag=True):
@@ -102,6 +113,12 @@ class TierStats(msgspec.Struct, tag=True):
     forgotten: dict[str, int]
     reclaimed: int
     """Reservations whose writer vanished, taken back after ``write_timeout_s``."""
+    pinned_hits: int = 0
+    """Lookup hits on pinned blocks: context a retention kept through a pause (or through pressure)."""
+    pins_refused: int = 0
+    """Blocks a Pin asked for beyond its tenant's budget."""
+    demoted: int = 0
+    """Blocks a session's next Pin no longer named (a superseded turn's tail), sent to the cold end."""
 
 
 Reply = Welcome | Reserved | Found | Pinned | Done | Failed | TierStats

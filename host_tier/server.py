@@ -30,14 +30,19 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from host_tier import messages as m
 from host_tier.arena import Arena
-from host_tier.events import EventPublisher
+from host_tier.events import END_SEQ, TOPIC, EventPublisher
 from host_tier.eviction import RetentionLru
+from host_tier.metrics import serve_metrics
+
+if TYPE_CHECKING:  # the lake's rows load the telemetry package (Arrow, Redis): only a tier that emits them
+    from host_tier.lake import TierLake
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +56,20 @@ class TierCore:
         events: EventPublisher | None = None,
         write_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        endpoints: tuple[str | None, str | None] = (None, None),
+        tenant_pin_share: float = 0.5,
     ) -> None:
+        """``endpoints``: (events, replay), told to clients in ``Welcome``; ``tenant_pin_share``: the share
+        of the slots one tenant's pins may hold."""
         self.arena = arena
+        self.endpoints = endpoints
+        self.pin_budget = max(int(arena.n_slots * tenant_pin_share), 1)
+        self.owner_pins: dict[str, tuple[str, float, set[int]]] = {}
+        """owner -> (tenant, until, the slots its last Pin pinned); dropped when it expires (``reclaim``)."""
+        self.tenant_pins: Counter[str] = Counter()
+        self.slot_owners: dict[int, dict[str, float]] = {}
+        """slot -> {owner: until}: who pins it, each until when (several sessions may share a prefix)."""
+        self.pinned_hits = self.pins_refused = self.demoted = 0
         self.events = events
         self.write_timeout_s = write_timeout_s
         self.clock = clock
@@ -87,7 +104,7 @@ class TierCore:
             if req.protocol != m.PROTOCOL:
                 return m.Failed(f"host tier speaks protocol {m.PROTOCOL}, client {req.protocol}")
             a = self.arena
-            return m.Welcome(str(a.path), a.slot_bytes, a.n_slots, a.fingerprint)
+            return m.Welcome(str(a.path), a.slot_bytes, a.n_slots, a.fingerprint, m.PROTOCOL, *self.endpoints)
         if isinstance(req, m.Reserve):
             return m.Reserved([self._reserve(k) for k in req.keys])
         if isinstance(req, m.Commit):
@@ -104,14 +121,7 @@ class TierCore:
         if isinstance(req, m.Lookup):
             return m.Found(self._lookup(req.keys, req.prefix))
         if isinstance(req, m.Pin):
-            until = self.clock() + req.ttl_s
-            n = 0
-            for k in req.keys:
-                pin_slot = self.by_key.get(k)
-                if pin_slot is not None:
-                    self.policy.pin(pin_slot, until)
-                    n += 1
-            return m.Pinned(n)
+            return self._pin(req)
         if isinstance(req, m.Forget):
             for k in req.keys:
                 gone = self.by_key.get(k)
@@ -120,6 +130,67 @@ class TierCore:
                     self.forgotten[req.reason] += 1
             return m.Done()
         return self.stats()
+
+    def _pin(self, req: m.Pin) -> m.Pinned:
+        """Pin the held blocks of ``req.keys`` until the TTL, in order (a prompt's leading blocks, its
+        shared context, first) while the tenant's budget lasts. The owner's previous set is replaced:
+        blocks it no longer names lose its pin, and those no other owner pins are demoted. A slot stays
+        pinned until the latest expiry among its live owners (so a shorter re-pin shortens it, and the
+        budget it frees is real). A Pin with no owner (an operator's) is neither budgeted nor replaced."""
+        until = self.clock() + req.ttl_s
+        if not req.owner:
+            held = [slot for k in req.keys if (slot := self.by_key.get(k)) is not None]
+            for slot in held:
+                self.policy.pin(slot, until)
+            return m.Pinned(len(held))
+        tenant, _, before = self.owner_pins.pop(req.owner, (req.tenant, 0.0, set()))
+        self.tenant_pins[tenant] -= len(before)
+        for slot in before:
+            self.slot_owners.get(slot, {}).pop(req.owner, None)
+        pinned: set[int] = set()
+        refused = 0
+        for k in req.keys:
+            slot = self.by_key.get(k)
+            if slot is None or slot in pinned:
+                continue
+            if self.tenant_pins[req.tenant] + len(pinned) >= self.pin_budget:
+                refused += 1
+                continue
+            pinned.add(slot)
+            self.slot_owners.setdefault(slot, {})[req.owner] = until
+            self._set_pin(slot)
+        for slot in before - pinned:
+            shared = bool(self.slot_owners.get(slot))  # another session sharing the prefix still keeps it
+            self._set_pin(slot)
+            if not shared:
+                self.policy.demote(slot)
+                self.demoted += 1
+        if pinned:
+            self.owner_pins[req.owner] = (req.tenant, until, pinned)
+            self.tenant_pins[req.tenant] += len(pinned)
+        self.pins_refused += refused
+        return m.Pinned(len(pinned), refused)
+
+    def _set_pin(self, slot: int) -> None:
+        """The slot's pin: the latest expiry among its owners, or none when it has none left."""
+        owners = self.slot_owners.get(slot)
+        if owners:
+            self.policy.set_pin(slot, max(owners.values()))
+        else:
+            self.slot_owners.pop(slot, None)
+            self.policy.unpin(slot)
+
+    def _unpin_slot(self, slot: int) -> None:
+        """A pinned slot leaves the tier: it no longer counts against its owners' tenants."""
+        for owner in self.slot_owners.pop(slot, {}):
+            entry = self.owner_pins.get(owner)
+            if entry is None:
+                continue
+            tenant, _, slots = entry
+            slots.discard(slot)
+            self.tenant_pins[tenant] -= 1
+            if not slots:
+                del self.owner_pins[owner]
 
     def stats(self) -> m.TierStats:
         return m.TierStats(
@@ -134,6 +205,9 @@ class TierCore:
             evictions=dict(self.evictions),
             forgotten=dict(self.forgotten),
             reclaimed=self.reclaimed,
+            pinned_hits=self.pinned_hits,
+            pins_refused=self.pins_refused,
+            demoted=self.demoted,
         )
 
     def _reserve(self, key: bytes) -> int:
@@ -185,11 +259,15 @@ class TierCore:
                 out.append(-1)
                 continue
             self.hits += 1
+            if self.policy.is_pinned(slot, self.clock()):
+                self.pinned_hits += 1
             self.policy.touch(slot)
             out.append(slot)
         return out
 
     def _drop(self, slot: int) -> None:
+        if slot in self.slot_owners:
+            self._unpin_slot(slot)
         key = self.key_of.pop(slot)
         del self.by_key[key]
         self.policy.remove(slot)
@@ -199,8 +277,17 @@ class TierCore:
             self.events.removed([key])
 
     def reclaim(self) -> None:
-        """Take back reservations whose writer has not committed within ``write_timeout_s``."""
-        cutoff = self.clock() - self.write_timeout_s
+        """Take back reservations whose writer has not committed within ``write_timeout_s``, and forget
+        the owners whose pins expired (their blocks stay, as plain LRU ones; the budget is free again)."""
+        now = self.clock()
+        for owner, (tenant, until, slots) in list(self.owner_pins.items()):
+            if until <= now:
+                del self.owner_pins[owner]
+                self.tenant_pins[tenant] -= len(slots)
+                for slot in slots:
+                    self.slot_owners.get(slot, {}).pop(owner, None)
+                    self._set_pin(slot)
+        cutoff = now - self.write_timeout_s
         for slot, (_, since) in list(self.writing.items()):
             if since < cutoff:
                 del self.writing[slot]
@@ -219,33 +306,75 @@ def serve(
     block_size: int,
     write_timeout_s: float = 30.0,
     ready: Callable[[], None] | None = None,
+    replay_endpoint: str | None = None,
+    tenant_pin_share: float = 0.5,
+    metrics_port: int | None = None,
+    lake: TierLake | None = None,
 ) -> None:
-    """Run the tier until interrupted (KeyboardInterrupt / SIGTERM through ``contracts.cli.interrupt``)."""
+    """Run the tier until interrupted (KeyboardInterrupt / SIGTERM through ``contracts.cli.interrupt``).
+    ``lake``: where the loop hands its ``host_tier`` rows (``host_tier.lake``; it only appends to the
+    emitter's buffer, never waits on Redis); its last row is emitted at the end."""
     arena = Arena.create(path, slot_bytes, n_slots, fingerprint)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     events = EventPublisher(ctx, events_endpoint, block_size)
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
-    core = TierCore(arena, events, write_timeout_s)
+    replay = ctx.socket(zmq.ROUTER) if replay_endpoint else None
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    if replay is not None and replay_endpoint:
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.bind(replay_endpoint)
+        poller.register(replay, zmq.POLLIN)
+    core = TierCore(
+        arena, events, write_timeout_s, endpoints=(events_endpoint, replay_endpoint), tenant_pin_share=tenant_pin_share
+    )
+    events.start(list(core.by_key))
+    collector = serve_metrics(metrics_port) if metrics_port else None
+    if collector is not None:
+        collector.snapshot = core.stats()
     log.info("host tier: %d slots of %d bytes at %s, control %s", n_slots, slot_bytes, path, endpoint)
     if ready is not None:
         ready()
     last_sweep = time.monotonic()
     try:
         while True:
-            if sock.poll(1000):
+            ready_socks = dict(poller.poll(500))
+            if sock in ready_socks:
                 ident, empty, payload = sock.recv_multipart()
                 try:
                     reply: m.Reply = core.handle(m.request_decoder.decode(payload))
                 except (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError) as exc:
                     reply = m.Failed(f"bad request: {exc}")
                 sock.send_multipart([ident, empty, m.encoder.encode(reply)])
-            events.flush()
+            events.flush(heartbeat_s=1.0)
+            if replay is not None and replay in ready_socks:
+                _answer_replay(replay, events, core)
             if time.monotonic() - last_sweep > 1.0:
                 core.reclaim()
+                if collector is not None:
+                    collector.snapshot = core.stats()
+                if lake is not None:
+                    lake.tick(core.stats)
                 last_sweep = time.monotonic()
     finally:
+        if lake is not None:
+            lake.close(core.stats())
         sock.close()
+        if replay is not None:
+            replay.close()
         events.close()
         ctx.term()
+
+
+def _answer_replay(replay: zmq.Socket[bytes], events: EventPublisher, core: TierCore) -> None:
+    """A subscriber's ``[b"", start_seq]`` (vLLM's replay request), answered as vLLM's publisher answers:
+    ``[b"", topic, seq, batch]`` frames, then the end marker."""
+    frames = replay.recv_multipart()
+    if len(frames) != 3 or len(frames[2]) != 8:
+        return
+    ident, start = frames[0], int.from_bytes(frames[2], "big")
+    for seq, payload in events.replay(start, list(core.by_key)):
+        replay.send_multipart([ident, b"", TOPIC, seq.to_bytes(8, "big"), payload])
+    replay.send_multipart([ident, b"", b"", END_SEQ, b""])

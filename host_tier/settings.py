@@ -26,8 +26,23 @@ class TierSettings(BaseSettings):
     """Control socket (ZeroMQ). Loopback or ipc only: the tier serves one host."""
     events_endpoint: str | None = "ipc:///tmp/tandem-tier-events.sock"
     """Where store/remove events are published (vLLM's KV-event format); None: none."""
+    replay_endpoint: str | None = "ipc:///tmp/tandem-tier-replay.sock"
+    """Where a subscriber catching up gets a snapshot of the blocks held (``events.py``); None: none."""
+    tenant_pin_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    """The share of the tier one tenant's session pins may hold: one tenant's long sessions cannot pin
+    everyone else's context out."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on 127.0.0.1 at this port (``host_tier.metrics``); None: none."""
     write_timeout_s: float = 30.0
     """A reservation not committed within this is taken back (its writer is gone)."""
+    telemetry_redis_url: str | None = None
+    """Redis holding the telemetry streams: the tier emits a ``host_tier`` row there per interval for the
+    lake (``host_tier.lake``; ``tandem up --host-tier`` passes the cluster's); None: no rows."""
+    telemetry_stream_prefix: str = "tandem:telemetry"
+    """The streams' prefix (``telemetry.emitter.DEFAULT_STREAM_PREFIX``, spelled out here: engines load
+    these settings, and must not load the telemetry package with them)."""
+    telemetry_interval_s: float = Field(default=10.0, gt=0.0)
+    """Seconds one ``host_tier`` row covers."""
 
     def path_for(self, layout: BlockLayout) -> Path:
         return self.dir / f"tandem-tier-{layout.fingerprint().hex()[:16]}"

@@ -101,6 +101,17 @@ def up(
             "KV blocks are kept there and loaded instead of recomputed (`tandem tier serve`). Default: none."
         ),
     ] = None,
+    peer_kv: Annotated[
+        bool,
+        typer.Option(
+            help="Colocated nodes run our KV connector: a node loads a prompt prefix another node holds instead "
+            "of computing it, when the router measures that faster (peer fetch). Default: off."
+        ),
+    ] = False,
+    keep_host_tier: Annotated[
+        bool,
+        typer.Option(help="Keep the host tier's file (and its RAM) after the cluster stops, for the next start."),
+    ] = False,
 ) -> None:
     """Start a local cluster (Redis if needed, nodes, router) and run it until Ctrl-C or SIGTERM."""
     from infra.launcher import Cluster, ClusterSpec, models_from_file, parse_model_option
@@ -131,6 +142,8 @@ def up(
         lake=lake_dir(lake, workdir=workdir).path,
         policy=policy,
         host_tier=host_tier,
+        keep_host_tier=keep_host_tier,
+        peer_kv=peer_kv,
     )
     cluster = Cluster(spec)
     # Ctrl-C and SIGTERM unwind from wherever the launcher is (start-up included) into the `finally`,

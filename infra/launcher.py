@@ -44,6 +44,7 @@ from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.models_file import check_models, read_models_file
 from contracts.registry import NODES_SET, Role, node_key
+from host_tier.settings import TierSettings, layout_from_model
 from infra.redis_server import reachable, start_embedded
 from node_agent.dtype import resolve_dtype
 from node_agent.lifetime import die_with_parent
@@ -160,6 +161,12 @@ class ClusterSpec:
     """Environment of every node process on top of this one's (``TANDEM_NODE_*`` settings)."""
     host_tier: str | None = None
     """Size of a host tier every node shares (``2GiB``; ``tandem tier serve``); None: no host tier."""
+    keep_host_tier: bool = False
+    """Leave the tier's file (its blocks, and the RAM they take in /dev/shm) after ``stop``, for the next
+    start to find; by default a stopped cluster gives the RAM back."""
+    peer_kv: bool = False
+    """Colocated nodes run our connector, so each loads a prefix another holds instead of computing it
+    (``NodeSettings.peer_kv``; the router's ``peer_fetch``)."""
     routers: int = 2
     """Router replicas sharing router_port (SO_REUSEPORT): one that dies, or restarts, leaves the other
     serving. The first is named ``router``, the others ``router-1``..."""
@@ -219,6 +226,7 @@ class Cluster:
         self.lake = spec.lake or spec.workdir / "lake"
         self._state_client: redis.Redis | None = None
         self._next_snapshot = 0.0
+        self._tier_file: Path | None = None
 
     @property
     def url(self) -> str:
@@ -298,6 +306,8 @@ class Cluster:
                 args += ["--block-size", str(spec.block_size)]
             if tier_endpoint:
                 args += ["--host-tier", tier_endpoint]
+            if spec.peer_kv and role is Role.BOTH:
+                args.append("--peer-kv")
             for extra in spec.extra_node_args:
                 args += ["--engine-arg", extra]
             both_slot += role is Role.BOTH
@@ -333,32 +343,52 @@ class Cluster:
             raise ConfigError("a host tier serves one model's layout: use it with a single --model")
         model = Path(spec.model) if spec.model else default_model_dir()
         endpoint = f"ipc://{(spec.workdir / 'tier.sock').resolve()}"
-        args = ["tier", "serve", "--model", str(model), "--dtype", resolve_dtype(spec.dtype or "auto"), "--size"]
+        dtype = resolve_dtype(spec.dtype or "auto")
+        layout = layout_from_model(model, dtype, spec.block_size or 128, os.environ.get("PYTHONHASHSEED"))
+        self._tier_file = TierSettings().path_for(layout)
+        args = ["tier", "serve", "--model", str(model), "--dtype", dtype, "--size"]
         # The engine's block size when none is set: vLLM's CPU platform picks 128 (a tier of another
         # layout is refused by the engine's connector at start, never silently missed).
         args += [str(spec.host_tier), "--block-size", str(spec.block_size or 128)]
         events = f"ipc://{(spec.workdir / 'tier-events.sock').resolve()}"
-        self._spawn("host-tier", args, {"TANDEM_TIER_ENDPOINT": endpoint, "TANDEM_TIER_EVENTS_ENDPOINT": events})
+        replay = f"ipc://{(spec.workdir / 'tier-replay.sock').resolve()}"
+        env = {
+            "TANDEM_TIER_ENDPOINT": endpoint,
+            "TANDEM_TIER_EVENTS_ENDPOINT": events,
+            "TANDEM_TIER_REPLAY_ENDPOINT": replay,
+            # its host_tier rows go where the router's records go, so the cluster's lake writer has them
+            "TANDEM_TIER_TELEMETRY_REDIS_URL": self.redis_url,
+        }
+        self._spawn("host-tier", args, env)
         return endpoint
 
-    def add_router(self, port: int, policy: str | None, name: str | None = None, *, reuse_port: bool = False) -> str:
+    def add_router(
+        self,
+        port: int,
+        policy: str | None,
+        name: str | None = None,
+        *,
+        reuse_port: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> str:
         """Start a router process over this cluster's registry (the cluster's own, or another replica
-        with its own policy, e.g. for a benchmark); returns its base URL. Every replica subscribes to
-        the nodes' KV events itself. Stopped with the cluster."""
+        with its own policy or ``TANDEM_ROUTER_*`` settings in ``env``, e.g. for a benchmark); returns its
+        base URL. Every replica subscribes to the nodes' KV events itself. Stopped with the cluster."""
         args = ["router", "--port", str(port), "--redis-url", self.redis_url]
         if policy is not None:
             args += ["--policy", policy]
         if reuse_port:
             args.append("--reuse-port")
         name = name or f"router-{port}"
-        env = {
+        child_env = {
             "TANDEM_SQLITE_PATH": str(self.spec.workdir / "tandem.db"),
             # Its own journal, kept across its restarts: a restarted replica sends what the dead one had not.
             "TANDEM_ROUTER_TELEMETRY_JOURNAL_DIR": str((self.spec.workdir / "journal" / name).resolve()),
             **({"TANDEM_ROUTER_MODELS": str(self.spec.models_file.resolve())} if self.spec.models_file else {}),
             **dict(self.spec.router_env),
+            **(env or {}),
         }
-        self._spawn(name, args, env)
+        self._spawn(name, args, child_env)
         return f"http://127.0.0.1:{port}"
 
     def live_node_ids(self) -> set[str]:
@@ -521,6 +551,9 @@ class Cluster:
             _wait(proc, timeout_s)
         _kill_all(descendants)
         self.children.clear()
+        if self._tier_file is not None and not self.spec.keep_host_tier:
+            with contextlib.suppress(FileNotFoundError):
+                self._tier_file.unlink()
         with contextlib.suppress(redis.RedisError):  # an embedded Redis is gone already: nothing to clean
             client = self._state_client or redis.Redis.from_url(
                 self.redis_url, socket_timeout=1, socket_connect_timeout=1

@@ -14,18 +14,21 @@ import json
 from typing import Any
 
 
-def tier_connector(endpoint: str) -> dict[str, Any]:
+def tier_connector(endpoint: str, timeout_s: float = 0.5) -> dict[str, Any]:
     return {
         "kv_connector": "HostTierConnector",
         "kv_connector_module_path": "kv_transfer.host_tier_connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"tier_endpoint": endpoint},
+        "kv_connector_extra_config": {"tier_endpoint": endpoint, "tier_timeout_s": timeout_s},
     }
 
 
-def with_host_tier(pd_config: str | None, endpoint: str, load_failure_policy: str = "recompute") -> str:
-    """``pd_config``: the P/D connector's JSON (``kv_transfer.config.kv_transfer_config``), or None."""
-    tier = tier_connector(endpoint)
+def with_host_tier(
+    pd_config: str | None, endpoint: str, load_failure_policy: str = "recompute", timeout_s: float = 0.5
+) -> str:
+    """``pd_config``: the P/D connector's JSON (``kv_transfer.config.kv_transfer_config``), or None;
+    ``timeout_s``: the tier's answer to one lookup (``NodeSettings.host_tier_timeout_s``)."""
+    tier = tier_connector(endpoint, timeout_s)
     if pd_config is None:
         return json.dumps({**tier, "kv_load_failure_policy": load_failure_policy})
     pd = json.loads(pd_config)

@@ -17,10 +17,13 @@ The sequence, per request:
                into the engine's cache, layer by layer, checked by the tier's seqlock + checksum
                (``host_tier.arena``); a block that fails is a load error: vLLM recomputes from it
                (``kv_load_failure_policy=recompute``), the tier forgets it
-    scheduler  request_finished: the prompt's full blocks the tier lacks are kept (delay-free) for
+    scheduler  request_finished: the request's full blocks (prompt and answer: every block whose
+               tokens all have KV, i.e. all but the last sampled token's) are kept (delay-free) for
                one more step ...
-    worker     ... in which they are copied into the tier (Reserve -> copy -> Commit) and reported
-               finished_sending, and vLLM frees them
+    worker     ... in which they are copied into the tier (Reserve -> copy -> Commit; blocks the tier
+               holds already are not rewritten) and reported finished_sending, and vLLM frees them;
+               a request the router marked for retention (``kv_transfer_params["tandem_retain"]``:
+               ttl, owner, tenant; ``router.retention``) then has its blocks pinned for the TTL
 
 Keys are the engine's own block hashes (``request.block_hashes``, sha256_cbor), the same the router's
 fleet index and every tier use. A tier that is down costs a miss, never a failed request: lookups
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -62,11 +66,32 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.kv.host_tier")
 
 
+class Retain(msgspec.Struct, frozen=True):
+    """``kv_transfer_params["tandem_retain"]``, as the router writes it (checked here, at the boundary)."""
+
+    ttl_s: float
+    owner: str
+    tenant: str = ""
+
+
+def _retain(params: dict[str, Any] | None) -> Retain | None:
+    raw = (params or {}).get("tandem_retain")
+    if raw is None:
+        return None
+    try:
+        hint = msgspec.convert(raw, Retain)
+    except msgspec.ValidationError as exc:
+        log.warning("tandem_retain ignored: %s", exc)
+        return None
+    return hint if 0 < hint.ttl_s <= 86_400 and 0 < len(hint.owner) <= 256 else None
+
+
 @dataclass
 class BlockCopy:
     request_id: str
     block_ids: list[int]
     keys: list[bytes]
+    retain: Retain | None = None
 
 
 @dataclass
@@ -180,10 +205,12 @@ class HostTierConnector(KVConnectorBase_V1):
         ):
             return False, None
         ids = list(block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids or ())
-        n = min(request.num_prompt_tokens // self.block_size, len(request.block_hashes), len(ids))
+        # Every block whose tokens all have KV: the last sampled token was never fed, so not its.
+        n = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes), len(ids))
         if n == 0:
             return False, None
-        self._stores.append(BlockCopy(request.request_id, ids[:n], [bytes(h) for h in request.block_hashes[:n]]))
+        keys = [bytes(h) for h in request.block_hashes[:n]]
+        self._stores.append(BlockCopy(request.request_id, ids[:n], keys, _retain(request.kv_transfer_params)))
         return True, None  # held one more step, while the worker copies them out
 
     # -- worker side -----------------------------------------------------------------------------------
@@ -236,6 +263,9 @@ class HostTierConnector(KVConnectorBase_V1):
             return
         try:
             self.stored_blocks += tier.put_parts(copy.keys, [self._parts(b) for b in copy.block_ids])
+            if copy.retain is not None:
+                r = copy.retain
+                tier.pin(copy.keys, r.ttl_s, r.owner, r.tenant)
         except ConfigError as exc:
             self._down(exc)
         except ValueError as exc:  # a block larger than the tier's slots: another layout slipped through

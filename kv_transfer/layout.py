@@ -4,7 +4,7 @@ into or copied across processes without staging."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,13 @@ class KVLayout:
     """Per layer, a uint8 view of shape (num_blocks, block_nbytes) over the engine's own memory."""
     dtype: str
     block_shape: list[int]
+    addresses: tuple[int, ...] = field(init=False)
+    """Address of block 0 of each layer. The engine allocates its cache once, so these never change;
+    they are read once here (``ndarray.ctypes.data`` costs microseconds a call, and every shm pull
+    and Grant names all of them)."""
+
+    def __post_init__(self) -> None:
+        self.addresses = tuple(int(a.ctypes.data) for a in self.layers)
 
     @classmethod
     def from_arrays(cls, arrays: list[np.ndarray], dtype: str | None = None) -> KVLayout:
@@ -67,7 +74,7 @@ class KVLayout:
         return self.layers[layer][start : start + count].reshape(-1)
 
     def address(self, layer: int) -> int:
-        return self.layers[layer].ctypes.data
+        return self.addresses[layer]
 
     def nbytes(self, segments: list[Segment]) -> int:
         return sum(s.count for s in segments) * self.block_nbytes * self.num_layers

@@ -18,16 +18,18 @@ that ended answers with a Reject, which fails the pull and sends its local block
 bytes read early are kept only if this pull's Grant, from the socket's proven peer, names the same
 pid and addresses; otherwise (the prefill node restarted) they are read again from the proven one. A
 pid is taken for the same process only with the same start time (``/proc/<pid>/stat``), so a reused
-pid is never read from.
+pid is never read from. Once proven, the process is held by a pidfd (``ProcessHandle``): whether it
+still lives is then one poll, not a read of ``/proc`` per check (two per pull).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import zmq
@@ -189,8 +191,8 @@ def _cma(call: Callable[..., int], name: str, pid: int, pairs: list[tuple[int, i
 def cma_pairs(
     pull: wire.Pull,
     layers: list[int],
-    here: list[int],
-    there: list[int],
+    here: Sequence[int],
+    there: Sequence[int],
     block_nbytes: int,
     *,
     local_is_remote_side: bool,
@@ -219,16 +221,63 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])  # field 22 of proc(5); the first field after the name is field 3
 
 
+class ProcessHandle:
+    """A pidfd (``os.pidfd_open``): a handle on one process, not on its pid. It turns readable when
+    that process exits, and while it has not, its pid names no other process. The descriptor is
+    closed when the last holder lets go of the handle, never while one could still poll it (an fd
+    closed under a poller could be reused by another file and answer for it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.fd = os.pidfd_open(pid)
+
+    @classmethod
+    def open(cls, pid: int) -> ProcessHandle | None:
+        """None when there is no such process, or no pidfd on this kernel (checks then read /proc)."""
+        try:
+            return cls(pid)
+        except (OSError, AttributeError):
+            return None
+
+    def exited(self) -> bool:
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except (OSError, AttributeError):
+            pass  # never opened, or the interpreter is shutting down
+
+
 @dataclass(frozen=True)
 class KnownPeer:
-    """What a proven Grant said that does not change while the prefill process lives."""
+    """What a proven Grant said that does not change while the prefill process lives. Two are equal
+    when they name the same process (pid and start time) and cache addresses, whatever their handle."""
 
     pid: int
     start_time: int
     layer_addresses: tuple[int, ...]
+    handle: ProcessHandle | None = field(default=None, compare=False, repr=False)
+    """A pidfd on the process (None: checks read /proc)."""
+
+    @classmethod
+    def prove(cls, pid: int, layer_addresses: Sequence[int], known: KnownPeer | None) -> KnownPeer | None:
+        """The peer that a Grant from the socket's proven ``pid`` names; None when that process is gone.
+        ``known`` itself (its handle kept, nothing read) when it is that very process and unchanged."""
+        addresses = tuple(layer_addresses)
+        if known is not None and known.pid == pid and known.alive():
+            return known if known.layer_addresses == addresses else cls(pid, known.start_time, addresses, known.handle)
+        handle = ProcessHandle.open(pid)  # first: what is read next is this process's if it still lives after
+        start_time = process_start_time(pid)
+        if start_time is None or (handle is not None and handle.exited()):
+            return None
+        return cls(pid, start_time, addresses, handle)
 
     def alive(self) -> bool:
         """The very process that was proven (not a newer one under a reused pid)."""
+        if self.handle is not None:
+            return not self.handle.exited()
         return process_start_time(self.pid) == self.start_time
 
 
@@ -258,7 +307,7 @@ class CmaTransport:
         n = layout.num_layers
         return wire.CmaTarget(
             os.getpid(),
-            [layout.address(i) for i in range(n)],
+            list(layout.addresses),
             layout.block_nbytes,
             layout.layers[0].shape[0],
             list(range(n // 2)) if self.split else [],
@@ -268,17 +317,16 @@ class CmaTransport:
         self, sock: zmq.Socket[bytes], pull: wire.Pull, layout: KVLayout, deadline: float, *, codec: wire.Codec
     ) -> int:
         bn = layout.block_nbytes
-        here = [layout.address(i) for i in range(layout.num_layers)]
+        here = layout.addresses
         asked = set(pull.cma.push_layers) if pull.cma is not None else set()
         early = [layer for layer in range(layout.num_layers) if layer not in asked]
         read_early = self._read_early(pull, early, here, bn)
         # Read only from the process that holds the other end of this Unix socket (the kernel says
         # which), whatever pid the Grant names: never from a process that a message alone names.
         msg = _proven_grant(*_recv_frame(sock, deadline, codec), pull, layout)
-        start_time = process_start_time(msg.pid)
-        if start_time is None:
+        proven = KnownPeer.prove(msg.pid, msg.layer_addresses, self.known)
+        if proven is None:
             raise TransferFailed(f"the prefill process {msg.pid} is gone")
-        proven = KnownPeer(msg.pid, start_time, tuple(msg.layer_addresses))
         self.early = read_early and proven == self.known
         copied = set(early) if self.early else set()
         pushing = set(msg.pushing)
@@ -300,13 +348,13 @@ class CmaTransport:
         self.learned = proven
         return layout.nbytes(pull.segments)
 
-    def _read_early(self, pull: wire.Pull, layers: list[int], here: list[int], block_nbytes: int) -> bool:
+    def _read_early(self, pull: wire.Pull, layers: list[int], here: Sequence[int], block_nbytes: int) -> bool:
         """Copy ``layers`` from the known peer before its Grant comes; whether that was done. Any
         failure only means the copy waits for the Grant, as without a known peer."""
         known = self.known
         if known is None or len(known.layer_addresses) != len(here) or not known.alive():
             return False
-        pairs = cma_pairs(pull, layers, here, list(known.layer_addresses), block_nbytes, local_is_remote_side=False)
+        pairs = cma_pairs(pull, layers, here, known.layer_addresses, block_nbytes, local_is_remote_side=False)
         try:
             process_vm_readv(known.pid, pairs)
         except TransferFailed:
@@ -354,7 +402,7 @@ class LayerwiseTransport:
         grant = None
         if self.name == "shm":
             grant = _proven_grant(*_recv_frame(sock, deadline, codec), pull, layout)
-        here = [layout.address(i) for i in range(n)]
+        here = layout.addresses
         positions, _ = wire.positions_of(pull.segments)
         segments: list[wire.Segment] | None = None
         done: set[int] = set()

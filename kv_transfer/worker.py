@@ -71,6 +71,7 @@ class TandemWorker:
             threads=self.settings.pull_threads,
             on_outcome=self._activity.set,
             shm_split=self.settings.shm_split,
+            shm_split_min_bytes=self.settings.shm_split_min_bytes,
         )
         log.info(
             "tandem connector: %d layers, %d blocks of %d bytes; block server on %s",

@@ -67,6 +67,14 @@ def node(
         str | None,
         typer.Option(help="Host tier control socket (`tandem tier serve`), e.g. ipc:///tmp/tandem-tier.sock."),
     ] = None,
+    peer_kv: Annotated[
+        bool | None,
+        typer.Option(
+            "--peer-kv/--no-peer-kv",
+            help="Role both: run our KV connector too, so peers load the prefixes this engine holds (and it "
+            "theirs) instead of computing them (the router's peer fetch). Default: off.",
+        ),
+    ] = None,
     log_dir: Annotated[Path | None, typer.Option(help="Write the engine's log here.")] = None,
     log_level: str = "info",
 ) -> None:
@@ -90,6 +98,7 @@ def node(
         block_size=block_size,
         extra_engine_args=engine_arg,
         host_tier_endpoint=host_tier,
+        peer_kv=peer_kv,
         log_dir=log_dir,
     )
     kwargs = {k: v for k, v in given.items() if v is not None}

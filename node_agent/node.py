@@ -28,10 +28,13 @@ import redis.asyncio as aioredis
 
 import decode_nodes
 import prefill_nodes
+from contracts.errors import ConfigError
 from contracts.registry import NodeInfo, NodeRegistry, Role
+from host_tier.client import tier_endpoints
 from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
 from kv_transfer.auth import cluster_engine_api_key, curve_keys, load_cluster_secret
 from kv_transfer.host_tier_config import with_host_tier
+from kv_transfer.settings import ConnectorSettings, host_id
 from node_agent.dtype import resolve_dtype
 from node_agent.engine_metrics import read_snapshot
 from node_agent.kv_events_relay import KVEventsRelay
@@ -91,12 +94,14 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
     if settings.otlp_traces_endpoint:
         cmd += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
     kv_config = None
-    if settings.role is not Role.BOTH:
+    if settings.runs_connector:
         kv_config = kv_transfer_config(
             settings.connector, extra=settings.kv_connector_extra, load_failure_policy=settings.kv_load_failure_policy
         )
     if settings.host_tier_endpoint:
-        kv_config = with_host_tier(kv_config, settings.host_tier_endpoint, settings.kv_load_failure_policy)
+        kv_config = with_host_tier(
+            kv_config, settings.host_tier_endpoint, settings.kv_load_failure_policy, settings.host_tier_timeout_s
+        )
     if kv_config:
         cmd += ["--kv-transfer-config", kv_config]
     if settings.role is Role.PREFILL:
@@ -231,9 +236,26 @@ def pin_process_tree(pid: int, cores: set[int]) -> int:
     return narrowed
 
 
+def block_server(settings: NodeSettings) -> tuple[dict[str, str], str]:
+    """The engine's KV block server as the registry advertises it (endpoints, host id), from the very
+    settings its connector is given; nothing for a node without our connector."""
+    if not settings.runs_connector or settings.connector is not ConnectorKind.TANDEM:
+        return {}, ""
+    return ConnectorSettings.model_validate(settings.kv_connector_extra).endpoints, host_id()
+
+
 async def describe(settings: NodeSettings, client: httpx.AsyncClient, model_path: Path, epoch: int = 0) -> NodeInfo:
     models = (await client.get(f"{settings.url}/v1/models", timeout=5.0)).json()["data"]
     snap = await read_snapshot(client, settings.url)
+    kv_endpoints, kv_host_id = block_server(settings)
+    tier_events = tier_replay = None
+    if settings.host_tier_endpoint:
+        # The engine started, so its connector found the tier moments ago; a tier that does not answer
+        # now only costs the routers its hits' foresight, never a request.
+        try:
+            tier_events, tier_replay = await asyncio.to_thread(tier_endpoints, settings.host_tier_endpoint)
+        except ConfigError as exc:
+            log.warning("host tier events unknown: %s", exc.message)
     return NodeInfo(
         node_id=settings.node_id,
         role=settings.role,
@@ -241,14 +263,18 @@ async def describe(settings: NodeSettings, client: httpx.AsyncClient, model_path
         url=settings.advertised_url,
         block_size=snap.block_size or (settings.block_size or 0),
         max_model_len=int(models[0].get("max_model_len") or settings.max_model_len),
-        kv_connector=settings.connector.value if settings.role is not Role.BOTH else "none",
+        kv_connector=settings.connector.value if settings.runs_connector else "none",
         kv_events_endpoint=settings.kv_events_endpoint,
         kv_replay_endpoint=settings.kv_replay_endpoint,
         kv_events_auth="curve" if settings.kv_events_relayed else "none",
+        host_tier_events_endpoint=tier_events,
+        host_tier_replay_endpoint=tier_replay,
         model_path=str(model_path),
         num_kv_blocks=snap.num_kv_blocks,
         started_at=time.time(),
         epoch=epoch,
+        kv_endpoints=kv_endpoints,
+        kv_host_id=kv_host_id,
     )
 
 

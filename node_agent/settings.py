@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
@@ -57,10 +57,18 @@ class NodeSettings(BaseSettings):
     kv_transfer_timeout_s: float = 10.0
     """Tandem connector: how long a decode node waits for one pull before prefilling itself."""
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    """When a pull fails: recompute the prompt on the decode node, or fail the request."""
     host_tier_endpoint: str | None = None
     """The host tier's control socket (``tandem tier serve``): the engine offloads finished prompts' blocks
-    there and loads them on a miss (``kv_transfer.host_tier_connector``). None: no host tier."""
-    """When a pull fails: recompute the prompt on the decode node, or fail the request."""
+    there and loads them on a miss (``kv_transfer.host_tier_connector``); the agent names the tier's event
+    endpoints in its registry entry, so routers know what the tier holds. None: no host tier."""
+    peer_kv: bool = False
+    """A colocated node (role both) runs our connector too, so that peers can load the prefixes its engine
+    holds and it theirs, instead of computing them (the router's ``peer_fetch``, ``router.peer_fetch``).
+    Prefill and decode nodes run it anyway. Off by default: a colocated node then runs a plain engine."""
+    host_tier_timeout_s: float = 0.5
+    """How long the engine waits for the tier to answer one lookup (on the scheduler's thread) before it
+    leaves the tier off for a while and computes instead: a tier that hangs costs a miss, not a stall."""
     dtype: str = "auto"
     """Weights/activations dtype. ``auto``: bfloat16 where the CPU computes it natively (or on GPU
     builds, vLLM's own choice), else float32 (``node_agent.dtype``). Tests use float32, where greedy
@@ -79,7 +87,12 @@ class NodeSettings(BaseSettings):
     leaves NIXL as shipped. See kv_transfer/engine_hooks/sitecustomize.py."""
     heartbeat_s: float = 2.0
     """How often the agent writes the engine's load to the registry and probes the engine's health."""
-    registry_ttl_s: float = 6.0
+    registry_ttl_s: float = 15.0
+    """Lifetime of the node's registry entry, refreshed every heartbeat. It must outlast the longest
+    heartbeat round (``heartbeat_s`` plus the two probe timeouts), or one slow probe of a busy but live
+    engine drops the node from routing and its blocks from the fleet index. Only an agent that died
+    without deregistering (SIGKILL) waits this long to leave routing: a dead or hung engine is
+    deregistered at once, a node a router cannot reach is marked down at once."""
     startup_timeout_s: float = 600.0
     """Longest an engine may take to answer /health after its start; longer counts as a failed start."""
     restart_backoff_s: float = 1.0
@@ -133,6 +146,16 @@ class NodeSettings(BaseSettings):
     (``telemetry.tracing``), so they join the router's trace. The engine exports over HTTP/protobuf
     unless ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` says otherwise (vLLM's own default is gRPC), as
     service ``vllm-<node_id>``. None (the default): no tracing."""
+
+    @model_validator(mode="after")
+    def _ttl_outlasts_a_heartbeat_round(self) -> NodeSettings:
+        round_s = self.heartbeat_s + 2 * self.health_timeout_s
+        if self.registry_ttl_s <= round_s:
+            raise ValueError(
+                f"registry_ttl_s ({self.registry_ttl_s:g} s) must exceed heartbeat_s + 2 * health_timeout_s "
+                f"({round_s:g} s): a node whose probe is slow would otherwise drop out of routing while alive"
+            )
+        return self
 
     def engine_headers(self) -> dict[str, str]:
         """Headers of this node's own calls to its engine (the API key, when ``engine_auth``). Raises
@@ -211,13 +234,21 @@ class NodeSettings(BaseSettings):
         """TCP ports the engine binds (port -> what for), checked free before every start. A loopback
         node publishes KV events on an ipc socket, and so does every engine of a node on a real
         interface, whose agent's relay binds port+1 and port+2 itself (checked by that bind, once, at
-        the agent's start); a colocated node runs no connector."""
+        the agent's start); a colocated node runs no connector unless it has ``peer_kv``."""
         ports = {self.port: "engine HTTP"}
         if self.is_loopback:
             ports[self.port + 2] = "KV event replay"
-        if self.role is not Role.BOTH and self.connector is not ConnectorKind.NONE:
+        if self.runs_connector:
             ports[self.nixl_port] = "NIXL side channel" if self.connector is ConnectorKind.NIXL else "KV block server"
         return ports
+
+    @property
+    def runs_connector(self) -> bool:
+        """Whether the engine runs a P/D connector: prefill and decode nodes, and a colocated node with
+        ``peer_kv`` (ours only: NIXL serves no prefixes to peers)."""
+        if self.connector is ConnectorKind.NONE:
+            return False
+        return self.role is not Role.BOTH or (self.peer_kv and self.connector is ConnectorKind.TANDEM)
 
     @property
     def kv_connector_extra(self) -> dict[str, object]:

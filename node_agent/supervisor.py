@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
+import msgspec
 
 from contracts.errors import PortInUse, StoreError, UpstreamError
 from contracts.registry import NodeInfo, NodeLoad, NodeRegistry, NodeState, NodeStatus
@@ -300,6 +301,7 @@ class EngineSupervisor:
         """Heartbeat and probe until the engine exits, hangs, or stop."""
         s = self.settings
         failed_probes = 0
+        load = NodeLoad(updated_at=time.time())
         progress = (-1.0, time.monotonic())  # (token counter, when it last moved or the engine was idle)
         computed_at = time.monotonic()  # when the engine's processes last used COMPUTING_CORES or more
         cpu_mark: tuple[float, float] | None = None  # (group CPU seconds, when read)
@@ -326,6 +328,10 @@ class EngineSupervisor:
                 )
                 if failed_probes >= s.health_failures:
                     return Outcome(Ending.FAILED, f"hung: {failed_probes} probes in a row failed", hung=True)
+                # Not hung yet: keep the entry alive (the last load, marked with the failures), so one
+                # slow probe of a busy engine does not cost the node its place in the fleet index;
+                # routers leave a node with failed probes out of routing until a probe answers again.
+                await self._beat(info, msgspec.structs.replace(load, failed_probes=failed_probes))
             else:
                 failed_probes = 0
                 tokens = snap.generation_tokens + sum(snap.prompt_tokens_by_source.values())
@@ -346,11 +352,7 @@ class EngineSupervisor:
                 load = NodeLoad(
                     running=snap.running, waiting=snap.waiting, kv_usage=snap.kv_usage, updated_at=time.time()
                 )
-                try:
-                    await self.registry.heartbeat(info, load)
-                except StoreError as exc:
-                    # A missed beat is not fatal: the TTL covers a few; a dead engine is caught above.
-                    log.warning("heartbeat skipped: %s", exc)
+                await self._beat(info, load)
             pid = engine.pid
             stopped, cpu = await asyncio.to_thread(group_state, pid) if pid is not None else ([], 0.0)
             if (
@@ -371,6 +373,13 @@ class EngineSupervisor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), s.heartbeat_s)
         return Outcome(Ending.STOP)
+
+    async def _beat(self, info: NodeInfo, load: NodeLoad) -> None:
+        try:
+            await self.registry.heartbeat(info, load)
+        except StoreError as exc:
+            # A missed beat is not fatal: the TTL covers a few; a dead engine is caught by the probes.
+            log.warning("heartbeat skipped: %s", exc)
 
     async def _set_status(self, state: NodeState, *, last_exit: str | None = None) -> None:
         self.state = state

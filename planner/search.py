@@ -11,7 +11,11 @@ trace at 20,000 requests/s on ~200 nodes):
    smallest node count on a geometric grid (ratio ``grid``) that meets the targets: doubling up from the
    first size until one meets them, then halving the bracket down (bisection on the grid). Meeting the
    targets is taken to be monotone in the node count (more nodes never hurt), which a run can break
-   near the boundary: every run is printed, so a reader sees it.
+   near the boundary: every run is printed, so a reader sees it. Once a layout has met the targets,
+   the next is tried only at sizes that would cost less (a dearer fleet cannot win), from the largest
+   such size down: when that one misses, the layout is done in one simulation. On the Mooncake trace
+   at 20,000 requests/s this takes the search from 22 simulations (5 min 39 s on this shared host) to
+   about half as many, since each disaggregated share used to climb down from ~240 nodes.
 3. The cheapest layout that met the targets is tried once more with each other conditional-
    disaggregation threshold (``local_prefill_max_tokens``), at the same and the next smaller size.
 
@@ -150,6 +154,13 @@ def plan(
 
     memo: dict[Layout, Tried] = {}
 
+    def cost_of_layout(layout: Layout) -> float:
+        return (
+            layout.prefill * cost_of.get(Role.PREFILL, 1.0)
+            + layout.decode * cost_of.get(Role.DECODE, 1.0)
+            + layout.colocated * cost_of.get(Role.BOTH, 1.0)
+        )
+
     def run(layout: Layout) -> Tried:  # a layout two shares round to is simulated once
         if layout in memo:
             return memo[layout]
@@ -163,12 +174,7 @@ def plan(
         sim = FleetSim(specs, lambda lookup: CacheAware(lookup, cfg), step=profile)
         pct, att, good, hit = _measure(sim, prep, slo)
         meets = all(pct[f"{m}_p{p:g}"] <= v for (m, p), v in slo.targets.items() if f"{m}_p{p:g}" in pct)
-        cost = (
-            layout.prefill * cost_of.get(Role.PREFILL, 1.0)
-            + layout.decode * cost_of.get(Role.DECODE, 1.0)
-            + layout.colocated * cost_of.get(Role.BOTH, 1.0)
-        )
-        tried = Tried(layout, cost, pct, att, good / duration, hit, meets, time.monotonic() - t0)
+        tried = Tried(layout, cost_of_layout(layout), pct, att, good / duration, hit, meets, time.monotonic() - t0)
         out.tried.append(tried)
         memo[layout] = tried
         if on_try is not None:
@@ -185,10 +191,19 @@ def plan(
     n_d = max(1, math.ceil(float(prep.output_tokens.sum()) * per_token_decode / duration))
     first = n_p + n_d
 
-    def smallest(make: Callable[[int], Layout]) -> Tried | None:
+    def smallest(make: Callable[[int], Layout], below: float = math.inf) -> Tried | None:
+        """The smallest size on the grid whose layout meets the targets, among those costing less than
+        ``below`` (None: none does)."""
         sizes = sorted({max(2, round(first * grid**k)) for k in range(-8, 30)})
-        sizes = [s for s in sizes if s <= max_nodes]
-        i = min(range(len(sizes)), key=lambda k: abs(sizes[k] - first))
+        sizes = [s for s in sizes if s <= max_nodes and cost_of_layout(make(s)) < below]
+        if not sizes:
+            return None
+        if below < math.inf:  # a cheaper fleet than the best so far, or nothing: the dearest such one first
+            i = len(sizes) - 1
+            if not run(make(sizes[i])).meets:
+                return None
+        else:
+            i = min(range(len(sizes)), key=lambda k: abs(sizes[k] - first))
         seen: dict[int, Tried] = {}
 
         def at(k: int) -> Tried:
@@ -235,7 +250,8 @@ def plan(
             p = min(max(1, round(n * share)), n - 1)
             return Layout(p, n - p, 0, default_threshold)
 
-        w = smallest(make)
+        bound = min((t.cost for t in winners), default=math.inf)
+        w = smallest(make, bound)
         if w:
             winners.append(w)
     if winners:

@@ -344,7 +344,12 @@ class BlockServer:
             self._finish(msg)
         elif isinstance(msg, wire.Release):
             if self.leases.get(msg.transfer_id) is None:
-                self._parked.pop(msg.transfer_id, None)
+                # Before its lease: a router gave up on a layer-wise pair whose prefill never opened one
+                # (refused, or its node unreachable). A pull already waiting for it is answered now, so
+                # its decode node frees its blocks at once rather than at PARK_S.
+                parked = self._parked.pop(msg.transfer_id, None)
+                if parked is not None:
+                    self._reply(parked.sock, parked.ident, wire.Reject(msg.transfer_id, f"released: {msg.reason}"))
                 self._early_release[msg.transfer_id] = time.monotonic()
             else:
                 self._release(msg.transfer_id, msg.reason)
@@ -487,7 +492,7 @@ class BlockServer:
             return
         lay = self.layout
         if pull.transport == "shm":  # the decode node copies every layer itself: this core computes
-            here = [lay.address(i) for i in range(lay.num_layers)]
+            here = list(lay.addresses)
             self._reply(sock, ident, wire.Grant(tid, os.getpid(), here, [lay.block_nbytes] * lay.num_layers, []))
         self._streams[tid] = _Stream(sock, ident, pull, time.monotonic())
         self._advance(tid)
@@ -608,7 +613,7 @@ class BlockServer:
             if pull.checksum
             else []
         )
-        here = [lay.address(i) for i in range(lay.num_layers)]
+        here = list(lay.addresses)
         target = pull.cma
         push: list[int] = []
         if (

@@ -16,6 +16,7 @@ import typer
 
 from contracts.registry import Role
 from infra.launcher import Cluster, ClusterSpec
+from kv_transfer.auth import engine_auth_headers
 from profiling.fit import fit_step_model
 from profiling.measure import Sweep, measure
 from simulator.step_model import Profile
@@ -36,7 +37,9 @@ def _launched(n: int, kv_cache_gib: int, block_size: int, workdir: Path) -> Iter
     try:
         cluster.start()
         cluster.wait_ready(on_progress=lambda m: typer.echo(f"starting {n} colocated nodes… {m}"))
-        yield cluster.url
+        # the first node's own engine: through the router a batch of streams would be spread over the
+        # nodes, and a decode point would not be one engine's step
+        yield cluster.role_urls(Role.BOTH.value)[0]
     finally:
         cluster.stop()
 
@@ -45,7 +48,11 @@ def profile_cmd(
     out: Annotated[Path, typer.Option(help="Profile to write (JSON).")],
     url: Annotated[str | None, typer.Option(help="A running node or router to measure.")] = None,
     launch: Annotated[
-        int, typer.Option(help="Start this many colocated nodes (all alive while one is measured) instead of --url.")
+        int,
+        typer.Option(
+            help="Start this many colocated nodes instead of --url and measure the first one's engine "
+            "(the others alive, sharing the cores)."
+        ),
     ] = 0,
     kind: Annotated[str, typer.Option(help="Node kind the profile is for: both, prefill or decode.")] = "both",
     kv_cache_gib: Annotated[int, typer.Option(help="KV cache of launched nodes, GiB.")] = 1,
@@ -59,24 +66,40 @@ def profile_cmd(
     role = Role(kind)
     # quick: prompts short enough for this 2-core machine, where a loaded engine prefills ~35 tokens/s and
     # the node agent calls an engine that makes no token for 31 s hung
-    quick_sweep = Sweep(prefill_tokens=(32, 128, 384), repeats=2, batches=(1, 4), contexts=(128,), decode_tokens=24)
+    quick_sweep = Sweep(
+        prefill_tokens=(32, 128, 384),
+        repeats=2,
+        batches=(1, 4),
+        contexts=(128,),
+        mixed_prefill=(),
+        unshared=(),
+        decode_tokens=24,
+    )
     sweep = quick_sweep if quick else Sweep()
     if not url and not launch:
         raise typer.BadParameter("give --url or --launch N")
     with contextlib.ExitStack() as stack:
         target = url or stack.enter_context(_launched(launch, kv_cache_gib, block_size, Path(".tandem/profile")))
-        model = httpx.get(f"{target.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
-        pre, dec = asyncio.run(measure(target, model, sweep, progress=typer.echo))
+        headers = {} if url else engine_auth_headers(loopback_only=True)
+        models = httpx.get(f"{target.rstrip('/')}/v1/models", headers=headers, timeout=30).json()
+        model = models["data"][0]["id"]
+        pts = asyncio.run(measure(target, model, sweep, headers=headers, progress=typer.echo))
     what = f"measured {model} at {target}" + (f" ({launch} colocated nodes alive)" if launch else "")
-    step, err = fit_step_model(pre, dec, source=what)
+    step, err = fit_step_model(pts.prefill, pts.decode, pts.mixed, source=what)
     prof = Profile(
         models={role: step},
         description=what + "; transfer coefficients not measured (defaults)",
-        measurements={"prefill": [asdict(p) for p in pre], "decode": [asdict(d) for d in dec], "fit_rel_rms": err},
+        measurements={
+            "prefill": [asdict(p) for p in pts.prefill],
+            "decode": [asdict(d) for d in pts.decode],
+            "mixed": [asdict(m) for m in pts.mixed],
+            "fit_rel_rms": err,
+        },
     )
     prof.save(out)
     typer.echo(
         f"{kind}: base {step.base_s * 1e3:.2f} ms, prefill {step.prefill_s_per_token * 1e6:.1f} us/token, "
-        f"decode {step.decode_s_per_seq * 1e3:.3f} ms/seq + {step.decode_s_per_ctx_token * 1e9:.2f} ns/ctx token; "
+        f"decode {step.decode_s_per_seq * 1e3:.3f} ms/seq + {step.decode_s_per_ctx_token * 1e9:.2f} ns/ctx token "
+        f"+ {step.decode_s_per_kv_token * 1e9:.2f} ns/KV token held; {len(pts.mixed)} mixed steps; "
         f"fit relative RMS {err:.1%}; wrote {out}"
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,12 @@ def _usage(out: Outcome, usage: dict[str, Any]) -> None:
 
 
 async def _stream(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str], out: Outcome
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    out: Outcome,
+    on_chunk: Callable[[Outcome], None] | None,
 ) -> None:
     async with client.stream("POST", url, json=body, headers=headers) as resp:
         out.http_status = resp.status_code
@@ -72,6 +78,8 @@ async def _stream(
                 return
             if any(c.get("text") for c in event.get("choices") or []):
                 out.chunk_times.append(time.monotonic())
+                if on_chunk is not None:
+                    on_chunk(out)
             if event.get("usage"):
                 _usage(out, event["usage"])
         out.error = "stream ended before [DONE]"
@@ -84,14 +92,17 @@ async def send(
     headers: dict[str, str],
     *,
     cancel_after_s: float | None = None,
+    on_chunk: Callable[[Outcome], None] | None = None,
 ) -> Outcome:
+    """``on_chunk``: called with the outcome so far each time a chunk with text arrives (a profile
+    watches a batch of streams to send a prompt into it at a given token)."""
     out = Outcome(sent=time.monotonic())
     try:
         if cancel_after_s is None:
-            await _stream(client, url, body, headers, out)
+            await _stream(client, url, body, headers, out, on_chunk)
         else:
             try:
-                await asyncio.wait_for(_stream(client, url, body, headers, out), timeout=cancel_after_s)
+                await asyncio.wait_for(_stream(client, url, body, headers, out, on_chunk), timeout=cancel_after_s)
             except TimeoutError:
                 out.status, out.error = "cancelled", f"client left after {cancel_after_s:.3f} s (as recorded)"
     except httpx.HTTPError as exc:

@@ -16,7 +16,8 @@ from contracts.errors import TandemError
 from kv_transfer.control import is_tandem_params, lease_report
 from router.admission.ratelimit import Admission
 from router.metrics import RouterMetrics
-from router.orchestrator import RequestTrace
+from router.orchestrator import RequestTrace, note_rates
+from router.peer_fetch import FetchRates
 from router.records import request_record, tool_call_records
 from router.responses import ResponseIndex, ResponseRef
 from router.turns import TurnRecorder
@@ -36,8 +37,11 @@ class Accounting:
         turns: TurnRecorder | None = None,
         spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None,
         tracer: Tracer | None = None,
+        rates: FetchRates | None = None,
     ) -> None:
         self.metrics = metrics
+        self.rates = rates
+        """What finished requests measured for cross-node prefix reuse (``router.peer_fetch``)."""
         self.tracer = tracer
         """OpenTelemetry spans of each finished request (``telemetry.tracing``); None: none built."""
         self.emitter = emitter
@@ -64,7 +68,7 @@ class Accounting:
         error_type = type(exc).__name__ if exc else None
         if (
             trace.transfer is None
-            and trace.mode == "disaggregated"
+            and (trace.mode == "disaggregated" or trace.peer_node is not None)
             and is_tandem_params(trace.kv_params)
             and self.spawn is not None
         ):
@@ -77,6 +81,8 @@ class Accounting:
             self.turns.after(trace, admission, messages)
 
     def _record(self, trace: RequestTrace, endpoint: str, http_status: int, error_type: str | None) -> None:
+        if self.rates is not None:
+            note_rates(self.rates, trace)
         record = request_record(trace, endpoint=endpoint, http_status=http_status, error_type=error_type)
         self.metrics.common.observe_request(record)
         if self.tracer is not None:

@@ -59,6 +59,7 @@ from router.model_table import ModelTable
 from router.node_client import NodeClient
 from router.openai_errors import error_responses, install_error_handlers
 from router.orchestrator import Orchestrator
+from router.peer_fetch import PeerFetch
 from router.policies import CacheAware, LeastLoaded, RoundRobin, RoutingPolicy
 from router.responses import ResponseIndex
 from router.schemas import JsonInt
@@ -229,6 +230,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         app.state.cache_salts = CacheSalts.from_cluster_secret(settings.shared_cache_tenants)
         app.state.kv_tasks = kv_tasks = TaskSet()
         spans = tracer_provider(settings.otlp_traces_endpoint)
+        peers = PeerFetch(index, settings.peer_fetch_min_tokens) if settings.peer_fetch else None
         app.state.accounting = Accounting(
             metrics,
             emitter,
@@ -236,6 +238,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             turns,
             spawn=kv_tasks.spawn,
             tracer=spans.get_tracer("tandem.router") if spans is not None else None,
+            rates=peers.rates if peers is not None else None,
         )
         app.state.orchestrator = Orchestrator(
             settings,
@@ -247,6 +250,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             index,
             slots=admission.controller,
             models=models_table,
+            peers=peers,
         )
         metrics.admission.source = admission.controller.snapshot
         app.state.index, app.state.subscribers = index, subscribers

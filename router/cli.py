@@ -30,6 +30,14 @@ def router(
             help="Share the port with other router replicas on this host (SO_REUSEPORT; default off).",
         ),
     ] = None,
+    layerwise: Annotated[
+        bool | None,
+        typer.Option(
+            "--layerwise/--no-layerwise",
+            help="Send a P/D pair's legs at once, the KV pulled layer by layer during the prefill "
+            "(default on; $TANDEM_ROUTER_LAYERWISE).",
+        ),
+    ] = None,
     log_level: str = "info",
 ) -> None:
     """Run the router: OpenAI API (SSE), P/D orchestration over the nodes in the registry.
@@ -52,7 +60,13 @@ def router(
 
     setup_logging(log_level)
     given: dict[str, Any] = dict(
-        host=host, port=port, redis_url=redis_url, policy=policy, models=models, reuse_port=reuse_port
+        host=host,
+        port=port,
+        redis_url=redis_url,
+        policy=policy,
+        models=models,
+        reuse_port=reuse_port,
+        layerwise=layerwise,
     )
     settings = RouterSettings(**{k: v for k, v in given.items() if v is not None})
     with clean_errors():

@@ -218,7 +218,7 @@ class Exchange:
 
         # No token bucket, no charge: the prompt is then tokenized only if routing needs it.
         charges = charge if ctx.gate.charges_tokens(admission) else None
-        plan = self.orch.plan(self.kind, req, trace, prefer, charges, cache_salt)  # type: ignore[arg-type]
+        plan = self.orch.plan(self.kind, req, trace, prefer, charges, cache_salt, self.spawn)  # type: ignore[arg-type]
         leg = self.leg = await plan
         self.holds.push_async_callback(leg.release)
         if not req.stream:

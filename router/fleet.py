@@ -8,8 +8,10 @@ unreachable the last good view is kept (a router that cannot see the registry st
 Failures. A leg that cannot reach its node (refused, reset, timed out: ``UpstreamError`` that is no
 engine answer) marks the node down at once (``mark_down``): it leaves routing for ``down_s`` without
 waiting for its registry entry to lapse, and comes back when that passes (the next request probes it)
-or when the registry shows a new incarnation. If every node of a model is down, all are offered again:
-trying beats refusing.
+or when the registry shows a new incarnation. A node whose agent reports failed probes of its engine
+(``NodeLoad.failed_probes``: a stopped or overloaded engine, not yet counted as hung) is left out the
+same way until a probe answers. If every node of a model is down, all are offered again: trying beats
+refusing.
 
 Incarnations. A node id keeps its name across engine restarts (the node agent restarts a dead or hung
 engine; ``tandem up`` restarts a dead agent) but every engine start registers a new ``epoch``. Nothing
@@ -161,12 +163,16 @@ class Fleet:
             return False
         return True
 
+    def _in_routing(self, node: LiveNode) -> bool:
+        """Neither marked down by a failed leg nor reported failing its probes by its agent."""
+        return not node.load.failed_probes and not self.is_down(node.info.node_id)
+
     def pools(self, model: str, *, exclude: frozenset[str] = frozenset()) -> Pools:
         nodes = [n for n in self._nodes if n.info.model == model]
         if not nodes:
             raise ModelNotFound(f"The model `{model}` does not exist or no node serves it.", param="model")
-        if self._down or exclude:
-            up = [n for n in nodes if n.info.node_id not in exclude and not self.is_down(n.info.node_id)]
+        up = [n for n in nodes if n.info.node_id not in exclude and self._in_routing(n)]
+        if len(up) < len(nodes):
             nodes = up or [n for n in nodes if n.info.node_id not in exclude] or nodes
 
         def cands(role: Role) -> list[Candidate]:

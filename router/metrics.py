@@ -15,6 +15,19 @@ and the model table's resolutions (``router.model_table``), labelled only with n
 or a live node serves (a client's unknown name is never a label; its request is a 404):
 
     tandem_model_resolutions_total{requested,served,via}   counter, via = direct | alias | canary | fallback
+
+and how P/D pairs were sent (``router.layerwise``):
+
+    tandem_pd_pairs_total{mode}                     counter, mode = layerwise (both legs at once) |
+                                                    sequential (prefill, then a whole pull)
+
+and cross-node prefix reuse (``router.peer_fetch``), per request a peer could have helped:
+
+    tandem_peer_fetch_total{outcome}                counter, outcome = fetched (the peer leased the
+                                                    prefix; the serving node pulls it) | slower (computing
+                                                    was predicted faster) | source_failed | source_slow
+                                                    (the peer's leg failed or outlasted its budget: computed)
+    tandem_peer_fetch_seconds                       histogram, the peer's source leg
 """
 
 from __future__ import annotations
@@ -81,6 +94,19 @@ class RouterMetrics:
             "tandem_prefill_fallbacks_total",
             "P/D requests prefilled on the decode node because the prefill leg failed",
             registry=r,
+        )
+        self.pairs = Counter(
+            "tandem_pd_pairs_total", "P/D pairs sent, by mode (layerwise | sequential)", ["mode"], registry=r
+        )
+        self.layerwise_pairs, self.sequential_pairs = self.pairs.labels("layerwise"), self.pairs.labels("sequential")
+        self.peer_fetches = Counter(
+            "tandem_peer_fetch_total",
+            "Requests a peer's cached prefix could serve, by outcome (fetched | slower | source_failed | source_slow)",
+            ["outcome"],
+            registry=r,
+        )
+        self.peer_fetch_leg = Histogram(
+            "tandem_peer_fetch_seconds", "The peer's source leg of a prefix fetch", buckets=LATENCY_BUCKETS, registry=r
         )
         self.inflight = Gauge(
             "tandem_node_inflight_requests", "Requests this router has in flight per node", ["node", "role"], registry=r

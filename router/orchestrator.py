@@ -22,10 +22,17 @@ on the decode node, or 502.
 A decode leg that fails before its first token (decode node dead, refusing, or dying mid-transfer)
 releases the prefill node's lease and, under the same policy, is served once more by the prefill node
 itself, which still has the prompt in its prefix cache; the client sees one answer either way.
+
+Layer-wise pairs (``RouterSettings.layerwise``, ``router.layerwise``): both legs go out at once, the
+decode leg naming the prefill node's block server and a transfer id the router chose, so the decode
+node pulls each layer while the prefill computes; ``plan`` returns at the first of the decode leg being
+ready or the prefill leg ending, and the legs are the ``Leg``'s ``pair`` until the exchange's exit. The
+prefill slot is then held by the prefill leg itself, until it ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -39,6 +46,7 @@ from contracts.errors import EngineRejected, InvalidRequest, TandemError, Unavai
 from contracts.registry import NodeInfo
 from kv_transfer import prefill_request_params
 from kv_transfer.control import is_tandem_params, release_lease
+from router import layerwise
 from router.admission.priority import AdmissionController
 from router.admission.priority_class import Priority
 from router.fleet import Fleet, Pools
@@ -46,8 +54,10 @@ from router.kv_index import BlockHasher, FleetIndex, MissAttribution, PrefixView
 from router.metrics import RouterMetrics
 from router.model_table import ModelTable, Resolution, Via
 from router.node_client import NodeClient
+from router.peer_fetch import FetchPlan, FetchRates, PeerFetch
 from router.policies.base import Candidate, Decision, ReasonCode, RoutingPolicy, RoutingRequest
 from router.policies.least_loaded import LeastLoaded
+from router.retention import RETAIN_FIELD, retention_for
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import FallbackPolicy, RouterSettings
 from router.sse_upstream import SseStream
@@ -58,6 +68,7 @@ log = logging.getLogger("tandem.router")
 Kind = Literal["chat", "completion"]
 RouteMode = Literal["disaggregated", "colocated"]
 TokenCharge = Callable[[int, int | None], Awaitable[None]]
+Background = Callable[[Awaitable[Any]], None]
 _PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 CAPACITY_CODES = frozenset({"overloaded", "shed"})
 """``Unavailable`` codes that mean every slot of the chosen node was taken (``router.admission.priority``):
@@ -110,6 +121,8 @@ class RequestTrace:
     stream: bool = False
     session_id: str | None = None
     tenant_id: str | None = None
+    retention_s: float | None = None
+    """The TTL this request asked its host tier to keep its context for (``router.retention``)."""
     decode_role: str | None = None
     kv_connector: str | None = None
     transfer: dict[str, Any] | None = None
@@ -117,7 +130,13 @@ class RequestTrace:
     answers carry the decode engine's own report; for streamed ones the accounting asks the prefill
     node afterwards (``kv_transfer.control.lease_report``)."""
     kv_params: dict[str, Any] | None = None
-    """The prefill leg's kv_transfer_params (P/D only): where the KV waited."""
+    """The prefill leg's kv_transfer_params (P/D), or the peer's of a prefix fetch: where the KV waited."""
+    peer_node: str | None = None
+    """The peer a prefix was loaded from (``router.peer_fetch``); None: no fetch."""
+    peer_tokens: int = 0
+    """Prompt tokens the serving node was to load from ``peer_node``."""
+    peer_outcome: str | None = None
+    """How a fetch a peer could serve went (``tandem_peer_fetch_total``'s outcome); None: no peer could."""
     tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
     """Tool calls in the answer by index: id, name, arguments (streamed fragments joined)."""
     finish_reason: str | None = None
@@ -158,9 +177,14 @@ class Leg:
     body: dict[str, Any]
     hold: AsyncExitStack = field(default_factory=AsyncExitStack)
     """The decode node's admission slot. Whoever runs the leg calls ``release`` once the answer ends."""
+    pair: layerwise.Pair | None = None
+    """A layer-wise pair: this leg is already in flight beside its prefill leg (``router.layerwise``)."""
 
     async def release(self) -> None:
-        """Give back the decode node's slot (idempotent; no await inside, so safe under cancellation)."""
+        """End a layer-wise pair's legs if still running, give back the decode node's slot (idempotent;
+        nothing inside waits, so safe under cancellation)."""
+        if self.pair is not None:
+            await self.pair.cancel()
         await self.hold.aclose()
 
 
@@ -180,8 +204,11 @@ class Orchestrator:
         index: FleetIndex | None = None,
         slots: AdmissionController | None = None,
         models: ModelTable | None = None,
+        peers: PeerFetch | None = None,
     ) -> None:
         self.models = models or ModelTable()
+        self.peers = peers
+        """Cross-node prefix reuse (``router.peer_fetch``); None: off."""
         self.index = index
         self.slots = slots
         self._hashers: dict[tuple[str, int], BlockHasher] = {}
@@ -277,6 +304,22 @@ class Orchestrator:
         )
         trace.fleet_cached_tokens, trace.routed_cached_tokens = view.fleet_tokens, view.routed_tokens
 
+    def _retain(self, body: dict[str, Any], decision: Decision, trace: RequestTrace) -> None:
+        """Ask the prefilling node's host tier to keep this session's context (``router.retention``)."""
+        prefiller = (decision.prefill or decision.decode).node.info
+        if not prefiller.host_tier_events_endpoint:
+            return
+        hint = retention_for(
+            body,
+            trace.session_id,
+            trace.tenant_id,
+            self.settings.session_retention_s,
+            self.settings.session_retention_max_s,
+        )
+        if hint is not None:
+            body["kv_transfer_params"] = hint.params()
+            trace.retention_s = hint.ttl_s
+
     def _keys(self, node: NodeInfo, ids: list[int] | None, cache_salt: str | None) -> tuple[int, ...]:
         if ids is None or self.index is None or node.block_size <= 0:
             return ()
@@ -294,11 +337,13 @@ class Orchestrator:
         prefer: RouteMode | None = None,
         charge: TokenCharge | None = None,
         cache_salt: str | None = None,
+        background: Background | None = None,
     ) -> Leg:
-        """Validate, route and run the prefill leg. Returns the decode leg to run. ``charge`` is called
-        with (prompt tokens, max_tokens) once they are known, before any node works (token limits).
-        ``cache_salt`` (``router.cache_salt``) goes to every engine leg and into the routing keys, so
-        that the fleet index matches the engines' salted block hashes.
+        """Validate, route and run the prefill leg. Returns the decode leg to run (a layer-wise one is
+        already in flight). ``charge`` is called with (prompt tokens, max_tokens) once they are known,
+        before any node works (token limits). ``cache_salt`` (``router.cache_salt``) goes to every engine
+        leg and into the routing keys, so that the fleet index matches the engines' salted block hashes.
+        ``background`` runs the lease releases of pairs given up here, off the fast path.
 
         The request's ``model`` is resolved first (``router.model_table``): the engines see the served
         name. If the node chosen for it refuses for capacity (its admission queue is full) and the model
@@ -308,14 +353,14 @@ class Orchestrator:
         resolution = self.models.resolve(req.model, self.fleet.serves)
         note_resolution(trace, resolution)
         try:
-            return await self._plan_on(resolution.served, kind, req, trace, prefer, charge, cache_salt)
+            return await self._plan_on(resolution.served, kind, req, trace, prefer, charge, cache_salt, background)
         except Unavailable as exc:
             fallback = resolution.fallback
             if fallback is None or exc.code not in CAPACITY_CODES:
                 raise
             log.warning("%s has no capacity (%s); planning on its fallback %s", trace.model, exc.message, fallback)
             note_resolution(trace, replace(resolution, served=fallback, via=Via.FALLBACK, fallback=None))
-            return await self._plan_on(fallback, kind, req, trace, prefer, None, cache_salt)
+            return await self._plan_on(fallback, kind, req, trace, prefer, None, cache_salt, background)
         finally:
             if self.bounded(resolution.requested):
                 self.metrics.resolutions.labels(resolution.requested, trace.model, trace.model_resolution).inc()
@@ -334,6 +379,7 @@ class Orchestrator:
         prefer: RouteMode | None,
         charge: TokenCharge | None,
         cache_salt: str | None,
+        background: Background | None,
     ) -> Leg:
         pools = self.fleet.pools(model)
         req.model = model  # the engine serves this name (vLLM refuses any other)
@@ -361,12 +407,14 @@ class Orchestrator:
         trace.routed = time.time()
         note_decision(trace, decision)
         self._hit_breakdown(rr, decision, trace, pools)
-        hold = AsyncExitStack()
+        self._retain(body, decision, trace)
+        hold, prefill_slot = AsyncExitStack(), AsyncExitStack()
         try:
             await hold.enter_async_context(self._slot(decision.decode, trace))
-            async with self._slot(decision.prefill, trace):
-                leg = await self._legs(kind, body, decision, trace)
+            await prefill_slot.enter_async_context(self._slot(decision.prefill, trace))
+            leg = await self._legs(kind, body, decision, trace, prefill_slot, background, rr, pools)
         except BaseException:
+            await prefill_slot.aclose()
             await hold.aclose()
             self.policy.on_complete(decision)
             raise
@@ -379,20 +427,39 @@ class Orchestrator:
             return nullcontext()
         return self.slots.slot(node.node_id, trace.priority, trace.deadline)
 
-    async def _legs(self, kind: Kind, body: dict[str, Any], decision: Decision, trace: RequestTrace) -> Leg:
+    async def _legs(
+        self,
+        kind: Kind,
+        body: dict[str, Any],
+        decision: Decision,
+        trace: RequestTrace,
+        prefill_slot: AsyncExitStack,
+        background: Background | None,
+        rr: RoutingRequest | None = None,
+        pools: Pools | None = None,
+    ) -> Leg:
+        """The decode leg to run, after the prefill leg (sequential) or beside it (layer-wise). Whoever
+        runs the prefill leg closes ``prefill_slot`` when it ends. A node that prefills itself may load a
+        prefix from a peer first (``router.peer_fetch``)."""
         path = _PATHS[kind]
         trace.decode_node = decision.decode.node_id
         trace.decode_role = decision.decode.node.info.role.value
         if decision.prefill is None:
             trace.mode = "colocated"
+            if rr is not None and pools is not None:
+                body = await self._peer_prefix(body, decision.decode, rr, pools, trace)
             return Leg(decision, decision.decode.node.info.url + path, body)
 
         trace.mode, trace.prefill_node = "disaggregated", decision.prefill.node_id
         trace.kv_connector = decision.prefill.node.info.kv_connector
+        if self.settings.layerwise and layerwise.eligible(decision.prefill, decision.decode):
+            self.metrics.layerwise_pairs.inc()
+            return await self._layerwise_legs(path, body, decision, decision.prefill, trace, prefill_slot, background)
+        self.metrics.sequential_pairs.inc()
         trace.prefill_start = time.time()
         try:
             with self.fleet.track(decision.prefill):
-                kv_params = await self._prefill(decision.prefill, path, body, trace)
+                kv_params = await self._prefill(decision.prefill, path, self._prefill_body(body), trace)
         except EngineRejected as exc:
             if exc.status_code < 500:
                 raise  # the client's request is at fault; another node would refuse it too
@@ -401,8 +468,8 @@ class Orchestrator:
             self._node_failed(decision.prefill, exc)
             kv_params = self._fallback(exc, trace)
         finally:
-            trace.prefill_end = time.time()
-            self.metrics.prefill_leg.observe(trace.prefill_end - trace.prefill_start)
+            self._prefill_ended(trace)
+            await prefill_slot.aclose()
         decode_body = dict(body)
         if kv_params is None:
             trace.mode, trace.kv_connector = "colocated", None
@@ -410,12 +477,174 @@ class Orchestrator:
             decode_body["kv_transfer_params"] = trace.kv_params = kv_params
         return Leg(decision, decision.decode.node.info.url + path, decode_body)
 
-    async def _prefill(self, node: Candidate, path: str, body: dict[str, Any], trace: RequestTrace) -> dict:
+    async def _layerwise_legs(
+        self,
+        path: str,
+        body: dict[str, Any],
+        decision: Decision,
+        prefill: Candidate,
+        trace: RequestTrace,
+        prefill_slot: AsyncExitStack,
+        background: Background | None,
+    ) -> Leg:
+        """Both legs at once (``router.layerwise``): the decode leg in flight as ``leg.pair``, or, when
+        the prefill leg failed first, what a sequential pair does then (its 4xx, the fallback, a 502)."""
+        tid = layerwise.new_transfer_id()
+        decode_body = dict(body)
+        decode_body["kv_transfer_params"] = trace.kv_params = layerwise.decode_params(
+            prefill.node.info, tid, time.time() + self.settings.request_timeout_s
+        )
+        leg = Leg(decision, decision.decode.node.info.url + path, decode_body)
+        trace.prefill_start = time.time()
+        # The decode leg first: its pull is then waiting at the block server when the lease opens.
+        decode_call = self._open_once(leg, trace) if body.get("stream") else self._post_decode(leg, trace)
+        pair = leg.pair = layerwise.Pair(
+            asyncio.ensure_future(decode_call),
+            asyncio.ensure_future(self._layerwise_prefill(prefill, path, body, tid, trace, prefill_slot)),
+        )
+        await pair.first()
+        exc = pair.prefill_failed()
+        if exc is None or pair.decode.done():
+            return leg  # a decode leg that is ready stands: a pull only delivers a finished prefill
+        await pair.cancel()
+        if background is not None:
+            self.abandon(leg, f"prefill leg failed: {exc}", background)
+        if isinstance(exc, EngineRejected) and exc.status_code < 500:
+            raise exc  # the client's request is at fault; another node would refuse it too
+        if not isinstance(exc, UpstreamError):
+            raise exc
+        self._node_failed(prefill, exc)
+        self._fallback(exc, trace)
+        trace.mode, trace.kv_connector, trace.kv_params = "colocated", None, None
+        return Leg(decision, decision.decode.node.info.url + path, body)
+
+    async def _layerwise_prefill(
+        self,
+        node: Candidate,
+        path: str,
+        body: dict[str, Any],
+        tid: str,
+        trace: RequestTrace,
+        prefill_slot: AsyncExitStack,
+    ) -> None:
+        try:
+            with self.fleet.track(node):
+                await self._prefill(node, path, self._prefill_body(body, tid), trace)
+        finally:
+            self._prefill_ended(trace)
+            await prefill_slot.aclose()
+
+    async def _peer_prefix(
+        self, body: dict[str, Any], target: Candidate, rr: RoutingRequest, pools: Pools, trace: RequestTrace
+    ) -> dict[str, Any]:
+        """``body``, given the transfer params of a prefix a peer leased for ``target`` when the measured
+        rates favour loading it (``router.peer_fetch``); else ``body`` as it came (``target`` computes)."""
+        if self.peers is None or not rr.block_keys:
+            return body
+        # Colocated peers only: a prefill or decode node's engine is sized and admitted for its role.
+        pool = [c for c in pools.colocated if not self.fleet.is_down(c.node_id)]
+        verdict = self.peers.plan(rr.model, rr.block_keys, len(rr.prompt_token_ids), target, pool)
+        if verdict is None:
+            return body
+        if verdict.plan is None:
+            self._peer_outcome(trace, verdict.outcome)
+            return body
+        plan = verdict.plan
+        params = await self._source_leg(body, plan, rr, trace)
+        if params is None:
+            return body
+        out = dict(body)
+        # vLLM's P/D convention: a decode engine given the prefill side's hit (remote_prefill_cached_tokens)
+        # reports that as its own cached_tokens. Here the serving node's own figure is the one that counts
+        # (its hit plus what it loaded), so the peer's is not passed on.
+        params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
+        # (beside a retention hint the body may carry: router.retention)
+        out["kv_transfer_params"] = trace.kv_params = {
+            **(body.get("kv_transfer_params") or {}),
+            **params,
+            "prefix_tokens": plan.prefix_tokens,
+            "prefix_key": rr.block_keys[plan.prefix_tokens // target.node.info.block_size - 1],
+        }
+        trace.peer_node, trace.peer_tokens = plan.source.node_id, plan.prefix_tokens - plan.own_tokens
+        trace.kv_connector = "tandem"
+        if trace.prefix_view is not None:  # the prefix the node now reuses, for miss attribution
+            trace.prefix_view = replace(
+                trace.prefix_view,
+                routed_tokens=plan.prefix_tokens,
+                routed_tier_tokens=0,
+                routed_peer_tokens=trace.peer_tokens,
+            )
+            trace.routed_cached_tokens = plan.prefix_tokens
+        self._peer_outcome(trace, "fetched")
+        return out
+
+    async def _source_leg(
+        self, body: dict[str, Any], plan: FetchPlan, rr: RoutingRequest, trace: RequestTrace
+    ) -> dict[str, Any] | None:
+        """Ask the peer to lease the prefix: its transfer params, or None when it failed or took longer
+        than computing would have (the leg is then cancelled: an aborted request leases nothing)."""
+        assert self.peers is not None
+        rates, source = self.peers.rates, plan.source
+        pbody: dict[str, Any] = {
+            "model": body["model"],
+            "prompt": list(rr.prompt_token_ids[: plan.prefix_tokens]),
+            "max_tokens": 1,
+            "kv_transfer_params": prefill_request_params(),
+        }
+        if body.get("cache_salt"):
+            pbody["cache_salt"] = body["cache_salt"]  # the same salted hashes as the request's own
+        start = time.monotonic()
+        try:
+            async with asyncio.timeout(plan.compute_s):
+                with self.fleet.track(source):
+                    resp = await self.client.post_json(
+                        source.node.info.url + _PATHS["completion"], pbody, self._headers(trace, "prefill")
+                    )
+        except TimeoutError:
+            elapsed = time.monotonic() - start
+            rates.observe_source(source.node_id, elapsed)  # so a slow peer is asked less
+            self.metrics.peer_fetch_leg.observe(elapsed)
+            self._peer_outcome(trace, "source_slow")
+            return None
+        except UpstreamError as exc:
+            self._node_failed(source, exc)
+            log.warning("prefix fetch from %s failed (%s); computing it here", source.node_id, exc.message)
+            self._peer_outcome(trace, "source_failed")
+            return None
+        elapsed = time.monotonic() - start
+        rates.observe_source(source.node_id, elapsed)
+        self.metrics.peer_fetch_leg.observe(elapsed)
+        params = resp.get("kv_transfer_params")
+        if not is_tandem_params(params):
+            log.warning("prefix fetch from %s: no transfer params in its answer; computing", source.node_id)
+            self._peer_outcome(trace, "source_failed")
+            return None
+        return params  # type: ignore[return-value]
+
+    def _peer_outcome(self, trace: RequestTrace, outcome: str) -> None:
+        trace.peer_outcome = outcome
+        self.metrics.peer_fetches.labels(outcome).inc()
+
+    def _prefill_ended(self, trace: RequestTrace) -> None:
+        trace.prefill_end = time.time()
+        self.metrics.prefill_leg.observe(trace.prefill_end - (trace.prefill_start or trace.prefill_end))
+
+    @staticmethod
+    def _prefill_body(body: dict[str, Any], layerwise_id: str | None = None) -> dict[str, Any]:
         pbody = dict(body)  # only top-level keys change; the messages are shared, not copied
         for k in ("stream", "stream_options", "max_completion_tokens"):
             pbody.pop(k, None)
         pbody["max_tokens"] = 1
-        pbody["kv_transfer_params"] = prefill_request_params()
+        params = prefill_request_params() if layerwise_id is None else layerwise.prefill_params(layerwise_id)
+        # (beside a retention hint the body may carry for the prefill node's host tier: router.retention)
+        pbody["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), **params}
+        return pbody
+
+    async def _post_decode(self, leg: Leg, trace: RequestTrace) -> dict[str, Any]:
+        with self.fleet.track(leg.decision.decode):
+            return await self.client.post_json(leg.url, leg.body, self._headers(trace, "decode"))
+
+    async def _prefill(self, node: Candidate, path: str, pbody: dict[str, Any], trace: RequestTrace) -> dict:
         resp = await self.client.post_json(node.node.info.url + path, pbody, self._headers(trace, "prefill"))
         details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
         trace.engine_cached_tokens = details.get("cached_tokens")
@@ -476,13 +705,25 @@ class Orchestrator:
         prefill = leg.decision.prefill
         path = leg.url[len(failed.node.info.url) :]
         body = {k: v for k, v in leg.body.items() if k != "kv_transfer_params"}
-        if prefill is not None and "kv_transfer_params" in leg.body:
+        # A P/D decode leg (not one that already fell back to colocated, whose body may carry only a
+        # retention hint): its prefill node holds the prompt, so it serves the retry.
+        if prefill is not None and trace.mode == "disaggregated":
             target, why = prefill, "served by the prefill node"
         else:
             target = self._another_node(trace.model, failed.node_id)
             if target is None:
                 raise exc
             why = f"served by {target.node_id}"
+        retain = (leg.body.get("kv_transfer_params") or {}).get(RETAIN_FIELD)
+        if retain is not None and target.node.info.host_tier_events_endpoint:
+            body["kv_transfer_params"] = {RETAIN_FIELD: retain}  # the retry's node keeps the session too
+        if trace.peer_node is not None:  # the fetch went with the failed leg: the retry computes or hits
+            if trace.prefix_view is not None:
+                view = trace.prefix_view
+                trace.prefix_view = replace(
+                    view, routed_tokens=view.routed_tokens - view.routed_peer_tokens, routed_peer_tokens=0
+                )
+            trace.peer_node, trace.peer_tokens, trace.kv_params = None, 0, None
         log.warning("decode leg on %s failed (%s); %s", failed.node_id, exc.message, why)
         self.metrics.fallbacks.inc()
         trace.fallback, trace.mode, trace.decode_node = True, "colocated", target.node_id
@@ -509,14 +750,21 @@ class Orchestrator:
     ) -> dict[str, Any]:
         try:
             try:
-                with self.fleet.track(leg.decision.decode):
-                    resp = await self.client.post_json(leg.url, leg.body, self._headers(trace, "decode"))
+                if leg.pair is not None:
+                    resp = await leg.pair.claim_decode()
+                    # The decode node's whole answer came before the prefill node's one-token answer:
+                    # rare, and short (that answer trails the prefill's last layer), but the usage the
+                    # client gets names the prefill node's cached tokens.
+                    await leg.pair.prefill_ended()
+                else:
+                    resp = await self._post_decode(leg, trace)
             except UpstreamError as exc:
                 if background is not None:
                     self.abandon(leg, f"decode leg failed: {exc.message}", background)
                 retry = self._retry_leg(leg, trace, exc)
-                with self.fleet.track(retry.decision.decode):
-                    resp = await self.client.post_json(retry.url, retry.body, self._headers(trace, "decode"))
+                if leg.pair is not None:
+                    await leg.pair.prefill_ended()  # the retry goes to the prefill node: its prompt cached
+                resp = await self._post_decode(retry, trace)
         finally:
             self.policy.on_complete(leg.decision)
         now = time.time()
@@ -543,13 +791,22 @@ class Orchestrator:
         status); the stream's lifetime is bound to ``stack``."""
         stack.callback(self.policy.on_complete, leg.decision)
         try:
-            return await self._open_once(leg, trace, stack)
+            if leg.pair is not None:
+                stream, attempt = await leg.pair.claim_decode()
+            else:
+                stream, attempt = await self._open_once(leg, trace)
         except UpstreamError as exc:
             if background is not None:
                 self.abandon(leg, f"decode leg failed: {exc.message}", background)
-            return await self._open_once(self._retry_leg(leg, trace, exc), trace, stack)
+            retry = self._retry_leg(leg, trace, exc)
+            if leg.pair is not None:
+                await leg.pair.prefill_ended()  # the retry goes to the prefill node: its prompt cached
+            stream, attempt = await self._open_once(retry, trace)
+        stack.push_async_exit(attempt)
+        return stream
 
-    async def _open_once(self, leg: Leg, trace: RequestTrace, stack: AsyncExitStack) -> SseStream:
+    async def _open_once(self, leg: Leg, trace: RequestTrace) -> tuple[SseStream, AsyncExitStack]:
+        """The stream, opened up to its first events, and the stack that closes it."""
         body = dict(leg.body)
         body["stream"] = True
         # Always ask the engine for usage (telemetry needs it); it is only forwarded if the client asked.
@@ -564,8 +821,7 @@ class Orchestrator:
         except BaseException:
             await attempt.aclose()
             raise
-        stack.push_async_exit(attempt)
-        return stream
+        return stream, attempt
 
 
 def note_resolution(trace: RequestTrace, resolution: Resolution) -> None:
@@ -579,6 +835,25 @@ def note_decision(trace: RequestTrace, decision: Decision) -> None:
     trace.policy, trace.reason = decision.policy, decision.reason
     trace.reason_code, trace.decode_reason_code = decision.code, decision.decode_code
     trace.reason_threshold, trace.reason_load = decision.threshold, decision.load
+
+
+def note_rates(rates: FetchRates, trace: RequestTrace) -> None:
+    """What a finished request measured for ``router.peer_fetch``: a colocated prefill's time per uncached
+    token, or a peer fetch's transfer time per token moved."""
+    if trace.status != "ok" or trace.mode != "colocated" or trace.decode_node is None:
+        return
+    if trace.peer_node is not None:
+        report = trace.transfer or {}
+        if report.get("ok"):  # the pull's own report, or the peer's lease report (a streamed answer)
+            rates.observe_transfer(trace.peer_tokens, float(report.get("seconds") or 0.0))
+        return
+    if trace.peer_outcome in ("source_failed", "source_slow"):
+        return  # its time includes the source leg it waited for
+    # Streamed only: a non-streamed answer's first token is only known as its end (the decode included).
+    if not trace.stream or trace.fallback or trace.first_token is None or trace.routed is None:
+        return
+    uncached = (trace.prompt_tokens or 0) - (trace.engine_cached_tokens or 0)
+    rates.observe_prefill(trace.decode_node, uncached, trace.first_token - trace.routed)
 
 
 def settle_miss(trace: RequestTrace) -> MissAttribution | None:
@@ -608,6 +883,7 @@ def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
         "engine_cached_tokens": trace.engine_cached_tokens,
         "uncached_tokens": miss.uncached if miss else None,
         "miss": miss.usage() if miss else None,
+        "kv_origin": miss.origin() if miss else None,
         "policy": trace.policy,
         "mode": trace.mode,
         "reason_code": trace.reason_code.value if trace.reason_code else None,

@@ -19,6 +19,9 @@ _NO_MISS: dict[str, Any] = {
     "miss_evicted_ago_s": None,
     "miss_elsewhere_node": None,
     "miss_elsewhere_reason": None,
+    "local_cached_tokens": None,
+    "host_tier_cached_tokens": None,
+    "peer_cached_tokens": None,
 }
 
 

@@ -48,6 +48,18 @@ class RouterSettings(BaseSettings):
     """How often the live-node view is re-read from Redis. Nodes heartbeat their load every 2 s, so a
     faster refresh buys no fresher loads, only idle CPU taken from the engines on a shared host."""
     prefill_fallback: FallbackPolicy = FallbackPolicy.LOCAL
+    layerwise: bool = True
+    """Send a P/D pair's two legs at once (``router.layerwise``): the decode node pulls each layer while
+    the prefill node computes it, so the transfer adds about one layer after the prefill instead of the
+    whole prompt's KV. Used only where both nodes run our connector and the prefill node advertises its
+    block server (registry schema 3); off: every pair is sequential (prefill, then a whole pull)."""
+    peer_fetch: bool = True
+    """Cross-node prefix reuse (``router.peer_fetch``): when the node that serves a request lacks a prefix
+    a peer's engine holds, it loads those blocks from the peer instead of computing them, if the measured
+    rates say that is faster (never otherwise). Only between colocated nodes that run our connector
+    (``tandem up --peer-kv``): nothing changes elsewhere."""
+    peer_fetch_min_tokens: int = Field(default=256, ge=1)
+    """The least a fetch must save (prompt tokens) to be worth the round trip to the peer."""
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     """Upper bound on one upstream call (a whole non-streamed answer, or the gap between two chunks)."""
@@ -117,6 +129,13 @@ class RouterSettings(BaseSettings):
     tenant's requests carry a ``cache_salt`` of their own, so no tenant's prompts reuse (or reveal)
     another's cached blocks. ``["*"]``: every tenant shares, as with auth off. In the environment
     (``TANDEM_ROUTER_SHARED_CACHE_TENANTS``), a JSON list."""
+    session_retention_s: float = Field(default=300.0, ge=0.0)
+    """How long the host tier keeps a session's context pinned after its turn (``router.retention``): a
+    request naming a session (``x-session-id``, or OpenAI's ``prompt_cache_key``) asks the prefilling
+    node's tier to keep its blocks through the tool pause before the next turn. A ``cache_control``
+    ``ttl`` in the messages (Anthropic's ``5m`` / ``1h``) overrides it per request. 0: off."""
+    session_retention_max_s: float = Field(default=3600.0, ge=0.0)
+    """Longest TTL a request may ask for."""
     route_header: Literal["auto", "always", "never"] = "auto"
     """Who may force the path with ``x-tandem-route``: auto (default) while auth is off or for admin keys;
     always; never. A request that may not gets 403."""

@@ -21,6 +21,13 @@ requests and compares):
 - A hash may be cached on several blocks (two requests filled the same block before either was
   cached); a lookup takes the first.
 
+Publishing (``publish_on_compute=True``, as the fleet runs it): vLLM caches a prompt's blocks when it
+schedules them, but its KV events leave the engine after the step that computed them, so a router
+learns of them a step later. Such a pool keeps newly cached hashes unpublished (out of ``index`` and
+``events``) until ``publish()``, which the fleet calls at the end of each of the node's steps; a hash
+evicted before then is never published (and so never reported removed). Its own lookups see them at
+once, as vLLM's scheduler does.
+
 What is not: chunked prefill's partial progress (a prompt's blocks are cached at admission, as vLLM
 does when the whole prompt is scheduled in one step), preemption, the watermark, sliding window and
 hybrid models, multimodal or LoRA extra keys. ``events`` records what vLLM's KV events would say
@@ -56,6 +63,7 @@ class SimBlockPool:
         events: bool = True,
         index: dict[BlockHash, set[str]] | None = None,
         owner: str = "",
+        publish_on_compute: bool = False,
     ) -> None:
         if num_blocks < 2 or block_size <= 0:
             raise ValueError(f"need at least 2 blocks of a positive size (got {num_blocks} x {block_size})")
@@ -78,6 +86,9 @@ class SimBlockPool:
         self._owner = owner
         self.events: list[tuple[str, BlockHash]] = []
         """("stored" | "removed", hash), in order, as vLLM's KV events would report them."""
+        self._defer = publish_on_compute
+        self._unpublished: dict[int, BlockHash] = {}
+        """Blocks cached since the last ``publish()`` and their hashes, in caching order."""
 
     # --- reading --------------------------------------------------------------------------------
     @property
@@ -176,11 +187,13 @@ class SimBlockPool:
             if h is not None:  # reusing a cached block evicts its hash
                 holders = self._cached[h]
                 holders.remove(b)
+                told = self._unpublished.pop(b, None) is None  # else nobody heard of it: nothing to take back
                 if not holders:
                     del self._cached[h]
-                    if self._index is not None:
-                        self._index[h].discard(self._owner)
-                if self._record:
+                    owners = self._index.get(h) if self._index is not None else None
+                    if owners is not None:
+                        owners.discard(self._owner)
+                if self._record and told:
                     self.events.append(("removed", h))
             ref[b] += 1
             out.append(b)
@@ -195,14 +208,33 @@ class SimBlockPool:
             holders = cached.get(h)
             if holders is None:
                 cached[h] = [b]
-                if index is not None:
-                    owners = index.get(h)
-                    if owners is None:
-                        index[h] = {self._owner}
-                    else:
-                        owners.add(self._owner)
             else:
                 holders.append(b)
+            if self._defer:
+                self._unpublished[b] = h
+                continue
+            if index is not None and holders is None:
+                self._tell_index(h)
             if record:
                 self.events.append(("stored", h))
         req.cached = max(req.cached, full)
+
+    def _tell_index(self, h: BlockHash) -> None:
+        assert self._index is not None
+        owners = self._index.get(h)
+        if owners is None:
+            self._index[h] = {self._owner}
+        else:
+            owners.add(self._owner)
+
+    def publish(self) -> None:
+        """What a step's end tells the router: every block cached since the last call that still holds
+        its hash, as a stored event and in ``index``."""
+        if not self._unpublished:
+            return
+        for _b, h in self._unpublished.items():
+            if self._index is not None:
+                self._tell_index(h)
+            if self._record:
+                self.events.append(("stored", h))
+        self._unpublished.clear()

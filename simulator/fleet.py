@@ -5,17 +5,25 @@ The parts:
 
 - Nodes (``SimNode``): a real registry record (``contracts.registry.NodeInfo``: role, block size,
   blocks) and a ``SimBlockPool`` (vLLM's block accounting, tested block for block against vLLM).
-  Each node runs steps like vLLM's continuous batching: at a step's start every running request
-  decodes one token (a request that needs a new block and finds none free waits a step), then
-  waiting requests are admitted first come first served while their uncached prompt tokens fit
-  ``max_batched_tokens`` (the first always does) and the pool has room (else they wait: vLLM keeps
-  them waiting too). A step lasts ``StepModel.step_s`` of its prefill tokens, decode batch and the
-  decode batch's context tokens.
+  Each node runs steps like vLLM's (v1) scheduler with chunked prefill: a step has a budget of
+  ``max_batched_tokens``; every running request that decodes takes one token of it (a request that
+  needs a new block and finds none free waits a step), requests admitted earlier whose prompt is not
+  yet computed take the next chunk of it, then waiting requests are admitted first come first served
+  while budget is left and the pool has room (else they wait: vLLM keeps them waiting too), each
+  taking as much of its uncached prompt as the budget leaves. A request's prompt is done at the end of
+  the step that computed its last chunk, which makes its first token. A step lasts
+  ``StepModel.step_s`` of its prefill tokens, decode batch, the decode batch's context tokens and,
+  when it decodes, the node's distinct KV tokens held (blocks in use times block size).
+  An admitted request holds (and caches) its whole prompt's blocks from its first chunk on; vLLM
+  allocates and caches them chunk by chunk, which differs only for a same-prefix request arriving in
+  the middle of a long prompt's chunks, or in a pool too tight for both.
 - Roles: a colocated node (``both``) or a decode node prefilling for itself runs a request whole.
   With a P/D decision the prefill node prefills (its blocks cached there), the KV moves
   (``StepModel.transfer_s``), the prefill node frees its blocks when the transfer ends (the lease),
-  and the decode node admits the request with every prompt block arriving (no prefill compute;
-  what it already held counts as its own hit) and decodes. The client's first token is the first
+  and the decode node admits the request with every prompt block arriving (it computes only the
+  prompt's last token, as vLLM does with remote KV; what it already held counts as its own hit) and
+  decodes. With a measured profile the transfer is the whole handover: the prefill leg's answer
+  back to the router, the decode leg opened, the pull. The client's first token is the first
   token the decode side produces.
 - The router: the real policy (``router.policies``, built by ``make_policy``) is given what the real
   router gives it. Candidates are ``router.policies.Candidate`` of ``LiveNode`` records whose
@@ -25,7 +33,10 @@ The parts:
   until the answer ends); the pool choice is ``Orchestrator._select``'s (P/D when both pools
   exist, else colocated, else decode: ``select_pools``, checked equal to the real one by a test);
   ``on_complete`` is called when the request ends. The prefix lookup (``SimLookup``) reads a
-  fleet-wide map of which node holds which key, kept by the pools as they store and evict: what the
+  fleet-wide map of which node holds which key, kept by the pools as they store and evict, a
+  prompt's blocks entering it at the end of the step that computed them (vLLM publishes its KV events
+  after a step: a request routed while a shared prefix is still being computed does not see it there,
+  and in a real run of 2026-12-02 the router sent such a request to the other node): what the
   router's ``FleetIndex`` would hold with every KV event applied (a test feeds the real index the
   simulator's events and gets the same decisions).
 - Keys: a trace's chained hashes regrouped to the nodes' block size (``simulator.keys``);
@@ -44,8 +55,15 @@ a node's in-flight count or its heartbeat changes.
 Preemption: when no running request can get a block, the newest gives its blocks back and waits at
 the head of the queue (as vLLM does; the recomputation it costs there is not charged here).
 
-Not modelled yet: chunked prefill's interleaving inside a step, admission queues and rate limits,
-request cancels, transfer contention.
+Closed loop (``run(..., closed_loop=True)``, as ``tandem replay --mode closed`` sends): a session's
+next turn arrives its recorded gap after the previous turn's last token, so the simulated load
+follows the simulated answers as the replay's follows the real ones. Each request pays its first
+node's ``request_overhead_s`` (HTTP, the router) before that node queues it.
+
+Not modelled yet: admission queues and rate limits, request cancels, transfer contention; a
+layer-wise pair's decode leg holding its blocks on the decode node from the prefill's start (here
+from the handover on: the time it adds is measured, the blocks it holds meanwhile are not); another
+job on the host slowing the engines (``tandem bench sim`` records that load beside its figures).
 """
 
 from __future__ import annotations
@@ -129,6 +147,10 @@ class _Work:
     grow_step: int = -1
     finish_step: int = -1
     first_step: int = 0
+    todo: int = 0
+    """Prompt tokens still to compute (uncached, or the last one of a remote prompt)."""
+    chunk: int = 0
+    """Prompt tokens the running step computes of it."""
 
 
 @dataclass(eq=False)
@@ -152,7 +174,10 @@ class SimNode:
     ctx_const: int = 0
     """Sum over running requests of ``prompt - base``: their context at step s is this + s * running."""
     decoding: int = 0
+    prefilling: list[_Work] = field(default_factory=list)
+    """Admitted (blocks held) with prompt tokens left to compute, in admission order."""
     admitted: list[_Work] = field(default_factory=list)
+    """The requests the running step prefills a chunk of."""
     live: LiveNode | None = None
     slot: int = 0
     """Index in its role's candidate list."""
@@ -209,7 +234,7 @@ def select_pools(policy: RoutingPolicy, rr: RoutingRequest, pools: Pools) -> Dec
 LogEntry = tuple[str, object]
 """("route", (RoutingRequest, Pools, Decision)) | ("done", Decision) | ("kv", (node_id, "stored"|"removed", key))."""
 
-_STEP, _TRANSFER, _HEARTBEAT = 0, 1, 2
+_STEP, _TRANSFER, _HEARTBEAT, _QUEUE = 0, 1, 2, 3
 
 
 class FleetSim:
@@ -251,7 +276,14 @@ class FleetSim:
                 kv_connector="sim" if s.role is not Role.BOTH else "none",
                 num_kv_blocks=s.num_blocks,
             )
-            pool = SimBlockPool(s.num_blocks, s.block_size, events=record, index=self.lookup.index, owner=node_id)
+            pool = SimBlockPool(
+                s.num_blocks,
+                s.block_size,
+                events=record,
+                index=self.lookup.index,
+                owner=node_id,
+                publish_on_compute=True,
+            )
             node = SimNode(number=i, info=info, spec=s, pool=pool, step=profile.for_role(s.role))
             node.slot = len(self._lists[s.role])
             self._lists[s.role].append(Candidate(node=node.live))  # type: ignore[arg-type]
@@ -266,13 +298,27 @@ class FleetSim:
         self._seq = 0
         self.now = 0.0
         self._pending = 0
+        self._prep: PreparedTrace | None = None
+        self._children: dict[int, list[int]] = {}
+        """Closed loop: request index -> the turns that wait for its end."""
+        self._later: list[tuple[float, int]] = []
+        """Closed loop: (arrival time, index) of turns whose parent has finished."""
+        self._sent: dict[int, float] = {}
+        """Simulated arrival time of each request so far."""
 
     # --- the event loop -------------------------------------------------------------------------
     def _at(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, payload))
 
-    def run(self, trace: Trace | PreparedTrace) -> list[SimRequest]:
+    def run(self, trace: Trace | PreparedTrace, *, closed_loop: bool = False) -> list[SimRequest]:
+        """Simulate ``trace``; the requests in the order they arrived.
+
+        ``closed_loop``: as ``tandem replay --mode closed`` sends it. A request whose parent (its
+        session's previous turn) is in the trace arrives when the parent's last token is made plus the
+        recorded ``gap_s``, or, with no gap recorded, at the recorded spacing after the parent's
+        arrival but never before its last token; the others arrive at ``arrival_s``. Open loop
+        (default): every request at ``arrival_s``."""
         prep = trace if isinstance(trace, PreparedTrace) else prepare(trace, self.block_size)
         if prep.block_size != self.block_size:
             raise ValueError(f"trace prepared for block size {prep.block_size}, fleet uses {self.block_size}")
@@ -285,24 +331,45 @@ class FleetSim:
                 f"request {prep.request_id[i]} ({prep.input_tokens[i]} + {prep.output_tokens[i]} tokens) cannot fit "
                 f"a node's {smallest} blocks of {self.block_size}"
             )
-        arrivals = prep.arrival_s.tolist()
+        self._prep, self._sent = prep, {}
+        trace_arrival = prep.arrival_s.tolist()
+        # the requests that arrive by the clock (all of them open loop), in arrival order; closed loop,
+        # the others are pushed on ``_later`` when their parent finishes
+        self._children = {}
+        if closed_loop:
+            clocked = []
+            for i, parent in enumerate(prep.parent.tolist()):
+                if parent >= 0:
+                    self._children.setdefault(parent, []).append(i)
+                else:
+                    clocked.append(i)
+        else:
+            clocked = list(range(n_req))
+        self._later = []
         n_in, n_out = prep.input_tokens.tolist(), prep.output_tokens.tolist()
         reqs: list[SimRequest] = []
         self._heartbeat()
         self._pending = n_req
-        events = self._events
-        nxt = 0
+        events, later = self._events, self._later
+        nxt, n_clocked = 0, len(clocked)
         while self._pending:
-            if nxt < n_req and arrivals[nxt] <= events[0][0]:
+            at_clock = trace_arrival[clocked[nxt]] if nxt < n_clocked else float("inf")
+            at_later = later[0][0] if later else float("inf")
+            at = min(at_clock, at_later)
+            if at <= events[0][0]:
                 # the next arrival comes before (or with) the next event: arrivals first on ties
-                i = nxt
-                nxt += 1
-                self.now = max(self.now, arrivals[i])
+                if at_clock <= at_later:
+                    i = clocked[nxt]
+                    nxt += 1
+                else:
+                    _, i = heapq.heappop(later)
+                self.now = max(self.now, at)
+                self._sent[i] = self.now
                 r = SimRequest(
                     index=i,
                     request_id=prep.request_id[i],
                     session_id=prep.session_id[i],
-                    arrival_s=arrivals[i],
+                    arrival_s=self.now,
                     prompt_tokens=n_in[i],
                     output_tokens=n_out[i],
                     keys=prep.keys_of(i),
@@ -310,17 +377,31 @@ class FleetSim:
                 reqs.append(r)
                 self._route(r)
                 continue
-            if nxt == n_req and len(events) == 1:  # only the heartbeat left: nothing can happen any more
+            if at == float("inf") and len(events) == 1:  # only the heartbeat left: nothing can happen any more
                 raise RuntimeError(f"simulation stalled at {self.now:.1f} s with {self._pending} requests unfinished")
             self.now, _, kind, payload = heapq.heappop(events)
             if kind == _STEP:
                 self._end_step(payload)  # type: ignore[arg-type]
             elif kind == _TRANSFER:
                 self._transferred(*payload)  # type: ignore[misc]
+            elif kind == _QUEUE:
+                self._enqueue(*payload)  # type: ignore[misc]
             else:
                 self._heartbeat()
         events.clear()
         return reqs
+
+    def _next_turns(self, r: SimRequest) -> None:
+        """Closed loop: the turns waiting on ``r`` (just finished) get their arrival times."""
+        prep = self._prep
+        assert prep is not None  # set by run, which is what finishes requests
+        for c in self._children.pop(r.index, ()):
+            gap = float(prep.gap_s[c])
+            if gap == gap:  # recorded (not NaN)
+                at = self.now + gap
+            else:
+                at = max(self.now, self._sent[r.index] + float(prep.arrival_s[c] - prep.arrival_s[r.index]))
+            heapq.heappush(self._later, (at, c))
 
     def _heartbeat(self) -> None:
         for n in self.nodes:
@@ -360,9 +441,15 @@ class FleetSim:
         self._track(d.decode.node_id, +1)
         if d.prefill is not None:
             self._track(d.prefill.node_id, +1)
-            self._enqueue(self._by_id[d.prefill.node_id], _Work(r, "prefill"))
+            node, work = self._by_id[d.prefill.node_id], _Work(r, "prefill")
         else:
-            self._enqueue(self._by_id[d.decode.node_id], _Work(r, "full"))
+            node, work = self._by_id[d.decode.node_id], _Work(r, "full")
+        # routed at arrival (the router decides before it forwards); queued once the request got there
+        overhead = node.step.request_overhead_s
+        if overhead > 0:
+            self._at(self.now + overhead, _QUEUE, (node, work))
+        else:
+            self._enqueue(node, work)
 
     # --- nodes ----------------------------------------------------------------------------------
     def _enqueue(self, node: SimNode, work: _Work) -> None:
@@ -407,24 +494,44 @@ class FleetSim:
                         self._schedule_grow(node, w, n, s + 1)
                     else:
                         stalled.append(w)
+            # vLLM's token budget: running requests first (one token each while decoding, the rest of
+            # their prompt while prefilling), then waiting ones in arrival order while budget is left; a
+            # prompt longer than what is left is prefilled in chunks over several steps
+            budget = node.spec.max_batched_tokens - (len(node.running) - len(stalled))
             prefill_tokens = 0
-            admitted: list[_Work] = []
-            while node.waiting:
+            chunked: list[_Work] = []
+            ctx_pairs = new_pairs = 0.0
+            for w in node.prefilling:
+                if budget <= 0:
+                    break
+                w.chunk = min(w.todo, budget)
+                budget -= w.chunk
+                prefill_tokens += w.chunk
+                ctx_pairs += w.chunk * (w.req.prompt_tokens - w.todo)
+                new_pairs += w.chunk * w.chunk / 2
+                chunked.append(w)
+            while node.waiting and budget > 0:
                 w = node.waiting[0]
                 r = w.req
-                if admitted and prefill_tokens + r.prompt_tokens > node.spec.max_batched_tokens:
-                    break
                 hit = pool.admit(r.request_id, r.keys, r.prompt_tokens)
                 if hit is None:
                     break
                 node.waiting.popleft()
-                if w.phase != "remote":
+                if w.phase == "remote":
+                    w.todo = 1  # the prompt's last token is computed here (a connector never loads it)
+                else:
                     r.engine_cached_tokens = hit
-                    prefill_tokens += r.prompt_tokens - hit
-                admitted.append(w)
+                    w.todo = r.prompt_tokens - hit
+                w.chunk = min(w.todo, budget)
+                budget -= w.chunk
+                prefill_tokens += w.chunk
+                ctx_pairs += w.chunk * (r.prompt_tokens - w.todo)
+                new_pairs += w.chunk * w.chunk / 2
+                node.prefilling.append(w)
+                chunked.append(w)
             self._kv(node)
             decoding = len(node.running) - len(stalled)
-            if decoding == 0 and not admitted and node.running:
+            if decoding == 0 and not chunked and node.running:
                 # every running request is out of blocks: the newest gives its blocks back and waits at
                 # the head of the queue (vLLM preempts the same way; its recomputation is not charged here)
                 w = node.running.pop(next(reversed(node.running)))
@@ -441,16 +548,18 @@ class FleetSim:
             w.grow_step = s + 1
             node.grow_at.setdefault(s + 1, []).append(w)
             node.finish_at.setdefault(w.finish_step, []).append(w)
-        if not decoding and not admitted:
+        if not decoding and not chunked:
             node.busy = False
             return
         node.busy = True
         node.decoding = decoding
-        node.admitted = admitted
+        node.admitted = chunked
         stalled_ctx = sum(w.req.prompt_tokens + s - w.base for w in stalled)
         ctx = node.ctx_const + s * len(node.running) - stalled_ctx
         self._seq += 1
-        end = self.now + node.step.step_s(prefill_tokens, decoding, ctx)
+        # the KV the step's decodes read: every block held on the node, each once however many share it
+        kv = (pool.num_blocks - 1 - pool.free_blocks) * pool.block_size if decoding else 0
+        end = self.now + node.step.step_s(prefill_tokens, decoding, ctx, ctx_pairs, new_pairs, kv)
         heapq.heappush(self._events, (end, self._seq, _STEP, node))
 
     def _preempt(self, node: SimNode, w: _Work, s: int) -> None:
@@ -472,6 +581,10 @@ class FleetSim:
         for w in node.finish_at.pop(s, ()):
             self._finish(node, w, s)
         for w in node.admitted:
+            w.todo -= w.chunk
+            if w.todo > 0:  # more of its prompt to compute in later steps
+                continue
+            node.prefilling.remove(w)
             r = w.req
             if w.phase == "prefill":
                 d = r.decision
@@ -497,6 +610,10 @@ class FleetSim:
             node.finish_at.setdefault(w.finish_step, []).append(w)
             self._schedule_grow(node, w, r.prompt_tokens, s + 1)  # admission holds the prompt's blocks
         node.admitted = []
+        # the step's KV events: what it computed (and what finished requests filled) is now in the
+        # router's view; blocks the next step admits stay out of it until that step ends
+        node.pool.publish()
+        self._kv(node)
         self._start_step(node)
 
     def _finish(self, node: SimNode, w: _Work, s: int) -> None:
@@ -526,6 +643,8 @@ class FleetSim:
             r.keys = []
             r._all_keys = None
         self._pending -= 1
+        if self._children:
+            self._next_turns(r)
 
     def _transferred(self, prefill: SimNode, r: SimRequest) -> None:
         prefill.pool.free(r.request_id)  # the lease ends: P's blocks stay cached, evictable

@@ -46,6 +46,10 @@ class PreparedTrace:
     output_tokens: np.ndarray
     keys: np.ndarray
     offsets: np.ndarray
+    parent: np.ndarray
+    """Index of each request's parent (its previous turn) in the trace, -1 when it has none there."""
+    gap_s: np.ndarray
+    """The recorded gap after the parent's end (NaN: none recorded)."""
 
     def __len__(self) -> int:
         return len(self.request_id)
@@ -76,14 +80,20 @@ def prepare(trace: Trace, block_size: int) -> PreparedTrace:
     else:
         k = base // block_size
         keys = _mix(values[starts[owner] + j // k], j % k)
+    ids = t.column("request_id").to_pylist()
+    where = {rid: i for i, rid in enumerate(ids)}
+    parent = np.array([where.get(p, -1) if p is not None else -1 for p in t.column("parent_request_id").to_pylist()])
+    gap = np.array([np.nan if g is None else g for g in t.column("gap_s").to_pylist()], dtype=np.float64)
     return PreparedTrace(
         trace=trace,
         block_size=block_size,
-        request_id=t.column("request_id").to_pylist(),
+        request_id=ids,
         session_id=t.column("session_id").to_pylist(),
         arrival_s=t.column("arrival_s").to_numpy(),
         input_tokens=n_in,
         output_tokens=t.column("output_tokens").to_numpy().astype(np.int64),
         keys=keys,
         offsets=offsets,
+        parent=parent.astype(np.int64),
+        gap_s=gap,
     )

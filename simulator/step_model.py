@@ -3,11 +3,23 @@
 A step (one pass of vLLM's continuous batching) costs
 
     base_s + prefill_s_per_token * uncached prompt tokens computed in it
+           + prefill_s_per_ctx_pair * (token computed, token already in the KV cache) pairs
+           + prefill_s_per_new_pair * (token computed, earlier token computed in the same step) pairs
            + decode_s_per_seq * requests decoding a token in it
            + decode_s_per_ctx_token * context tokens those requests attend over
+           + decode_s_per_kv_token * distinct KV tokens held while they decode
 
-(the form llm-d's BLIS and Vidur fit, with the context term that attention adds), and a transfer
-``transfer_base_s + bytes / transfer_bytes_per_s``. ``tandem profile`` measures a real engine and fits
+(the form llm-d's BLIS and Vidur fit, with the context terms that attention adds: a chunk of k new
+tokens after c computed ones, a cached prefix or earlier chunks, attends over k * c pairs of the first
+kind and k * k / 2 of the second, so a short turn after a long cached history costs more than the same
+tokens alone; the two are apart because the engine's attention over cached blocks and over the step's
+own tokens are different kernels, and measured here they cost different amounts; and a decode's
+attention costs arithmetic per stream and context token, but reads each KV block once a step however
+many streams share it: 16 streams on one 2.3k-token prefix decode nearly as fast as on a 256-token
+one, while 8 streams of distinct 1k prompts are a third slower than of 256-token ones, so the reads
+are a term of their own, over the node's distinct KV tokens), and a transfer
+``transfer_base_s + bytes / transfer_bytes_per_s``; a request also pays ``request_overhead_s`` once,
+before its first node queues it (HTTP and the router: not step time). ``tandem profile`` measures a real engine and fits
 these by least squares (``profiling/``); a ``Profile`` holds one ``StepModel`` per node kind
 (``both``, ``prefill``, ``decode``: on a shared machine a node runs slower when another engine shares its
 cores, so the kinds are measured the way they run) and is stored as JSON. ``StepModel()`` without a
@@ -31,23 +43,47 @@ class StepModel:
     """Fixed cost of a step."""
     prefill_s_per_token: float = 0.0002
     """Per uncached prompt token computed in the step."""
+    prefill_s_per_ctx_pair: float = 0.0
+    """Per (prompt token computed in the step, token of its prompt already in the KV cache) pair."""
+    prefill_s_per_new_pair: float = 0.0
+    """Per (prompt token computed in the step, earlier token of its prompt computed in the same step) pair."""
     decode_s_per_seq: float = 0.001
     """Per running request decoding a token in the step."""
     decode_s_per_ctx_token: float = 0.0
     """Per context token (prompt + generated so far) of the requests decoding in the step."""
+    decode_s_per_kv_token: float = 0.0
+    """Per distinct KV token held on the node in a step that decodes (a block several requests share
+    counts once): the attention's reads of the cache."""
+    request_overhead_s: float = 0.0
+    """Per request, outside any step: from the client's send until the engine can schedule it, plus
+    the first token's way back (HTTP, the engine's API server, and the router when one is in front).
+    A request reaches its first node's queue this long after it arrives."""
     kv_bytes_per_token: int = 23_040
     """KV bytes per token (SmolLM2-135M, bf16)."""
     transfer_base_s: float = 0.002
-    """Fixed cost of a KV transfer."""
+    """Fixed cost of a KV transfer: with a measured profile, the whole handover from the prefill
+    leg's last step to the decode node's queue (the prefill answer's way back, the router opening
+    the decode leg, the pull's fixed cost)."""
     transfer_bytes_per_s: float = 2e9
     """KV transfer bandwidth."""
     source: str = "PLACEHOLDER (not measured)"
     """Where the coefficients come from (a profile's description, or PLACEHOLDER)."""
 
-    def step_s(self, prefill_tokens: int, decode_batch: int, context_tokens: int = 0) -> float:
+    def step_s(
+        self,
+        prefill_tokens: int,
+        decode_batch: int,
+        context_tokens: int = 0,
+        ctx_pairs: float = 0.0,
+        new_pairs: float = 0.0,
+        kv_tokens: float = 0.0,
+    ) -> float:
         return (
             self.base_s
+            + self.decode_s_per_kv_token * kv_tokens
             + self.prefill_s_per_token * prefill_tokens
+            + self.prefill_s_per_ctx_pair * ctx_pairs
+            + self.prefill_s_per_new_pair * new_pairs
             + self.decode_s_per_seq * decode_batch
             + self.decode_s_per_ctx_token * context_tokens
         )

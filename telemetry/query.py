@@ -1,7 +1,7 @@
 """DuckDB over the Parquet lake.
 
 ``connect(lake)`` returns an in-memory DuckDB connection with one view per telemetry table
-(``requests``, ``tool_calls``, ``feedback``, ``errors``, ``kv_events``), each over
+(``requests``, ``tool_calls``, ``feedback``, ``errors``, ``kv_events``, ``host_tier``), each over
 ``read_parquet([...], hive_partitioning = true)`` so that the partition columns ``date`` (DATE) and
 ``hour`` (INTEGER) are queryable. The file list comes from ``lake_files``, which hides the inputs of a
 compaction whose output is already in place (so a query never sees a row twice while a compaction

@@ -9,6 +9,9 @@ Tables (one Redis Stream and one lake folder each):
     feedback     one row per ``POST /v1/feedback``
     errors       one row per error a component reports (router, prefill, decode, kv_transfer, ...)
     kv_events    one row per node per aggregation interval: KV blocks stored / removed / cleared
+    host_tier    one row per host tier per interval: what it holds at the interval's end (blocks by
+                 state, pinned bytes) and what happened in it (stored, hits, pinned hits, evictions
+                 and forgotten blocks by reason, refused pins, demotions, reclaimed reservations)
 
 Every table starts with the common columns
 
@@ -39,13 +42,16 @@ filling added fields with nulls):
     3  requests: requested_model (the client's ``model``: an alias, a canary name or a served name) and
        model_resolution (direct, alias, canary, fallback: router.model_table); ``model`` is now the
        served model that answered.
+    4  requests: where the reused prompt tokens came from (local_cached_tokens, host_tier_cached_tokens,
+       peer_cached_tokens: router.kv_index.attribution).
+    5  host_tier: a new table, one row per host tier per interval (host_tier.lake).
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 5
 
 TS = pa.timestamp("us", tz="UTC")
 
@@ -132,6 +138,14 @@ _REQUESTS = [
         "Uncached tokens the routed node held per the router's index that its engine did not reuse. (v2)",
     ),
     _f(
+        "local_cached_tokens",
+        pa.int64(),
+        "Reused prompt tokens from the prefilling engine's own cache (engine_cached_tokens split by the router's "
+        "index: router.kv_index.attribution). (v4)",
+    ),
+    _f("host_tier_cached_tokens", pa.int64(), "Reused prompt tokens the engine loaded from its host tier. (v4)"),
+    _f("peer_cached_tokens", pa.int64(), "Reused prompt tokens fetched from another node (not built yet: 0). (v4)"),
+    _f(
         "fleet_cached_tokens",
         pa.int64(),
         "Longest prefix (tokens) of this prompt cached anywhere in the fleet at routing time.",
@@ -205,7 +219,38 @@ _KV_EVENTS = [
     _f("kv_usage", pa.float64(), "KV cache usage 0..1 at interval end, if known."),
 ]
 
-TABLE_NAMES: tuple[str, ...] = ("requests", "tool_calls", "feedback", "errors", "kv_events")
+_HOST_TIER = [
+    _f("tier_id", pa.string(), "The tier: <host>:<its shared file> (one tier per host and block layout). (v5)"),
+    _f("host", pa.string(), "Host the tier serves. (v5)"),
+    _f("model", pa.string(), "Model whose block layout the tier holds. (v5)"),
+    _f("layout_fingerprint", pa.string(), "Hex fingerprint of the block layout (host_tier.layout). (v5)"),
+    _f("interval_start", TS, "Start of the interval the deltas cover. (v5)"),
+    _f("interval_end", TS, "End of the interval; the gauges are taken here. (v5)"),
+    _f("slots", pa.int64(), "Slots the tier has: its bound, in blocks. (v5)"),
+    _f("slot_bytes", pa.int64(), "Bytes of one block. (v5)"),
+    _f("blocks_held", pa.int64(), "Blocks held (readable) at interval end. (v5)"),
+    _f("blocks_writing", pa.int64(), "Slots reserved and being written at interval end. (v5)"),
+    _f("blocks_pinned", pa.int64(), "Held blocks pinned by session retention at interval end. (v5)"),
+    _f("pinned_bytes", pa.int64(), "Bytes pinned at interval end (blocks_pinned * slot_bytes). (v5)"),
+    _f("stored", pa.int64(), "Blocks offloaded into the tier in the interval. (v5)"),
+    _f("hits", pa.int64(), "Blocks lookups found in the interval. (v5)"),
+    _f("misses", pa.int64(), "Blocks lookups did not find in the interval (a prefix lookup counts its first). (v5)"),
+    _f(
+        "pinned_hits",
+        pa.int64(),
+        "Hits on pinned blocks in the interval: context session retention kept (hits saved). (v5)",
+    ),
+    _f("evicted_lru", pa.int64(), "Unpinned blocks evicted, least recently used first. (v5)"),
+    _f("evicted_pinned_lru", pa.int64(), "Pinned blocks evicted (no unpinned block was left). (v5)"),
+    _f("evicted_other", pa.string(), "Evictions for any other reason, JSON {reason: blocks}; null if none. (v5)"),
+    _f("forgotten_corrupt", pa.int64(), "Blocks dropped because a reader found them corrupt. (v5)"),
+    _f("forgotten_other", pa.string(), "Blocks dropped for another reason, JSON {reason: blocks}; null if none. (v5)"),
+    _f("pins_refused", pa.int64(), "Blocks a pin asked for beyond its tenant's budget. (v5)"),
+    _f("demoted", pa.int64(), "Superseded blocks of a session, unpinned and sent to the cold end. (v5)"),
+    _f("reclaimed", pa.int64(), "Reservations taken back from writers that vanished. (v5)"),
+]
+
+TABLE_NAMES: tuple[str, ...] = ("requests", "tool_calls", "feedback", "errors", "kv_events", "host_tier")
 
 
 def _schema(table: str, fields: list[pa.Field]) -> pa.Schema:
@@ -221,6 +266,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "feedback": _schema("feedback", _FEEDBACK),
     "errors": _schema("errors", _ERRORS),
     "kv_events": _schema("kv_events", _KV_EVENTS),
+    "host_tier": _schema("host_tier", _HOST_TIER),
 }
 
 TIMESTAMP_FIELDS: dict[str, tuple[str, ...]] = {

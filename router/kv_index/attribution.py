@@ -3,7 +3,9 @@
 At routing time the router reads the fleet index once for the prompt's block keys (``prefix_view``):
 
     fleet    the longest prefix any node holds             (``fleet_cached_tokens``)
-    routed   the prefix the node chosen to prefill holds   (``routed_cached_tokens``)
+    routed   the prefix the node chosen to prefill holds   (``routed_cached_tokens``): its engine's own
+             blocks, then those its host tier holds after them (``routed_tier``, what its
+             ``HostTierConnector`` will load; ``router.kv_index.index``)
     seen     the longest prefix the fleet has held at all: held now by some node, or in the index's
              bounded eviction history (``ModelIndex.evicted``), with the eviction that broke it
     all capped, like vLLM's own reuse, at (P - 1) // block_size whole blocks (P = prompt tokens): the
@@ -26,6 +28,15 @@ uncached tokens U = P - E along the prompt, each token into the first kind whose
                                 node_left) and ``evicted_ago_s`` describe the eviction that broke it
     [.., P)                     cold: never in the fleet (within the history's reach), the last
                                 block included
+
+The reused tokens E split by where they came from (``usage.tandem.kv_origin``, the lake's
+``local_cached_tokens`` / ``peer_cached_tokens`` / ``host_tier_cached_tokens``): the engine looks in
+its own cache first, then loads from a peer (``router.peer_fetch``: the prefix the peer leased) or
+else its host tier, so the peer's and the tier's shares are what they were to add beyond the engine's
+own prefix, as far as E reaches there; the rest of E is the engine's own. vLLM reports only
+the sum (its count includes what a connector loaded), so this split is the index's, checked against
+the engine's total: reuse beyond the prediction (index lag) counts as the engine's own, a predicted
+tier hit the engine did not take shows as undelivered.
 
 so cold + evicted + elsewhere + undelivered = U exactly, for every request with both figures. No
 figure is attributed when the router did not hash the prompt (one node and no token limits: see
@@ -50,6 +61,11 @@ class PrefixView:
     fleet_tokens: int
     routed_tokens: int
     seen_tokens: int
+    routed_tier_tokens: int = 0
+    """The part of ``routed_tokens`` the routed node's host tier holds (after the engine's own)."""
+    routed_peer_tokens: int = 0
+    """The part of ``routed_tokens`` the routed node loads from a peer (after its engine's own,
+    ``router.peer_fetch``); set once the peer leased them, when the tier's part is 0 (the peer's covers it)."""
     elsewhere_node: str | None = None
     """The node holding the fleet's longest prefix, when that is longer than the routed node's."""
     elsewhere_reason: str | None = None
@@ -77,6 +93,7 @@ def prefix_view(
     matches = index.longest_prefix(model, keys)
     fleet_blocks = max(matches.values(), default=0)
     routed_blocks = matches.get(routed_node, 0)
+    tier_blocks = index.split(model, keys, routed_node)[1] if routed_blocks else 0
     elsewhere = reason = None
     if fleet_blocks > routed_blocks:
         elsewhere = min((n for n, b in matches.items() if b == fleet_blocks), key=lambda n: (n not in live_nodes, n))
@@ -90,6 +107,7 @@ def prefix_view(
         fleet_tokens=fleet_blocks * block_size,
         routed_tokens=routed_blocks * block_size,
         seen_tokens=seen_blocks * block_size,
+        routed_tier_tokens=tier_blocks * block_size,
         elsewhere_node=elsewhere,
         elsewhere_reason=reason,
         evicted_node=ev.node_id if ev else None,
@@ -112,6 +130,21 @@ class MissAttribution:
     evicted_ago_s: float | None = None
     elsewhere_node: str | None = None
     elsewhere_reason: str | None = None
+    local_hit: int = 0
+    """Reused tokens from the prefilling engine's own cache."""
+    peer_hit: int = 0
+    """Reused tokens loaded from a peer node's engine (``router.peer_fetch``)."""
+    host_tier_hit: int = 0
+    """Reused tokens its host tier supplied."""
+
+    def origin(self) -> dict[str, int]:
+        """As ``usage.tandem.kv_origin``: where every prompt token came from (they sum to the prompt)."""
+        return {
+            "engine": self.local_hit,
+            "host_tier": self.host_tier_hit,
+            "peer": self.peer_hit,
+            "computed": self.uncached,
+        }
 
     def usage(self) -> dict[str, Any]:
         """As ``usage.tandem.miss``."""
@@ -140,6 +173,9 @@ class MissAttribution:
             "miss_evicted_ago_s": self.evicted_ago_s,
             "miss_elsewhere_node": self.elsewhere_node,
             "miss_elsewhere_reason": self.elsewhere_reason,
+            "local_cached_tokens": self.local_hit,
+            "host_tier_cached_tokens": self.host_tier_hit,
+            "peer_cached_tokens": self.peer_hit,
         }
 
 
@@ -152,6 +188,10 @@ def attribute(view: PrefixView, engine_cached: int) -> MissAttribution:
     b_evicted = max(b_elsewhere, min(view.seen_tokens, p))
     elsewhere = b_elsewhere - b_undelivered
     evicted = b_evicted - b_elsewhere
+    own = view.routed_tokens - view.routed_tier_tokens - view.routed_peer_tokens
+    past_own = e - min(e, own)  # what the engine reused beyond its own prefix: the peer's, then the tier's
+    peer = min(view.routed_peer_tokens, past_own)
+    tier = min(view.routed_tier_tokens, past_own - peer)
     return MissAttribution(
         uncached=p - e,
         cold=p - b_evicted,
@@ -163,4 +203,7 @@ def attribute(view: PrefixView, engine_cached: int) -> MissAttribution:
         evicted_ago_s=view.evicted_ago_s if evicted else None,
         elsewhere_node=view.elsewhere_node if elsewhere else None,
         elsewhere_reason=view.elsewhere_reason if elsewhere else None,
+        local_hit=e - tier - peer,
+        host_tier_hit=tier,
+        peer_hit=peer,
     )

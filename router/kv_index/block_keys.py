@@ -37,6 +37,7 @@ from typing import Any, NewType
 import cbor2
 
 from contracts.errors import ConfigError
+from contracts.transfer import block_key
 
 BlockKey = NewType("BlockKey", int)
 """A block's routing key: the low 64 bits of vLLM's block hash, as KV events publish it."""
@@ -51,7 +52,7 @@ _MASK64 = (1 << 64) - 1
 def external_key(block_hash: bytes | int) -> BlockKey:
     """Map a hash as the engine holds it (bytes) or publishes it (bytes or int) to a ``BlockKey``."""
     if isinstance(block_hash, bytes):
-        return BlockKey(int.from_bytes(block_hash, "big") & _MASK64)
+        return BlockKey(block_key(block_hash))
     return BlockKey(block_hash & _MASK64)
 
 

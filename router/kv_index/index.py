@@ -19,6 +19,15 @@ the node left the fleet) and when (the router's clock). A key stored again leave
 history is bounded (``max_evicted`` keys, oldest forgotten first; ~150 bytes a key), so "evicted"
 means "evicted within the last ``max_evicted`` fleet-wide evictions"; older ones read as cold.
 
+Host tiers (``host_tier``, a shared-memory block store per host): a tier is a holder like a node, fed
+by its own events (medium ``CPU_SHM``, ``TIER_MEDIA``), and a node is attached to the tier of its
+host (``set_tiers``, from ``NodeInfo.host_tier_events_endpoint``). A node's match is then what its
+engine will reuse: its own leading blocks, extended by the blocks its tier holds from there on, as
+the engine's ``HostTierConnector`` looks them up (from the first block the engine lacks, stopping at
+the first the tier lacks). ``split`` tells the two parts apart for the hit breakdown. A tier's id
+also appears in ``longest_prefix``'s answer, as the holder of its own blocks (no node, so no policy
+routes to it; miss attribution names it as where a prefix was).
+
 ``longest_prefix(keys)`` walks the keys in order, and-ing the holder masks: a node's match ends at
 the first block it lacks, as the engine's own prefix lookup does. One dict lookup and one ``&`` per
 block, stopping when no node is left: ~25 µs for 512 keys on this machine (``bench_longest_prefix``).
@@ -35,6 +44,8 @@ from router.kv_index.block_keys import BlockKey, external_key
 from router.kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})
+TIER_MEDIA: frozenset[str | None] = frozenset({"CPU_SHM"})
+"""What a host tier's events carry (``host_tier.events.MEDIUM``)."""
 DEFAULT_MAX_EVICTED = 200_000
 
 
@@ -79,6 +90,9 @@ class ModelIndex:
         self.evicted: OrderedDict[BlockKey, Eviction] = OrderedDict()
         """Keys no node holds any more, oldest eviction first (bounded by ``max_evicted``)."""
         self.ignored_events = 0
+        self.tier_of: dict[str, str] = {}
+        """node id -> the id of the host tier its engine offloads to and loads from."""
+        self._tiers: set[str] = set()
 
     # --- updates -------------------------------------------------------------------------------
     def _node(self, node_id: str) -> _NodeState:
@@ -92,18 +106,25 @@ class ModelIndex:
             self._bit_owner[bit] = node_id
         return st
 
+    def add_tier(self, tier_id: str) -> None:
+        """``tier_id`` is a host tier: its events are applied for ``TIER_MEDIA``, not engine media."""
+        self._tiers.add(tier_id)
+
+    def set_tiers(self, tier_of: dict[str, str]) -> None:
+        """Which node's engine uses which host tier (node id -> tier id), replacing what was set."""
+        for tier_id in tier_of.values():
+            self.add_tier(tier_id)
+        self.tier_of = dict(tier_of)
+
     def apply(self, node_id: str, event: KVEvent) -> None:
+        media = TIER_MEDIA if node_id in self._tiers else self.media
         if isinstance(event, BlockStored):
-            if (
-                event.medium not in self.media
-                or event.group_idx not in (0, None)
-                or event.block_size != self.block_size
-            ):
+            if event.medium not in media or event.group_idx not in (0, None) or event.block_size != self.block_size:
                 self.ignored_events += 1
                 return
             self.add_blocks(node_id, [external_key(h) for h in event.block_hashes])
         elif isinstance(event, BlockRemoved):
-            if event.medium not in self.media or event.group_idx not in (0, None):
+            if event.medium not in media or event.group_idx not in (0, None):
                 self.ignored_events += 1
                 return
             self.remove_blocks(node_id, [external_key(h) for h in event.block_hashes], cause=event.medium or "GPU")
@@ -156,7 +177,10 @@ class ModelIndex:
         self.remove_blocks(node_id, [k for k, n in st.blocks.items() for _ in range(n)], cause=cause)
 
     def drop_node(self, node_id: str) -> None:
-        """The node left: forget its blocks and free its slot."""
+        """The node (or tier) left: forget its blocks, its tier and its slot."""
+        if node_id in self._tiers and node_id not in self.tier_of.values():
+            self._tiers.discard(node_id)
+        self.tier_of.pop(node_id, None)
         st = self._nodes.get(node_id)
         if st is None:
             return
@@ -166,7 +190,39 @@ class ModelIndex:
 
     # --- queries -------------------------------------------------------------------------------
     def longest_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]:
-        """Per node holding at least the first block: how many leading blocks of ``keys`` it holds."""
+        """Per node whose engine would reuse at least the first block: how many leading blocks of
+        ``keys`` it would reuse (its own, then its host tier's); per tier, how many it holds."""
+        result = self._own_prefix(keys)
+        for node_id, tier_id in self.tier_of.items():
+            own = result.get(node_id, 0)
+            more = self._run(tier_id, keys, own)
+            if more:
+                result[node_id] = own + more
+        return result
+
+    def own_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]:
+        """Per holder (a node's engine, or a host tier), how many leading blocks of ``keys`` it holds itself."""
+        return self._own_prefix(keys)
+
+    def split(self, keys: Sequence[BlockKey], node_id: str) -> tuple[int, int]:
+        """(blocks the node's engine holds itself, blocks its host tier adds after them)."""
+        own = self._own_prefix(keys).get(node_id, 0)
+        tier_id = self.tier_of.get(node_id)
+        return own, (self._run(tier_id, keys, own) if tier_id is not None else 0)
+
+    def _run(self, holder: str, keys: Sequence[BlockKey], start: int) -> int:
+        """How many of ``keys[start:]`` ``holder`` holds in a row."""
+        st = self._nodes.get(holder)
+        if st is None:
+            return 0
+        blocks, n = st.blocks, 0
+        for k in keys[start:]:
+            if k not in blocks:
+                break
+            n += 1
+        return n
+
+    def _own_prefix(self, keys: Sequence[BlockKey]) -> dict[str, int]:
         holders = self._holders
         if not keys:
             return {}
@@ -253,9 +309,29 @@ class FleetIndex:
         idx = self._models.get(model)
         return idx.longest_prefix(keys) if idx is not None else {}
 
+    def own_prefix(self, model: str, keys: Sequence[BlockKey]) -> dict[str, int]:
+        """``ModelIndex.own_prefix``: what each engine (and tier) holds itself, no tier added to a node's."""
+        idx = self._models.get(model)
+        return idx.own_prefix(keys) if idx is not None else {}
+
+    def split(self, model: str, keys: Sequence[BlockKey], node_id: str) -> tuple[int, int]:
+        """``ModelIndex.split``: (the node's own leading blocks, its host tier's after them)."""
+        idx = self._models.get(model)
+        return idx.split(keys, node_id) if idx is not None else (0, 0)
+
     def drop_node(self, node_id: str) -> None:
         for idx in self._models.values():
             idx.drop_node(node_id)
+
+    def set_tiers(self, attached: dict[tuple[str, int], dict[str, str]]) -> None:
+        """(model, block size) -> {node id: tier id}: every model's attachments (``ModelIndex.set_tiers``);
+        a model left out has none."""
+        for (model, block_size), tier_of in attached.items():
+            self.model(model, block_size).set_tiers(tier_of)
+        named = {model for model, _ in attached}
+        for name, idx in self._models.items():
+            if name not in named:
+                idx.set_tiers({})
 
     def block_counts(self) -> dict[str, dict[str, int]]:
         """model -> node -> distinct cached blocks."""

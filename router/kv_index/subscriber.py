@@ -17,6 +17,9 @@ Sequence handling, per node (``expected`` = the next seq to apply):
     the range, an undecodable batch): the node's blocks are forgotten (``clear_node``) and rebuilt
     from the events that follow. Dropping hits is safe; keeping blocks whose BlockRemoved we lost
     would send requests to a node for a prefix it no longer holds.
+  * A replay whose first batch starts with ``AllBlocksCleared`` is a snapshot (what a host tier answers,
+    ``host_tier.events``): it replaces the node's blocks whole, so it recovers any range, whatever
+    seq it carries.
 A restart is also visible in the registry (``NodeInfo.epoch``, a new one per engine start under the
 same node id, and ``started_at``): the manager then drops the node's blocks and starts a fresh
 subscriber. This covers a new engine whose seq has already passed the old one's, and a new engine
@@ -27,10 +30,14 @@ would stay in the index, predicting hits the new engine cannot deliver).
 from __future__ import annotations
 
 import asyncio
+import functools
+import ipaddress
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import msgspec
 import zmq
@@ -38,7 +45,7 @@ import zmq.asyncio
 
 from contracts.registry import LiveNode, NodeInfo
 from router.kv_index.block_keys import BlockHasher, external_key
-from router.kv_index.events import REPLAY_END_SEQ, BlockStored, KVEvent, decode_batch
+from router.kv_index.events import REPLAY_END_SEQ, AllBlocksCleared, BlockStored, KVEvent, decode_batch
 from router.kv_index.index import FleetIndex, ModelIndex
 
 log = logging.getLogger(__name__)
@@ -215,13 +222,16 @@ class KVEventSubscriber:
         if not batches:
             return True
         first = batches[0][0]
-        ok = first == start
+        snapshot = _is_snapshot(batches[0][1])
+        ok = first == start or snapshot
         if not ok:
             self._lost(f"replay buffer starts at seq {first}, needed {start}")
         for seq, payload in batches:
             self._apply(seq, payload)
             self.stats.replayed_batches += 1
-        self._window = (first, batches[-1][0])
+        # A snapshot stands for every batch up to its seq: live copies of those still queued on the SUB
+        # socket are duplicates, not a restart.
+        self._window = (min(start, first) if snapshot else first, batches[-1][0])
         return ok
 
     async def _request_replay(self, start: int) -> list[tuple[int, bytes]] | None:
@@ -293,6 +303,45 @@ class KVEventSubscriber:
         self.index.clear_node(self.node_id, cause="events_lost")
 
 
+def _is_snapshot(payload: bytes) -> bool:
+    try:
+        events = decode_batch(payload).events
+    except msgspec.DecodeError:
+        return False
+    return bool(events) and isinstance(events[0], AllBlocksCleared)
+
+
+@functools.cache
+def _local_addresses() -> frozenset[str]:
+    import psutil
+
+    addrs = {a.address for nics in psutil.net_if_addrs().values() for a in nics}
+    return frozenset(addrs | {"localhost", socket.gethostname()})
+
+
+def _on_this_host(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    return host in _local_addresses()
+
+
+def tier_id(info: NodeInfo) -> str | None:
+    """The id under which the index holds the blocks of the node's host tier (None: no tier, or none this
+    router can hear). Nodes that name the same events endpoint on the same host share the tier. A tier's
+    endpoints are host-local (ipc or loopback), so only a node on the router's own host counts: the same
+    path on this host would be this host's tier, and crediting its blocks to another host's node would
+    route there for hits it cannot deliver."""
+    host = urlsplit(info.url).hostname
+    if not info.host_tier_events_endpoint or not _on_this_host(host):
+        return None
+    return f"tier@{host}:{info.host_tier_events_endpoint}"
+
+
 def _identity(info: NodeInfo) -> tuple[object, ...]:
     return (
         info.model,
@@ -335,31 +384,50 @@ class KVEventSubscribers:
 
     async def sync(self, nodes: Iterable[LiveNode]) -> None:
         """Start subscribers for new nodes; stop them and drop the blocks of nodes that left, and of
-        nodes that restarted or moved (different ``epoch``, ``started_at`` or endpoints)."""
-        wanted = {n.info.node_id: n.info for n in nodes if n.info.kv_events_endpoint}
+        nodes that restarted or moved (different ``epoch``, ``started_at`` or endpoints). The same for
+        the nodes' host tiers (one subscriber per tier, however many nodes share it), and attach each
+        node to its tier in the index."""
+        infos = [n.info for n in nodes]
+        wanted = {info.node_id: (_identity(info), info) for info in infos if info.kv_events_endpoint}
+        for info in infos:
+            tier = tier_id(info)
+            if tier is not None and tier not in wanted:
+                ident = ("tier", info.model, info.block_size, info.host_tier_events_endpoint)
+                wanted[tier] = (ident, info)
         for node_id, (ident, sub) in list(self._subs.items()):
-            info = wanted.get(node_id)
-            if info is None or _identity(info) != ident:
+            want = wanted.get(node_id)
+            if want is None or want[0] != ident:
                 del self._subs[node_id]
                 await sub.stop()
                 self.index.drop_node(node_id)
-        for node_id, info in wanted.items():
+        for node_id, (ident, info) in wanted.items():
             if node_id in self._subs:
                 continue
+            index = self.index.model(info.model, info.block_size)
+            is_tier = ident[0] == "tier"
+            if is_tier:
+                index.add_tier(node_id)
             sub = KVEventSubscriber(
-                self.index.model(info.model, info.block_size),
+                index,
                 node_id,
-                info.kv_events_endpoint,  # type: ignore[arg-type]
-                info.kv_replay_endpoint,
+                (info.host_tier_events_endpoint if is_tier else info.kv_events_endpoint),  # type: ignore[arg-type]
+                info.host_tier_replay_endpoint if is_tier else info.kv_replay_endpoint,
                 ctx=self._ctx,
-                topic=self._topic,
+                topic="" if is_tier else self._topic,
                 replay_timeout_s=self._replay_timeout_s,
-                hasher=self._hashers.get(info.model),
+                # a tier's events carry no tokens to check keys against
+                hasher=None if is_tier else self._hashers.get(info.model),
                 on_event=self._on_event,
-                curve=self._curve() if info.kv_events_auth == "curve" else None,
+                curve=self._curve() if info.kv_events_auth == "curve" and not is_tier else None,
             )
-            self._subs[node_id] = (_identity(info), sub)
+            self._subs[node_id] = (ident, sub)
             sub.start()
+        attached: dict[tuple[str, int], dict[str, str]] = {}
+        for info in infos:
+            tier = tier_id(info)
+            if tier is not None:
+                attached.setdefault((info.model, info.block_size), {})[info.node_id] = tier
+        self.index.set_tiers(attached)
 
     def _curve(self) -> CurveClient | None:
         if self._curve_keys is None and self._curve_client is not None:

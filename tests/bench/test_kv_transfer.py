@@ -29,6 +29,10 @@ def test_summary_reports_exposed_time_and_fixed_cost_on_the_best_transport(capsy
     assert result["exposed_whole_ms"] == {"tcp": 245.0, "ipc": None, "shm": 65.0, "ucx": None}
     assert result["transfers"]["tandem-shm"]["1000"]["exposed_ms"] == 20.0
     assert result["pull_fixed_ms"]["shm"] == 2.1 and result["pull_fixed_ms"]["tcp"] == 6.0
+    # the spread beside the median: quartiles, and how many pulls they are of
+    assert result["pull_fixed_spread_ms"]["shm"] == [2.0, 3.55] and result["pull_fixed_spread_ms"]["tcp"] == [6.0, 6.0]
+    assert result["pull_fixed_count"] == {"tcp": 1, "ipc": 0, "shm": 3, "ucx": 0}
+    assert result["pull_fixed_spread_ms"]["ipc"] is None
     assert result["targets"]["pull_fixed_at_most_3ms"] is True
     assert result["targets"]["layerwise_at_most_30pct_of_whole"] is None
     line = capsys.readouterr().out.strip().splitlines()[-1]
@@ -36,3 +40,4 @@ def test_summary_reports_exposed_time_and_fixed_cost_on_the_best_transport(capsy
     fields = dict(kv.split("=") for kv in line.removeprefix("RESULT ").split())
     assert fields["exposed_whole_ms"] == "65.000" and fields["pull_fixed_ms"] == "2.100"
     assert fields["exposed_layerwise_ms"] == "na"
+    assert fields["pull_fixed_p25_ms"] == "2.000" and fields["pull_fixed_p75_ms"] == "3.550"

@@ -1,15 +1,21 @@
-"""The sim-against-real comparison of ``tandem bench sim``: errors per metric, the ranking check and the
-RESULT line (the worse configuration per metric)."""
+"""``tandem bench sim`` without engines: the sim-against-real comparison (errors per metric, the ranking
+check, the RESULT line), the real fleet's simulated twin (``sim_specs``), and the simulated half of a
+recorded run (``compare``) from canned real figures and profiles."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 
-from bench.sim import errors, plan_matches_real, result_line
+import pytest
+
+from bench.sim import LiveNodeView, compare, errors, plan_matches_real, render, result_line, sim_specs
+from contracts.errors import ConfigError
 from contracts.registry import Role
 from router.policies import CacheAware
 from simulator.fleet import FleetSim, NodeSpec
 from simulator.report import summarize
+from simulator.step_model import Profile, StepModel
 from traces.synth import AgenticSpec, synth_agentic
 
 REAL = {
@@ -49,3 +55,63 @@ def test_a_simulated_summary_has_the_replays_fields():
     assert s["label"] == "SIMULATED" and s["requests"] == len(trace)
     assert 0 < s["ttft_p50_s"] <= s["ttft_p90_s"] and s["itl_p50_s"] > 0 and 0 <= s["observed_hit"] < 1
     assert errors(s, s).ttft_p90 == 0.0
+
+
+def _node(node_id: str, role: Role, blocks: int = 700) -> LiveNodeView:
+    return LiveNodeView(node_id, role, f"http://127.0.0.1/{node_id}", blocks, 32)
+
+
+def test_the_simulated_twin_copies_each_nodes_role_cache_and_token_budget():
+    specs = sim_specs([_node("prefill-0", Role.PREFILL, 728), _node("decode-1", Role.DECODE, 650)], 8192)
+    assert [(s.role, s.num_blocks, s.block_size) for s in specs] == [(Role.PREFILL, 728, 32), (Role.DECODE, 650, 32)]
+    # the nodes' own engine arguments: a prefill node batches 4096 tokens a step, a decode node 2048
+    assert [s.max_batched_tokens for s in specs] == [4096, 2048]
+    # a colocated node passes none: vLLM's CPU server default
+    assert sim_specs([_node("both-0", Role.BOTH)], 8192)[0].max_batched_tokens == 2048
+    # a short context window caps the role's budget as the node's arguments do
+    assert sim_specs([_node("prefill-0", Role.PREFILL)], 1024)[0].max_batched_tokens == 1024
+    with pytest.raises(ConfigError, match="not reported"):
+        sim_specs([_node("both-0", Role.BOTH, blocks=0)], 8192)
+
+
+def _arm(roles: list[Role], step: StepModel, real: dict[str, float]) -> dict:
+    nodes = [_node(f"{r.value}-{i}", r) for i, r in enumerate(roles)]
+    return {
+        "nodes": [{**asdict(n), "role": n.role.value} for n in nodes],
+        "max_model_len": 8192,
+        "profile": json.loads(Profile(models={r: step for r in set(roles)}, description="canned").to_json()),
+        "real": {**real, "requests": 10, "ok": 10},
+    }
+
+
+def test_the_simulated_half_of_a_recorded_run(tmp_path):
+    trace = synth_agentic(
+        AgenticSpec(
+            sessions=6, seed=5, system_tokens=256, repo_tokens=(128, 512), output_tokens=(8, 16), max_input_tokens=1500
+        )
+    )
+    slow = StepModel(base_s=0.04, prefill_s_per_token=0.002, decode_s_per_seq=0.002, request_overhead_s=0.01)
+    fast = StepModel(base_s=0.01, prefill_s_per_token=0.0005, decode_s_per_seq=0.001, request_overhead_s=0.01)
+    arms = {
+        "pd": _arm([Role.PREFILL, Role.DECODE], slow, REAL["pd"]),
+        "colocated": _arm([Role.BOTH, Role.BOTH], fast, REAL["colocated"]),
+    }
+    out = compare(arms, trace, tmp_path, heartbeat_s=2.0)
+    for a in arms.values():
+        assert a["sim"]["label"] == "SIMULATED" and a["sim"]["requests"] == len(trace)
+        assert len(a["sim_requests"]) == len(trace) and set(a["errors"]) == {
+            "ttft_p50",
+            "ttft_p90",
+            "itl_p50",
+            "tput",
+            "hit",
+        }
+        assert a["errors"]["hit"] == pytest.approx(abs(a["sim"]["observed_hit"] - a["real"]["observed_hit"]))
+    # every step of the pd arm's nodes is slower, so the simulator ranks colocated first, as REAL does
+    assert arms["colocated"]["sim"]["ttft_p90_s"] < arms["pd"]["sim"]["ttft_p90_s"]
+    assert out["plan_matches_real"] is True
+    assert out["result"].startswith("RESULT ttft_p50_err=") and out["result"].endswith("plan_matches_real=1")
+    assert "SIMULATED" in render(arms)
+    # the local-prefill rule of the real policy sends some later turns whole to the decode node
+    modes = {r["mode"] for r in arms["pd"]["sim_requests"]}
+    assert "disaggregated" in modes

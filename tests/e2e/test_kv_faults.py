@@ -8,7 +8,9 @@ recomputed) or an OpenAI-format error.
 
 The cluster is this module's own (the session cluster must not lose nodes): one prefill and one decode
 node on small KV caches (20 blocks of 128 tokens, 2k context) so that one long request fills the decode
-node. The two kill tests run last, in this order; the second starts a fresh decode node.
+node, and two routers over them: one that sends pairs sequentially (prefill, then a whole pull: the
+faults below that name no mode) and one that sends them layer-wise (``router.layerwise``: the tests
+named so). The two kill tests run last, in this order; the second starts a fresh decode node.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,12 +38,12 @@ from kv_transfer import wire
 from kv_transfer.auth import engine_auth_headers, load_cluster_secret
 from tests.e2e.conftest import engine_metric
 from tests.support.helpers import wait_for
-from tests.support.layerwise import layerwise_chat
+from tests.support.layerwise import layerwise_chat, prefill_params, start_decode_leg
 
 pytestmark = pytest.mark.e2e
 
 REDIS_URL = os.environ.get("TANDEM_TEST_REDIS_FAULTS", "redis://127.0.0.1:6379/11")
-ROUTER_PORT = 18390
+ROUTER_PORT, ROUTER_LW_PORT = 18390, 18391
 P_PORT, D_PORT, D2_PORT = 18400, 18410, 18420
 LEASE_S, TRANSFER_TIMEOUT_S = 30.0, 4.0
 DEADLINE_S = 300.0
@@ -65,6 +68,10 @@ class FaultCluster:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{ROUTER_PORT}"
+
+    @property
+    def lw_url(self) -> str:
+        return f"http://127.0.0.1:{ROUTER_LW_PORT}"
 
     def start(self, name: str, args: list[str]) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
@@ -103,16 +110,16 @@ class FaultCluster:
             ],
         )
 
-    def nodes(self) -> dict[str, str]:
+    def nodes(self, url: str | None = None) -> dict[str, str]:
         """Live nodes as the router sees them: node id → role."""
         try:
-            nodes = httpx.get(f"{self.url}/cluster", timeout=5).json().get("nodes", [])
+            nodes = httpx.get(f"{url or self.url}/cluster", timeout=5).json().get("nodes", [])
         except httpx.HTTPError:
             return {}
         return {n["node_id"]: n["role"] for n in nodes}
 
-    def roles(self) -> list[str]:
-        return sorted(self.nodes().values())
+    def roles(self, url: str | None = None) -> list[str]:
+        return sorted(self.nodes(url).values())
 
     def kill(self, name: str) -> None:
         """SIGKILL a node agent and every process under it (its engine): no clean shutdown."""
@@ -141,10 +148,12 @@ def fc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
     redis.Redis.from_url(REDIS_URL).flushdb()
     c = FaultCluster(tmp_path_factory.mktemp("kv-faults"))
     try:
-        c.start("router", ["router", "--port", str(ROUTER_PORT), "--redis-url", REDIS_URL])
+        c.start("router", ["router", "--port", str(ROUTER_PORT), "--redis-url", REDIS_URL, "--no-layerwise"])
+        c.start("router-lw", ["router", "--port", str(ROUTER_LW_PORT), "--redis-url", REDIS_URL, "--layerwise"])
         c.start_node("p", "prefill", P_PORT, "0")
         c.start_node("d", "decode", D_PORT, "1")
         assert wait_for(lambda: c.roles() == ["decode", "prefill"], timeout_s=900), c.log("p") + c.log("d")
+        assert wait_for(lambda: c.roles(c.lw_url) == ["decode", "prefill"], timeout_s=60), c.log("router-lw")
         c.model = httpx.get(f"{c.url}/v1/models").json()["data"][0]["id"]
         yield c
     finally:
@@ -188,10 +197,14 @@ def prompt(n_words: int, tag: str) -> list[dict[str, str]]:
 
 
 def chat(
-    fc: FaultCluster, messages: list[dict[str, str]], headers: dict[str, str] | None = None, max_tokens: int = 8
+    fc: FaultCluster,
+    messages: list[dict[str, str]],
+    headers: dict[str, str] | None = None,
+    max_tokens: int = 8,
+    url: str | None = None,
 ) -> httpx.Response:
     body = {"model": fc.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    return httpx.post(f"{fc.url}/v1/chat/completions", json=body, headers=headers or {}, timeout=DEADLINE_S)
+    return httpx.post(f"{url or fc.url}/v1/chat/completions", json=body, headers=headers or {}, timeout=DEADLINE_S)
 
 
 def text(resp: httpx.Response) -> str:
@@ -268,18 +281,27 @@ def test_expired_lease_is_refused_and_the_decode_node_recomputes(fc: FaultCluste
     assert wait_for(lambda: at_baseline(P_PORT) and at_baseline(D_PORT), timeout_s=30)
 
 
+def raw_post(port: int, body: dict, headers: dict[str, str] | None = None) -> socket.socket:
+    """A request on a socket the caller closes (from its own thread: no read is blocked on it, so the
+    close sends the FIN at once and the server sees the client leave). An HTTP client would still be
+    waiting for headers when a test wants to hang up, and closing it from another thread leaves its
+    blocked read holding the socket open."""
+    data = json.dumps(body)
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(data)}\r\n\r\n{data}"
+        ).encode()
+    )
+    return sock
+
+
 def test_client_gone_before_first_token_frees_both_sides(fc: FaultCluster) -> None:
     arm(P_PORT, "hold", 3.0)  # the decode node waits for its KV while the client leaves
-    body = json.dumps({"model": fc.model, "messages": prompt(300, "gone"), "max_tokens": 64, "stream": True})
-    # A raw socket: the router answers only at the first token, so an HTTP client would still be
-    # waiting for headers when the test wants to hang up.
-    with socket.create_connection(("127.0.0.1", ROUTER_PORT)) as sock:
-        sock.sendall(
-            (
-                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"x-tandem-route: disaggregated\r\nContent-Length: {len(body)}\r\n\r\n{body}"
-            ).encode()
-        )
+    body = {"model": fc.model, "messages": prompt(300, "gone"), "max_tokens": 64, "stream": True}
+    with raw_post(ROUTER_PORT, body, PD):
         assert wait_for(lambda: metric(P_PORT, "tandem_kv_leases_active") == 1, timeout_s=60)
     t0 = time.monotonic()
     assert wait_for(lambda: at_baseline(P_PORT) and at_baseline(D_PORT), timeout_s=LEASE_S + 10)
@@ -332,6 +354,61 @@ def test_layerwise_corrupted_layer_is_caught_and_the_decode_node_recomputes(fc: 
     assert wait_for(lambda: outcome(P_PORT, "failed") == failed + 1, timeout_s=30)
     assert metric(D_PORT, "tandem_kv_transfer_failures_total") == failures + 1
     assert wait_for(lambda: at_baseline(P_PORT) and at_baseline(D_PORT), timeout_s=30)
+
+
+def first_tokens(port: int) -> float:
+    """Requests that got their first token on this engine: a prefill aborted half-way never does (vLLM
+    counts no aborted request in ``vllm:request_success_total``)."""
+    return metric(port, "vllm:time_to_first_token_seconds_count")
+
+
+def test_layerwise_prefill_aborted_half_way_the_decode_node_recomputes(fc: FaultCluster) -> None:
+    """Both legs straight to the engines; the prefill leg's client leaves while the decode node pulls the
+    prefill's layers: vLLM aborts the prefill between two chunks, its lease ends failed, the pull gets a
+    Reject and the decode node recomputes the right answer."""
+    msgs = prompt(500, "lwcut")  # ~2k tokens: eight prefill chunks of 256, none cached yet
+    failed, firsts = outcome(P_PORT, "failed"), first_tokens(P_PORT)
+    body = _chat_body(fc, msgs, 8)
+    with ThreadPoolExecutor(1) as pool:
+        tid, answer = start_decode_leg(pool, node_url(D_PORT), body, P_PORT, "tcp")
+        prefill = {**body, "max_tokens": 1, "kv_transfer_params": prefill_params(tid)}
+        with raw_post(P_PORT, prefill, engine_auth_headers(loopback_only=True)):
+            # the decode node's pull is being served while the prefill computes
+            assert wait_for(lambda: metric(P_PORT, "tandem_kv_leases_sending") == 1, timeout_s=60)
+        resp = answer.result(timeout=DEADLINE_S)
+    report = resp.json()["kv_transfer_params"]["tandem_transfer"]
+    assert not report["ok"] and "finished_aborted" in report["reason"], report  # the prefill's own end
+    assert first_tokens(P_PORT) == firsts  # it never finished
+    assert text(resp) == reference(fc, msgs)  # asked after: the prefill node must compute the prompt above
+    assert wait_for(lambda: outcome(P_PORT, "failed") == failed + 1, timeout_s=30)
+    assert wait_for(lambda: at_baseline(P_PORT) and at_baseline(D_PORT), timeout_s=30)
+
+
+def test_layerwise_router_equals_the_reference_and_ends_its_lease_done(fc: FaultCluster) -> None:
+    msgs = prompt(300, "lwok")
+    want = reference(fc, msgs)
+    done = outcome(P_PORT, "done")
+    pairs = engine_metric(fc.lw_url, "tandem_pd_pairs_total", mode="layerwise")
+    assert text(chat(fc, msgs, PD, url=fc.lw_url)) == want
+    assert engine_metric(fc.lw_url, "tandem_pd_pairs_total", mode="layerwise") == pairs + 1
+    assert wait_for(lambda: outcome(P_PORT, "done") == done + 1, timeout_s=30)
+    assert wait_for(lambda: at_baseline(P_PORT) and at_baseline(D_PORT), timeout_s=30)
+
+
+def test_layerwise_client_gone_mid_prefill_cancels_both_legs(fc: FaultCluster) -> None:
+    """Through the layer-wise router: the client leaves while the prefill computes and the decode node
+    pulls; the router cancels both legs, so the prefill is aborted half-way, and both nodes are back at
+    baseline long before any lease deadline."""
+    firsts = first_tokens(P_PORT)
+    ended = outcome(P_PORT, "failed") + outcome(P_PORT, "released")
+    body = {"model": fc.model, "messages": prompt(500, "lwgone"), "max_tokens": 64, "stream": True}
+    with raw_post(ROUTER_LW_PORT, body, PD):
+        assert wait_for(lambda: metric(P_PORT, "tandem_kv_leases_sending") == 1, timeout_s=60)
+    t0 = time.monotonic()
+    assert wait_for(lambda: at_baseline(P_PORT) and at_baseline(D_PORT), timeout_s=LEASE_S + 10)
+    assert time.monotonic() - t0 < LEASE_S, "freed by the deadline, not by the disconnect"
+    assert first_tokens(P_PORT) == firsts  # the prefill was aborted before it finished
+    assert outcome(P_PORT, "failed") + outcome(P_PORT, "released") == ended + 1
 
 
 def test_decode_node_killed_mid_transfer(fc: FaultCluster) -> None:

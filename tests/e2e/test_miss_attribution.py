@@ -18,7 +18,6 @@ Run under ``flock /tmp/tandem-engines.lock`` on a shared machine (it starts two 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
@@ -42,7 +41,7 @@ from router.policies import CacheAwareConfig
 from router.settings import RouterSettings
 from telemetry.lake_writer import LakeWriter, WriterConfig
 from telemetry.query import query
-from tests.support.helpers import wait_for
+from tests.support.helpers import on_server_loop, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -77,13 +76,7 @@ class MissCluster:
 
     def on_router_loop(self, fn: Any) -> Any:
         """Run ``fn()`` on the router's event loop (the index is owned by it) and return its result."""
-        assert self.server is not None
-
-        async def call() -> Any:
-            return fn()
-
-        loop = self.server.server.servers[0].get_loop()
-        return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
+        return on_server_loop(self.server, fn)
 
     def keys(self, prompt: str) -> list[int]:
         """The router's routing keys for ``prompt`` (tokenized by an engine as the completion will be)."""

@@ -234,3 +234,73 @@ def test_read_scatter_fills_every_part_or_reports_failure(arena: Arena) -> None:
 
     arena.data = data_then_overwrite  # type: ignore[method-assign]
     assert not arena.read_scatter(1, key(1), parts)
+
+
+def test_a_session_s_next_turn_replaces_its_pins_and_its_old_tail_goes_first(tmp_path: Path) -> None:
+    clock = Clock()
+    core = TierCore(Arena.create(tmp_path / "t6", SLOT, 6, FP), clock=clock, tenant_pin_share=1.0)
+    for i in range(4):
+        put(core, i)
+    # turn 1 of session s pins blocks 0..3; turn 2 shares 0..1 and goes on with 4 instead
+    assert core.handle(m.Pin([key(i) for i in range(4)], 60.0, owner="s", tenant="t")) == m.Pinned(4)
+    put(core, 4)
+    assert core.handle(m.Pin([key(0), key(1), key(4)], 60.0, owner="s", tenant="t")) == m.Pinned(3)
+    put(core, 5)  # the tier is full now: 0, 1, 4 pinned; 2 and 3 (the superseded tail) demoted
+    put(core, 6)
+    put(core, 7)
+    assert held(core, range(8)) == [0, 1, 4, 5, 6, 7]  # the old tail left first, before the LRU's 5
+    stats = core.stats()
+    assert (stats.demoted, stats.evictions) == (2, {"lru": 2})
+    found = core.handle(m.Lookup([key(0), key(1)]))
+    assert isinstance(found, m.Found) and len(found.slots) == 2 and core.stats().pinned_hits == 2
+
+
+def test_one_tenant_pins_no_more_than_its_share_and_expiry_gives_the_budget_back(arena: Arena) -> None:
+    clock = Clock()
+    core = TierCore(arena, clock=clock, tenant_pin_share=0.5)  # 4 slots: 2 each
+    for i in range(4):
+        put(core, i)
+    got = core.handle(m.Pin([key(0), key(1), key(2)], 60.0, owner="a1", tenant="A"))
+    assert got == m.Pinned(2, refused=1)  # the prompt's leading blocks first
+    assert core.handle(m.Pin([key(3)], 60.0, owner="a2", tenant="A")) == m.Pinned(0, refused=1)
+    assert core.handle(m.Pin([key(3)], 60.0, owner="b1", tenant="B")) == m.Pinned(1)  # another tenant's own
+    clock.t += 61
+    core.reclaim()  # the server's once-a-second sweep
+    assert core.handle(m.Pin([key(2)], 60.0, owner="a2", tenant="A")) == m.Pinned(1)
+    assert core.stats().pins_refused == 2
+
+
+def test_a_pinned_block_that_leaves_frees_its_tenant_s_budget(arena: Arena) -> None:
+    core = TierCore(arena, tenant_pin_share=0.5)
+    for i in range(2):
+        put(core, i)
+    assert core.handle(m.Pin([key(0), key(1)], 60.0, owner="a1", tenant="A")) == m.Pinned(2)
+    core.handle(m.Forget([key(0)], "corrupt"))
+    put(core, 2)
+    assert core.handle(m.Pin([key(2)], 60.0, owner="a2", tenant="A")) == m.Pinned(1)
+
+
+def test_a_shorter_re_pin_shortens_the_pin_so_the_budget_it_frees_is_real(arena: Arena) -> None:
+    clock = Clock()
+    core = TierCore(arena, clock=clock, tenant_pin_share=0.5)  # 4 slots: 2 per tenant
+    for i in range(4):
+        put(core, i)
+    assert core.handle(m.Pin([key(0), key(1)], 3600.0, owner="s1", tenant="A")) == m.Pinned(2)
+    assert core.handle(m.Pin([key(0), key(1)], 1.0, owner="s1", tenant="A")) == m.Pinned(2)
+    clock.t += 2
+    core.reclaim()
+    assert core.handle(m.Pin([key(2), key(3)], 3600.0, owner="s2", tenant="A")) == m.Pinned(2)
+    assert core.policy.pinned(clock.t) == 2  # 0 and 1 are no longer pinned: A holds its share, no more
+
+
+def test_a_slot_two_sessions_pin_stays_pinned_until_both_let_go(arena: Arena) -> None:
+    clock = Clock()
+    core = TierCore(arena, clock=clock, tenant_pin_share=1.0)
+    for i in range(4):
+        put(core, i)
+    core.handle(m.Pin([key(0), key(1)], 60.0, owner="parent", tenant="A"))
+    core.handle(m.Pin([key(0), key(2)], 60.0, owner="fork", tenant="A"))  # shares the prefix block 0
+    core.handle(m.Pin([key(3)], 60.0, owner="parent", tenant="A"))  # the parent moves on
+    assert core.policy.is_pinned(core.by_key[key(0)], clock.t)  # the fork still keeps block 0
+    assert not core.policy.is_pinned(core.by_key[key(1)], clock.t)
+    assert core.stats().demoted == 1  # only block 1, which nobody pins any more

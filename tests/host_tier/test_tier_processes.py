@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import msgspec
 import numpy as np
 import pytest
@@ -40,6 +41,7 @@ class Tier:
             "TANDEM_TIER_DIR": str(tmp),
             "TANDEM_TIER_ENDPOINT": f"ipc://{tmp}/tier.sock",
             "TANDEM_TIER_EVENTS_ENDPOINT": f"ipc://{tmp}/events.sock",
+            "TANDEM_TIER_REPLAY_ENDPOINT": f"ipc://{tmp}/replay.sock",
         }
         self.layout = layout_from_model(model, "float32", 16)
         self.settings = TierSettings(dir=tmp, endpoint=self.env["TANDEM_TIER_ENDPOINT"])
@@ -145,6 +147,11 @@ def test_the_blocks_outlive_a_killed_server(tier: Tier) -> None:
     assert again.stats().held == 4
 
 
+def _stored(frames: list[bytes]) -> set[int]:
+    _, events, _ = msgspec.msgpack.decode(frames[2])
+    return {h for ev in events if ev["type"] == "BlockStored" for h in ev["block_hashes"]}
+
+
 def test_the_tier_is_bounded_and_publishes_what_it_stores_and_removes(tier: Tier) -> None:
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -152,12 +159,13 @@ def test_the_tier_is_bounded_and_publishes_what_it_stores_and_removes(tier: Tier
     client = tier.client()
     # A SUB socket receives only after its subscription reached the publisher: offload one block at a
     # time until its event arrives, then everything after it is seen in order.
-    seed = 100
+    seed, seeds = 100, set()
     while True:
         k, d = blocks(tier, 1, seed=seed)
         client.put(k, d)
-        if sub.poll(200):
-            sub.recv_multipart()
+        seeds.add(event_key(k[0]))
+        # (the tier also publishes empty heartbeat batches, and its start-up snapshot)
+        if sub.poll(200) and event_key(k[0]) in _stored(sub.recv_multipart()):
             break
         seed += 1
         assert seed < 150, "no event arrived"
@@ -172,9 +180,11 @@ def test_the_tier_is_bounded_and_publishes_what_it_stores_and_removes(tier: Tier
         _, _, payload = sub.recv_multipart()
         ts, events, _ = msgspec.msgpack.decode(payload)
         for ev in events:
+            if ev["type"] == "AllBlocksCleared":  # the snapshot the tier publishes at start (seq 0)
+                continue
             assert ev["medium"] == MEDIUM
             (stored if ev["type"] == "BlockStored" else removed).update(ev["block_hashes"])
-    assert stored == {event_key(k) for k in keys}
+    assert stored - seeds == {event_key(k) for k in keys}  # (a late seed's event may come after)
     sub.close()
 
 
@@ -182,3 +192,172 @@ def test_a_client_of_another_layout_is_refused_with_a_clear_error(tier: Tier, mo
     other = layout_from_model(model, "bfloat16", 16)
     with pytest.raises(ConfigError, match="another layout"):
         TierClient(tier.settings.endpoint, other.fingerprint(), timeout_s=30.0)
+
+
+async def test_the_router_index_follows_the_tier_from_a_snapshot_through_restart_and_eviction(tier: Tier) -> None:
+    """The router's own subscriber manager, given a node whose registry entry names the tier (as a node
+    agent writes it, from the tier's ``Welcome``): it learns what the tier held before it subscribed
+    (a snapshot replay), what it stores after, what a restarted tier recovered from its file, and
+    what it evicts."""
+    import zmq.asyncio
+
+    from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
+    from host_tier.client import tier_endpoints
+    from router.kv_index.block_keys import external_key
+    from router.kv_index.index import FleetIndex
+    from router.kv_index.subscriber import KVEventSubscribers
+    from tests.support.zmq_helpers import until
+
+    client = tier.client()
+    keys, data = blocks(tier, 3, seed=11)
+    assert client.put(keys, data) == 3
+    events_ep, replay_ep = tier_endpoints(tier.settings.endpoint)
+    assert (events_ep, replay_ep) == (tier.env["TANDEM_TIER_EVENTS_ENDPOINT"], tier.env["TANDEM_TIER_REPLAY_ENDPOINT"])
+    info = NodeInfo(
+        node_id="n0",
+        role=Role.BOTH,
+        model="m",
+        url="http://127.0.0.1:1",
+        block_size=16,
+        max_model_len=4096,
+        kv_connector="none",
+        host_tier_events_endpoint=events_ep,
+        host_tier_replay_endpoint=replay_ep,
+    )
+    fleet = FleetIndex()
+    ctx = zmq.asyncio.Context()
+    subs = KVEventSubscribers(fleet, ctx=ctx)
+    await subs.sync([LiveNode(info=info, load=NodeLoad())])
+    more_keys, more = blocks(tier, 2, seed=12)
+    chain = [external_key(k) for k in keys + more_keys]
+    try:
+        await until(lambda: fleet.split("m", chain, "n0") == (0, 3), what="the snapshot of what the tier held")
+        assert client.put(more_keys, more) == 2
+        await until(lambda: fleet.split("m", chain, "n0") == (0, 5), what="live store events")
+        client.close()
+        tier.kill()
+        tier.start()
+        again = tier.client()
+        # the restarted tier publishes from seq 0 again: the router re-learns what its file held (the
+        # first offload after the restart makes sure a live batch reaches the subscriber)
+        extra_keys, extra = blocks(tier, 1, seed=13)
+        assert again.put(extra_keys, extra) == 1
+        index = fleet.model("m", 16)
+        (tier_id,) = subs.stats()
+        await until(lambda: index.block_counts().get(tier_id) == 6, what="the restarted tier's blocks")
+        assert fleet.split("m", chain, "n0") == (0, 5)
+        others, other_data = blocks(tier, 8, seed=14)  # a tier of 8 slots: everything before is evicted
+        assert again.put(others, other_data) == 8
+        await until(lambda: fleet.split("m", chain, "n0") == (0, 0), what="eviction events")
+        again.close()
+    finally:
+        await subs.close()
+        ctx.destroy(linger=0)
+
+
+def test_metrics_show_what_the_tier_holds_and_clear_gives_the_ram_back_only_when_unused(
+    tmp_path: Path, model: Path
+) -> None:
+    from bench.standin_engine import free_port
+    from tests.support.helpers import wait_for
+
+    port = free_port()
+    t = Tier(tmp_path, model, n_blocks=4)
+    t.env["TANDEM_TIER_METRICS_PORT"] = str(port)
+    t.start()
+    try:
+        client = t.client()
+        keys, data = blocks(t, 6, seed=21)  # 6 into 4 slots: 2 evicted
+        assert client.put(keys[:4], data[:4]) == 4 and client.put(keys[4:], data[4:]) == 2
+        client.pin(keys[-2:], 60.0, owner="s", tenant="a")
+
+        def scrape() -> str:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+            except httpx.HTTPError:
+                return ""
+
+        # the exporter shows a snapshot the tier's loop takes once a second
+        assert wait_for(lambda: "tandem_tier_stored_total 6.0" in scrape(), timeout_s=30), scrape()
+        text = scrape()
+        assert 'tandem_tier_blocks{state="held"} 4.0' in text
+        assert 'tandem_tier_evictions_total{reason="lru"} 2.0' in text
+        assert f"tandem_tier_pinned_bytes {2 * t.layout.block_bytes}.0" in text
+        client.close()
+        clear = [sys.executable, "-m", "tandem", "tier", "clear", "--dir", str(tmp_path)]
+        kept = subprocess.run(clear, capture_output=True, text=True, env=t.env)
+        assert kept.returncode == 1 and "mapped by pid" in kept.stdout  # the running tier maps it
+        assert list(tmp_path.glob("tandem-tier-*"))
+    finally:
+        t.kill()
+    removed = subprocess.run(clear, capture_output=True, text=True, env=t.env)
+    assert removed.returncode == 0 and "removed" in removed.stdout, removed.stdout + removed.stderr
+    assert not list(tmp_path.glob("tandem-tier-*"))
+
+
+def test_the_tier_emits_host_tier_rows_the_lake_writer_writes_and_they_sum_to_its_counters(
+    tmp_path: Path, model: Path
+) -> None:
+    """A real tier with telemetry on, the real Redis (DB 3, a stream prefix of its own, as the telemetry
+    tests use) and the real lake writer into a tmp lake: rows arrive while the tier runs, and its last
+    interval's row arrives when it is stopped, so the lake sums to what the tier counted."""
+    import time
+    import uuid
+
+    import redis
+
+    from telemetry.lake_writer import LakeWriter, WriterConfig
+    from telemetry.query import query
+    from tests.support.helpers import wait_for
+
+    redis_url, prefix = "redis://127.0.0.1:6379/3", f"tandem:test:{uuid.uuid4().hex[:12]}"
+    t = Tier(tmp_path, model, n_blocks=4)
+    t.env |= {
+        "TANDEM_TIER_TELEMETRY_REDIS_URL": redis_url,
+        "TANDEM_TIER_TELEMETRY_STREAM_PREFIX": prefix,
+        "TANDEM_TIER_TELEMETRY_INTERVAL_S": "0.5",  # a row at (about) every sweep of the loop, once a second
+    }
+    lake = tmp_path / "lake"
+    writer = LakeWriter(WriterConfig(lake=lake, redis_url=redis_url, stream_prefix=prefix, consumer="t"))
+    r = redis.Redis.from_url(redis_url)
+
+    def lake_sum(column: str) -> int:
+        writer.drain()
+        if not list(lake.glob("host_tier/**/*.parquet")):
+            return -1
+        return int(query(lake, f"SELECT coalesce(sum({column}), 0) AS n FROM host_tier").to_pylist()[0]["n"])
+
+    t.start()
+    try:
+        client = t.client()
+        keys, data = blocks(t, 6, seed=31)  # 6 into 4 slots: 2 evicted, least recently used first
+        assert client.put(keys[:3], data[:3]) == 3
+        assert wait_for(lambda: lake_sum("stored") == 3, timeout_s=30), lake_sum("stored")
+        assert client.put(keys[3:], data[3:]) == 3
+        assert len(client.get(keys[2:]) or []) == 4  # the 4 held: hits
+        client.close()
+        assert t.proc is not None
+        stopped_at = time.time()
+        t.proc.terminate()  # SIGTERM: the loop ends, its last interval's row is flushed on the way out
+        assert t.proc.wait(timeout=30) == 0
+        assert wait_for(lambda: lake_sum("stored") == 6 and lake_sum("hits") == 4, timeout_s=30), lake_sum("hits")
+        assert lake_sum("evicted_lru") == 2 and lake_sum("evicted_pinned_lru") == 0
+        rows = query(
+            lake, "SELECT tier_id, model, layout_fingerprint, slots, slot_bytes, blocks_held FROM host_tier"
+        ).to_pylist()
+        path = t.settings.path_for(t.layout)
+        assert {(r["tier_id"].endswith(f":{path}"), r["model"], r["layout_fingerprint"]) for r in rows} == {
+            (True, model.name, t.layout.fingerprint().hex())
+        }
+        assert {(r["slots"], r["slot_bytes"]) for r in rows} == {(4, t.layout.block_bytes)}
+        last = query(
+            lake, "SELECT epoch(interval_end) AS end_s, blocks_held FROM host_tier ORDER BY interval_end DESC LIMIT 1"
+        ).to_pylist()
+        assert last[0]["blocks_held"] == 4 and last[0]["end_s"] >= stopped_at  # the row of the stop itself
+    finally:
+        if t.proc is not None and t.proc.poll() is None:
+            t.kill()
+        writer.close()
+        for k in r.scan_iter(f"{prefix}:*"):
+            r.delete(k)
+        r.close()

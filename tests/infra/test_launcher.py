@@ -105,3 +105,27 @@ def test_model_options_are_checked() -> None:
     twice = launcher.ClusterSpec(models=(launcher.ModelSpec("a"), launcher.ModelSpec("a")))
     with pytest.raises(ConfigError, match="served model names must differ"):
         _ = twice.nodes
+
+
+def test_the_host_tier_emits_its_lake_rows_where_the_lake_writer_reads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    model = tmp_path / "tiny"
+    model.mkdir()
+    config = '{"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "num_hidden_layers": 3}'
+    (model / "config.json").write_text(config)
+    spec = launcher.ClusterSpec(
+        prefill=0,
+        decode=0,
+        both=1,
+        model=str(model),
+        dtype="float32",
+        block_size=32,
+        host_tier="1MiB",
+        redis_url="redis://127.0.0.1:1/4",
+        routers=1,
+        workdir=tmp_path,
+    )
+    started = _started(monkeypatch, spec)
+    assert started["host-tier"][1]["TANDEM_TIER_TELEMETRY_REDIS_URL"] == "redis://127.0.0.1:1/4"
+    assert _flag(started["lake-writer"][0], "--redis-url") == "redis://127.0.0.1:1/4"

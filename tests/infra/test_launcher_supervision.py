@@ -119,7 +119,13 @@ def run_up(cwd: Path, *args: str) -> Iterator[Up]:
     threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")], daemon=True).start()
     u = Up(proc, router_port, node_port, lines)
     try:
-        u.wait_line("READY ", 120)
+        try:
+            u.wait_line("READY ", 120)
+        except AssertionError as exc:
+            workdir = Path(args[args.index("--workdir") + 1]) if "--workdir" in args else cwd / ".tandem"
+            logs = sorted((workdir / "logs").glob("*.log"))
+            tails = [f"--- {p.name}:\n{p.read_text(errors='replace')[-3000:]}" for p in logs]
+            raise AssertionError("\n".join([str(exc), *tails])) from None
         u.descendants()
         yield u
     finally:

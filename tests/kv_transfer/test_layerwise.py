@@ -178,3 +178,26 @@ def test_positions_outside_the_lease_are_refused(remote: Remote, local) -> None:
     out = _outcome(puller)
     assert not out.ok and "outside the lease" in out.reason
     assert remote.ended(tid) == "failed"
+
+
+def test_a_pull_waiting_for_a_lease_that_never_opened_is_refused_when_it_is_released(remote: Remote) -> None:
+    """A router gives up on a layer-wise pair whose prefill never opened its lease (the prefill leg was
+    refused): its Release answers the decode node's waiting pull at once, not at PARK_S, and a lease
+    that opens late under that id is released, not left to its deadline."""
+    tid = "lw-never"
+    codec = wire.Codec(SECRET)
+    with zmq.Context.instance().socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(remote.tcp)
+        # One socket keeps the order: the Pull is parked before the Release comes.
+        sock.send(codec.encode(wire.Pull(tid, wire.segments_of([0, 1], [0, 1]), "tcp", layerwise=True)))
+        sock.send(codec.encode(wire.Release(tid, "prefill leg refused")))
+        answers = []
+        for _ in range(2):
+            assert sock.poll(2000), "the waiting pull was not answered at once"
+            answers.append(codec.decode(sock.recv()))
+    reject = next(a for a in answers if isinstance(a, wire.Reject))
+    assert reject.transfer_id == tid and "prefill leg refused" in reject.reason
+    assert wire.Ack() in answers
+    remote.open_fill(tid)
+    assert remote.ended(tid) == "released"

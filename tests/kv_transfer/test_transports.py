@@ -95,6 +95,37 @@ def test_shm_with_and_without_the_prefill_node_writing_half(remote: Remote, spli
         puller.close()
 
 
+def test_a_small_shm_pull_is_copied_by_the_decode_side_alone_a_large_one_is_split(remote: Remote, monkeypatch) -> None:  # noqa: ANN001
+    """Below ``shm_split_min_bytes`` the decode side asks the prefill node to write nothing (no
+    ``Pushed`` to wait for) and copies every layer itself; at or above it, the copy is split."""
+    from decode_nodes import puller as puller_module
+
+    made = []
+    real = puller_module.transport_for
+
+    def recording(name, **kw):  # noqa: ANN001, ANN003, ANN202
+        made.append(real(name, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(puller_module, "transport_for", recording)
+    arrays = [np.zeros((BLOCKS, *SHAPE), np.float32) for _ in range(LAYERS)]
+    layout = KVLayout.from_arrays(arrays)
+    two_blocks = 2 * layout.block_nbytes * LAYERS
+    puller = Puller(layout, TransferStats(), wire.Codec(SECRET), shm_split_min_bytes=two_blocks)
+    try:
+        src = _source()
+        for tid, remote_ids, local_ids in (("small-shm", [15], [3]), ("large-shm", [16, 17], [4, 5])):
+            remote.offer(tid, remote_ids)
+            out = _pull(remote, puller, tid, "shm", remote_ids, local_ids)
+            assert out.ok, out.reason
+            assert remote.ended(tid) == "done"
+        assert [t.split for t in made] == [False, True]
+        for layer in range(LAYERS):
+            np.testing.assert_array_equal(arrays[layer][[3, 4, 5]], src[layer][[15, 16, 17]])
+    finally:
+        puller.close()
+
+
 def test_shm_push_that_cannot_write_falls_back_to_the_decode_side_copy(remote: Remote, local, monkeypatch) -> None:  # noqa: ANN001
     """The prefill node's process_vm_writev fails (here: addresses that are not mapped in this
     process, EFAULT); it says so with Pushed(ok=False) and this side copies those layers itself."""
@@ -248,3 +279,74 @@ def test_a_reused_pid_is_not_taken_for_the_known_peer() -> None:
     child = subprocess.Popen(["true"])
     child.wait()
     assert process_start_time(child.pid) is None
+
+
+def test_a_restarted_prefill_node_is_proven_again_and_never_read_as_its_predecessor(local) -> None:  # noqa: ANN001
+    """Between pulls the puller keeps its socket and the prefill process the last Grant proved. A
+    prefill node killed and started again on the same endpoints is a new process with a new cache:
+    the next pull copies nothing early from the dead one's addresses, reconnects, delivers the new
+    process's blocks and learns it; the pull after that copies early again."""
+    arrays, puller = local
+    first = Remote()
+    try:
+        for i, block in enumerate((1, 2)):
+            first.offer(f"restart-{i}", [block])
+            assert _pull(first, puller, f"restart-{i}", "shm", [block], [block]).ok
+        assert puller.early_copies == 1
+        known = puller.known_peer(first.ipc)
+        assert known is not None and known.pid == first.proc.pid
+    finally:
+        first.proc.kill()  # a crash: nothing is said to the puller
+        first.proc.join(10)
+    second = Remote(seed=8, endpoints=(first.tcp, first.ipc))
+    try:
+        new_src = _source(8)
+        second.offer("restart-2", [5])
+        out = _pull(second, puller, "restart-2", "shm", [5], [6])
+        assert out.ok, out.reason
+        assert puller.early_copies == 1  # the dead process's addresses were not read
+        known = puller.known_peer(second.ipc)
+        assert known is not None and known.pid == second.proc.pid
+        second.offer("restart-3", [7])
+        assert _pull(second, puller, "restart-3", "shm", [7], [9]).ok
+        assert puller.early_copies == 2
+        for layer in range(LAYERS):
+            np.testing.assert_array_equal(arrays[layer][[6, 9]], new_src[layer][[5, 7]])
+        assert second.ended("restart-3") == "done"
+    finally:
+        second.close()
+
+
+def test_a_proven_peer_is_held_by_a_pidfd_and_dead_once_its_process_exits(monkeypatch) -> None:  # noqa: ANN001
+    """``KnownPeer.prove`` reads /proc once for a new process and keeps a pidfd on it; proving the same
+    living process again returns the same peer (its handle kept) without reading /proc; once the
+    process exits the peer is dead at once (even unreaped), and proving its pid again yields nothing."""
+    import os
+    import subprocess
+
+    from kv_transfer import transports
+    from kv_transfer.transports import KnownPeer
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        peer = KnownPeer.prove(child.pid, [4096, 8192], None)
+        assert peer is not None and peer.handle is not None and peer.alive()
+        assert peer.start_time == transports.process_start_time(child.pid)
+
+        def no_proc_reads(pid: int) -> int | None:
+            raise AssertionError("read /proc for a process its pidfd already vouches for")
+
+        monkeypatch.setattr(transports, "process_start_time", no_proc_reads)
+        assert KnownPeer.prove(child.pid, (4096, 8192), peer) is peer
+        moved = KnownPeer.prove(child.pid, (4096, 12288), peer)  # same process, other addresses
+        assert moved is not None and moved != peer and moved.handle is peer.handle
+        monkeypatch.undo()
+        child.kill()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it has exited, and is not reaped
+        assert transports.ProcessHandle.open(child.pid) is not None  # a zombie still has a pidfd...
+        assert not peer.alive()  # ...which says it exited
+        assert KnownPeer.prove(child.pid, (4096, 8192), peer) is None  # gone: a Grant naming it fails
+    finally:
+        child.kill()
+        child.wait()
+    assert not peer.alive()

@@ -6,10 +6,15 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
 from contracts.registry import Role
 from kv_transfer import ConnectorKind
 from node_agent.node import engine_command, engine_env
 from node_agent.settings import NodeSettings
+from tandem.cli import app
 
 
 def _args(role: Role, **kw) -> list[str]:
@@ -210,9 +215,11 @@ def test_engine_traces_go_to_the_otlp_endpoint_over_http_only_when_one_is_set(mo
 
 def test_a_host_tier_adds_its_connector_alone_or_after_the_pd_one() -> None:
     tier = "ipc:///tmp/t/tier.sock"
-    both = json.loads(_value(_args(Role.BOTH, host_tier_endpoint=tier), "--kv-transfer-config"))
+    both = json.loads(
+        _value(_args(Role.BOTH, host_tier_endpoint=tier, host_tier_timeout_s=2.5), "--kv-transfer-config")
+    )
     assert both["kv_connector"] == "HostTierConnector"
-    assert both["kv_connector_extra_config"] == {"tier_endpoint": tier}
+    assert both["kv_connector_extra_config"] == {"tier_endpoint": tier, "tier_timeout_s": 2.5}
     assert both["kv_load_failure_policy"] == "recompute"  # a block that fails its checksum is recomputed
     for role in (Role.PREFILL, Role.DECODE):
         multi = json.loads(_value(_args(role, host_tier_endpoint=tier), "--kv-transfer-config"))
@@ -223,3 +230,30 @@ def test_a_host_tier_adds_its_connector_alone_or_after_the_pd_one() -> None:
         _value(_args(Role.DECODE, connector=ConnectorKind.NONE, host_tier_endpoint=tier), "--kv-transfer-config")
     )
     assert none["kv_connector"] == "HostTierConnector"
+
+
+def test_the_registry_advertises_the_block_server_the_engine_binds() -> None:
+    """What a router names in a layer-wise decode leg is what the engine's connector serves: the
+    endpoints its own kv_transfer_params would carry, from the same extra config."""
+    from kv_transfer.settings import ConnectorSettings, host_id
+    from node_agent.node import block_server
+
+    for role in (Role.PREFILL, Role.DECODE):
+        settings = NodeSettings(role=role, port=9100)
+        extra = json.loads(_value(_args(role), "--kv-transfer-config"))["kv_connector_extra_config"]
+        endpoints, host = block_server(settings)
+        assert endpoints == ConnectorSettings.model_validate(extra).endpoints
+        assert endpoints["tcp"] == "tcp://127.0.0.1:9103" and host == host_id()
+    assert block_server(NodeSettings(role=Role.BOTH, port=9100)) == ({}, "")
+    assert block_server(NodeSettings(role=Role.PREFILL, port=9100, connector=ConnectorKind.NIXL)) == ({}, "")
+
+
+def test_a_registry_ttl_shorter_than_a_heartbeat_round_is_refused_in_one_line() -> None:
+    """The TTL must outlast heartbeat_s plus both probe timeouts, or one slow probe of a live engine drops
+    the node from routing; `tandem node` says so without a traceback (exit 2, as for a bad flag)."""
+    with pytest.raises(ValidationError, match="must exceed heartbeat_s"):
+        NodeSettings(role=Role.BOTH, heartbeat_s=2.0, health_timeout_s=5.0, registry_ttl_s=6.0)
+    assert NodeSettings(role=Role.BOTH).registry_ttl_s > 2.0 + 2 * 5.0  # the defaults hold
+    result = CliRunner().invoke(app, ["node", "--role", "both"], env={"TANDEM_NODE_REGISTRY_TTL_S": "3"})
+    assert result.exit_code == 2, result.output
+    assert "registry_ttl_s (3 s) must exceed" in result.output

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -179,6 +180,41 @@ async def test_a_stopped_engine_counts_as_hung_and_is_killed_and_restarted(redis
         await until(lambda: a.epoch_at_least(2), 30, "restart of the stopped engine")
         assert a.sup.last_exit is not None and a.sup.last_exit.startswith("hung:"), a.sup.last_exit
         assert not _alive(pid), "the hung engine was left behind"
+
+
+async def test_failed_probes_short_of_hung_keep_the_node_registered(
+    redis_unit_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A busy engine that misses a few probes is not dead: the agent keeps its entry alive (with the last
+    load) until it counts as hung, so the node stays in routing although each failed probe outlasts a
+    heartbeat and the TTL here is a little over one probe round."""
+    caplog.set_level(logging.WARNING, logger="tandem.node")
+    async with agent(
+        redis_unit_url, registry_ttl_s=1.5, health_failures=50, stall_timeout_s=60.0, stall_compute_timeout_s=60.0
+    ) as a:
+        await until(lambda: a.epoch_at_least(1), 30, "first registration")
+        pid = a.engine_pid()
+        os.kill(pid, signal.SIGSTOP)  # every probe now times out (0.5 s each, /health and /metrics)
+        try:
+
+            async def still_registered_after_failed_probes() -> bool:
+                [node] = [n for n in await a.registry.live_nodes() if n.info.node_id == a.settings.node_id] or [None]
+                assert node is not None, "the node left the registry on probes short of hung"
+                failed = sum("probe" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+                return failed >= 6 and node.load.failed_probes > 0  # marked, so routers route around it
+
+            await until(still_registered_after_failed_probes, 30, "six failed probes")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert a.sup.restarts == 0 and (await a.registered()) is not None
+
+        async def answered_again() -> bool:
+            return any(
+                n.info.node_id == a.settings.node_id and n.load.failed_probes == 0
+                for n in await a.registry.live_nodes()
+            )
+
+        await until(answered_again, 30, "the mark cleared by the next probe that answers")
 
 
 async def test_an_engine_with_requests_but_no_progress_counts_as_hung(redis_unit_url: str) -> None:

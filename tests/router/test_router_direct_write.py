@@ -78,7 +78,7 @@ async def test_a_client_that_stops_reading_gets_the_asgi_path_and_is_cut_at_the_
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         try:
             sock.sendall(head + body.content)
-            await wait_until(lambda: standin.streams_open == 1, within_s=10)
+            await wait_until(lambda: standin.streams_open == 1, within_s=30)
             # Never read: the router must give up on this client by itself.
             await wait_until(lambda: standin.streams_open == 0, within_s=30)
             async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:

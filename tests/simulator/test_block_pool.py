@@ -84,3 +84,21 @@ def test_same_hits_refusals_cached_hashes_and_eviction_order_as_vllm(seed):
         assert sim.free_order() == _vllm_free(m), f"step {step}"
     # the sequence exercised what it is about: reuse and a full pool
     assert hits > 10 and refusals > 0
+
+
+def test_a_deferred_pool_tells_the_index_only_at_publish_and_never_of_what_it_evicted_before():
+    index: dict = {}
+    pool = SimBlockPool(4, 2, events=True, index=index, owner="n", publish_on_compute=True)
+    assert pool.admit("a", ["h1", "h2"], 4) == 0
+    assert pool.lookup(["h1", "h2"], 5) == 2  # the engine's own scheduler sees them at once
+    assert index == {} and pool.events == []  # the router does not, until the step that computed them ends
+    pool.publish()
+    assert index == {"h1": {"n"}, "h2": {"n"}} and pool.events == [("stored", "h1"), ("stored", "h2")]
+    pool.events.clear()
+    pool.free("a")
+    assert pool.admit("b", ["h3"], 2) == 0  # takes the free block 3, still unpublished
+    pool.free("b")
+    assert pool.admit("c", ["x1", "x2", "x3"], 6) == 0  # evicts h1, h2 (told: removed) and h3 (never told)
+    assert ("removed", "h3") not in pool.events
+    assert {h for kind, h in pool.events if kind == "removed"} == {"h1", "h2"}
+    assert "n" not in index.get("h1", set()) and "h3" not in index

@@ -18,18 +18,18 @@ SECRET = b"test-cluster-secret-0123456789abcdef"
 """The cluster secret of these tests (the conftest puts it in the environment too, for control.py)."""
 
 
-def source() -> list[np.ndarray]:
-    rng = np.random.default_rng(7)
+def source(seed: int = 7) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
     return [rng.standard_normal((BLOCKS, *SHAPE), dtype=np.float32) for _ in range(LAYERS)]
 
 
-def _serve(conn, endpoints: list[str], secret: bytes, faults: bool) -> None:  # noqa: ANN001 - in the child
+def _serve(conn, endpoints: list[str], secret: bytes, faults: bool, seed: int) -> None:  # noqa: ANN001 - in the child
     from kv_transfer.layout import KVLayout
     from kv_transfer.stats import TransferStats
     from prefill_nodes.block_server import BlockServer
     from prefill_nodes.lease import LeaseTable
 
-    arrays = source()
+    arrays = source(seed)
     leases = LeaseTable("child")
     stats = TransferStats()
     server = BlockServer(
@@ -65,15 +65,21 @@ def _serve(conn, endpoints: list[str], secret: bytes, faults: bool) -> None:  # 
 
 
 class Remote:
-    def __init__(self, *, secret: bytes = SECRET, faults: bool = True) -> None:
-        d = tempfile.mkdtemp(prefix="tandem-kv-test-")
-        with zmq.Context.instance().socket(zmq.REP) as s:  # a free port, picked by the kernel
-            port = s.bind_to_random_port("tcp://127.0.0.1")
-        self.tcp, self.ipc = f"tcp://127.0.0.1:{port}", f"ipc://{d}/kv.sock"
+    def __init__(
+        self, *, secret: bytes = SECRET, faults: bool = True, seed: int = 7, endpoints: tuple[str, str] | None = None
+    ) -> None:
+        """``seed``: of the child's blocks (``source(seed)``). ``endpoints``: (tcp, ipc) to bind, e.g. a
+        closed server's, as a restarted prefill node binds its predecessor's; else fresh ones."""
+        if endpoints is None:
+            d = tempfile.mkdtemp(prefix="tandem-kv-test-")
+            with zmq.Context.instance().socket(zmq.REP) as s:  # a free port, picked by the kernel
+                port = s.bind_to_random_port("tcp://127.0.0.1")
+            endpoints = (f"tcp://127.0.0.1:{port}", f"ipc://{d}/kv.sock")
+        self.tcp, self.ipc = endpoints
         self.codec = wire.Codec(secret)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, [self.tcp, self.ipc], secret, faults), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, [self.tcp, self.ipc], secret, faults, seed), daemon=True)
         self.proc.start()
         assert self.conn.poll(30) and self.conn.recv() == "ready"
 

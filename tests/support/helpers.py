@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> bool:
@@ -125,3 +126,46 @@ def colocated_node_command(port: int, node_id: str, redis_url: str, log_dir: Pat
         str(log_dir),
         *extra,
     ]
+
+
+def on_server_loop(server: Any, fn: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+    """Run ``fn()`` on the event loop of an app served by ``bench.standin_engine.ServerThread`` (a router
+    in the test's process: its index and policies belong to that loop) and return its result."""
+    import asyncio
+
+    async def call() -> Any:
+        return fn()
+
+    loop = server.server.servers[0].get_loop()
+    return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout_s)
+
+
+def in_process_router(redis_url: str, workdir: Path, key_prefix: str, **settings: Any) -> tuple[Any, Any, str]:
+    """A real router app served in this process (``bench.standin_engine.ServerThread``) over ``redis_url``'s
+    registry, with its admission store in ``workdir`` and its keys under ``key_prefix``; ``settings``
+    override ``RouterSettings`` fields. Returns (app, server, url); the caller exits the server."""
+    from bench.standin_engine import ServerThread
+    from router.admission.context import AdmissionSettings
+    from router.app import create_app
+    from router.settings import RouterSettings
+
+    admission = AdmissionSettings(
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        database_url=f"sqlite:///{workdir}/t.db",
+        region="local",
+        region_cache_urls={},
+    )  # type: ignore[call-arg]
+    app = create_app(RouterSettings(redis_url=redis_url, registry_refresh_s=1, admission=admission, **settings))
+    server = ServerThread(app)
+    return app, server, server.__enter__()
+
+
+def engine_healthy(port: int) -> bool:
+    """Whether the engine on loopback ``port`` answers /health."""
+    import httpx
+
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

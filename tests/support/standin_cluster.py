@@ -84,13 +84,16 @@ async def standin_cluster(
     router: dict[str, object] | None = None,
     max_model_len: int = 4096,
     models: dict[str, str] | None = None,
+    kv_connector: str = "nixl",
     **admission: object,
 ) -> AsyncIterator[StandInCluster]:
     """Stand-in engines for ``roles`` (node id → role), registered; a router over them, started.
     ``dead`` nodes are registered at a loopback port nobody listens on (a node whose engine is gone).
     ``admission`` overrides ``AdmissionSettings`` fields (``node_max_concurrency=1``, ...); ``engine``
     ``StandInEngine`` fields (``stream_tokens``, ...) and ``router`` ``RouterSettings`` fields. ``models``
-    gives nodes another served model than the cluster's (node name → model name)."""
+    gives nodes another served model than the cluster's (node name → model name). ``kv_connector="tandem"``
+    registers the P/D nodes as ours, each with a block server endpoint nobody listens on (``kv_endpoints``):
+    what makes the router send layer-wise pairs."""
     tag = uuid.uuid4().hex[:10]
     model, prefix = f"standin-{tag}", f"test-{tag}:"
     node_ids = {name: f"{name}-{tag}" for name in [*roles, *(dead or {})]}
@@ -115,7 +118,11 @@ async def standin_cluster(
                 url=urls[name],
                 block_size=16,
                 max_model_len=max_model_len,
-                kv_connector="nixl" if role is not Role.BOTH else "none",
+                kv_connector=kv_connector if role is not Role.BOTH else "none",
+                kv_endpoints={"tcp": f"tcp://127.0.0.1:{free_port()}"}
+                if kv_connector == "tandem" and role is not Role.BOTH
+                else {},
+                kv_host_id="standin-host" if kv_connector == "tandem" else "",
             )
             for name, role in [*roles.items(), *(dead or {}).items()]
         ]

@@ -55,7 +55,8 @@ def _fill(make_emitter, make_writer, n: int = 60) -> None:
 
 
 def test_empty_lake_queries_return_typed_empty_results(lake):
-    assert table_counts(lake) == {t: 0 for t in ("requests", "tool_calls", "feedback", "errors", "kv_events")}
+    tables = ("requests", "tool_calls", "feedback", "errors", "kv_events", "host_tier")
+    assert table_counts(lake) == {t: 0 for t in tables}
     res = query(lake, "SELECT event_id, ttft_s, date, hour FROM requests")
     assert res.num_rows == 0
     assert res.schema.field("ttft_s").type == pa.float64()

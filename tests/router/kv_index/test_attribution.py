@@ -178,3 +178,45 @@ def test_kinds_always_sum_to_the_uncached_tokens() -> None:
         assert min(m.cold, m.evicted, m.elsewhere, m.undelivered) >= 0
         assert m.cold + m.evicted + m.elsewhere + m.undelivered == m.uncached == p - e
         assert (m.elsewhere_node is None) == (m.elsewhere == 0) and (m.evicted_node is None) == (m.evicted == 0)
+
+
+def test_reuse_splits_into_the_engine_s_own_and_its_host_tier_s() -> None:
+    fleet = FleetIndex()
+    idx = fleet.model("m", BS)
+    fleet.set_tiers({("m", BS): {"n0": "tier@h"}})
+    idx.apply("n0", _stored(PROMPT[: 10 * BS]))
+    tier = HASHER.block_hashes(PROMPT[: 40 * BS])
+    idx.apply("tier@h", BlockStored(block_hashes=tier, block_size=BS, medium="CPU_SHM"))
+    # the engine reused all it was predicted to: 10 blocks its own, 30 from the tier
+    miss = _miss(fleet, 40 * BS)
+    assert (miss.local_hit, miss.host_tier_hit, miss.undelivered) == (10 * BS, 30 * BS, 0)
+    assert miss.origin() == {"engine": 160, "host_tier": 480, "peer": 0, "computed": len(PROMPT) - 640}
+    # it reused less than predicted: the tier's share is what it got beyond its own; the rest undelivered
+    miss = _miss(fleet, 25 * BS)
+    assert (miss.local_hit, miss.host_tier_hit, miss.undelivered) == (10 * BS, 15 * BS, 15 * BS)
+    # less than its own prefix: no tier hit at all
+    miss = _miss(fleet, 4 * BS)
+    assert (miss.local_hit, miss.host_tier_hit) == (4 * BS, 0)
+
+
+def test_a_prefix_loaded_from_a_peer_is_the_peer_s_share() -> None:
+    from dataclasses import replace
+
+    from router.kv_index import PrefixView
+
+    # the router's view once the peer leased 40 blocks for a node holding 10 itself (router.peer_fetch)
+    view = PrefixView(
+        prompt_tokens=len(PROMPT),
+        fleet_tokens=40 * BS,
+        routed_tokens=40 * BS,
+        seen_tokens=40 * BS,
+        routed_peer_tokens=30 * BS,
+    )
+    miss = attribute(view, 40 * BS)
+    assert (miss.local_hit, miss.peer_hit, miss.host_tier_hit, miss.undelivered) == (10 * BS, 30 * BS, 0, 0)
+    assert miss.origin() == {"engine": 160, "host_tier": 0, "peer": 480, "computed": len(PROMPT) - 640}
+    assert miss.record()["peer_cached_tokens"] == 480
+    # the pull fell short (the peer died): what was not reused is undelivered, never the peer's
+    miss = attribute(view, 10 * BS)
+    assert (miss.local_hit, miss.peer_hit, miss.undelivered) == (10 * BS, 0, 30 * BS)
+    assert attribute(replace(view, routed_peer_tokens=0), 40 * BS).peer_hit == 0

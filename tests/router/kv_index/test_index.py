@@ -134,3 +134,46 @@ def test_clear_node_keeps_other_nodes() -> None:
 def test_bench_function_runs() -> None:
     us = bench_longest_prefix(num_nodes=2, num_keys=64, cached_per_node=100, repeat=10)
     assert 0 < us < 10_000
+
+
+def _tier_stored(*ks: int) -> BlockStored:
+    return BlockStored(block_hashes=list(ks), block_size=BS, medium="CPU_SHM")
+
+
+def test_a_node_s_match_goes_on_into_its_host_tier_as_its_connector_looks_it_up() -> None:
+    fleet = FleetIndex()
+    idx = fleet.model("m", BS)
+    idx.apply("n0", BlockStored(block_hashes=[1, 2], block_size=BS, medium="GPU"))
+    fleet.set_tiers({("m", BS): {"n0": "tier@h", "n1": "tier@h"}})
+    idx.apply("tier@h", _tier_stored(2, 3, 4, 6))
+    keys = _k(1, 2, 3, 4, 5, 6)
+    # n0: its own 1, 2, then the tier's 3, 4 (from the first block it lacks), stopping at 5;
+    # n1 holds nothing itself, and the tier lacks block 1: no reuse; the tier holds no prefix either.
+    assert fleet.longest_prefix("m", keys) == {"n0": 4}
+    assert fleet.split("m", keys, "n0") == (2, 2)
+    idx.apply("tier@h", _tier_stored(1))
+    assert fleet.longest_prefix("m", keys) == {"n0": 4, "n1": 4, "tier@h": 4}
+    assert fleet.split("m", keys, "n1") == (0, 4)
+
+
+def test_tier_events_count_only_for_tiers_and_engine_events_only_for_engines() -> None:
+    fleet = FleetIndex()
+    idx = fleet.model("m", BS)
+    fleet.set_tiers({("m", BS): {"n0": "tier@h"}})
+    idx.apply("n0", _tier_stored(1))  # an engine never holds a CPU_SHM block of its own
+    idx.apply("tier@h", BlockStored(block_hashes=[1], block_size=BS, medium="GPU"))
+    assert fleet.longest_prefix("m", _k(1)) == {} and idx.ignored_events == 2
+    idx.apply("tier@h", _tier_stored(1))
+    idx.apply("tier@h", BlockRemoved(block_hashes=[1], medium="CPU_SHM"))
+    assert fleet.longest_prefix("m", _k(1)) == {}
+    assert idx.evicted[BlockKey(1)].cause == "CPU_SHM"  # miss attribution names the tier it left
+
+
+def test_detached_nodes_lose_their_tier_s_blocks() -> None:
+    fleet = FleetIndex()
+    idx = fleet.model("m", BS)
+    fleet.set_tiers({("m", BS): {"n0": "tier@h"}})
+    idx.apply("tier@h", _tier_stored(1, 2))
+    assert fleet.longest_prefix("m", _k(1, 2))["n0"] == 2
+    fleet.set_tiers({})  # n0 left the registry
+    assert "n0" not in fleet.longest_prefix("m", _k(1, 2))

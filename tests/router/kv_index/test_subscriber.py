@@ -286,3 +286,71 @@ def test_unknown_event_types_are_skipped_not_fatal() -> None:
     batch = decode_batch(payload)
     assert batch.skipped == 1
     assert isinstance(batch.events[0], BlockStored) and batch.events[0].block_hashes == [3]
+
+
+async def test_a_tier_snapshot_covers_the_live_batches_still_queued_behind_it() -> None:
+    """A snapshot (a replay opening with AllBlocksCleared, as a host tier answers) stands for every batch
+    up to its seq: the live copies of those still queued on the SUB socket are duplicates, not a
+    restart (each false restart would clear the tier's blocks and fetch another snapshot)."""
+    from host_tier.events import EventPublisher
+
+    class Recorder(EventPublisher):  # the tier's own encoder, no socket: batches kept as published
+        def __init__(self) -> None:
+            super().__init__(zmq.asyncio.Context.instance(), None, BS)
+            self._sock = object()  # type: ignore[assignment]
+            self.sent: list[tuple[int, bytes]] = []
+
+        def flush(self, *, heartbeat_s: float | None = None) -> None:
+            if not self._events:
+                return
+            from host_tier.events import _Batch
+
+            self.sent.append((self._seq, self._enc.encode(_Batch(ts=0.0, events=self._events))))
+            self._events = []
+            self._seq += 1
+
+    pub = Recorder()
+    keys = [bytes([i]) * 32 for i in range(30)]
+    for k in keys[:10]:
+        pub.stored([k])
+        pub.flush()
+    index = FleetIndex().model("m", BS)
+    index.add_tier("tier@h")
+    ctx = zmq.asyncio.Context()
+    sub = KVEventSubscriber(index, "tier@h", "ipc:///nonexistent-ev", "ipc:///nonexistent-rp", ctx=ctx)
+    replays = 0
+
+    async def replay(start: int) -> list[tuple[int, bytes]]:
+        nonlocal replays
+        replays += 1
+        return pub.replay(start, keys[:10])
+
+    sub._request_replay = replay  # type: ignore[method-assign]
+    try:
+        await sub._catch_up(0)
+        for seq, payload in pub.sent[3:10]:  # live batches that were queued before the snapshot
+            await sub._on_live(seq, payload)
+        assert (replays, sub.stats.restarts, sub.stats.lost) == (1, 0, 0)
+        assert index.block_counts()["tier@h"] == 10
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_only_a_node_on_this_host_has_a_tier_the_router_can_hear() -> None:
+    from router.kv_index.subscriber import tier_id
+
+    def info(url: str) -> NodeInfo:
+        return NodeInfo(
+            node_id="n",
+            role=Role.BOTH,
+            model="m",
+            url=url,
+            block_size=BS,
+            max_model_len=4096,
+            kv_connector="none",
+            host_tier_events_endpoint="ipc:///tmp/tandem-tier-events.sock",
+        )
+
+    assert tier_id(info("http://127.0.0.1:8100")) == "tier@127.0.0.1:ipc:///tmp/tandem-tier-events.sock"
+    # another host's ipc path would name this host's tier: not attached (no tier hits predicted: safe)
+    assert tier_id(info("http://203.0.113.7:8100")) is None

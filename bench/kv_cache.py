@@ -1,0 +1,254 @@
+"""`tandem bench kv-cache`: what the host tier and session retention reuse on agent traffic whose shared
+context does not fit one node's engine cache, against the fair baseline of giving vLLM that memory.
+
+Workload: ``bench.agent_workload`` (sessions over shared repositories, growing turns, real SSE through
+the router, ``x-session-id`` on every request), sized so that a node's engine cache holds about one
+session's context while the run's distinct context is several times that, with tool pauses
+(``think_s``) long enough for the other sessions to push a paused session's blocks out of the engines.
+
+Arms, each on 2 fresh colocated nodes behind one router (cache_aware), fresh content per arm (a salt in
+the shared system prompt, so no arm warms another), in this order:
+
+    engines        the engines alone: ``node_blocks`` KV blocks each
+    tier           our tiers: the same engines + a host tier of ``tier_mib`` (shared by both nodes: a
+                   block one node offloaded, the other loads) + cross-node reuse (``--peer-kv``: a node
+                   loads a prefix the other's engine holds, ``router.peer_fetch``), retention off
+    bigger_cache   no tier; each engine given its half of the tier's memory as extra KV blocks
+                   ("just give vLLM more memory", the baseline a user would try first)
+    retention      our tiers + session retention (pins across the tool pause, ``router.retention``)
+
+Per arm: the engine-confirmed hit rate (prompt_tokens_details.cached_tokens over prompt tokens: the
+engine's own cache plus what it loaded from the tier), TTFT p50/p99, and ``ceiling``: what one cache
+of unlimited size would reuse on the same request sequence (``router.kv_index.ideal``). Over the tier
+arms' long prompts (the upper half by length, where the shared prefix is longest), TTFT medians by where
+most of the prompt came from (``usage.tandem.kv_origin``): the engine's own cache (local), the host
+tier or the peer node (remote: another engine's offload or cache, or this one's offload), or computed
+(miss).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.agent_workload import AgentWorkloadConfig
+from bench.routing import RoutingBenchConfig, _cluster, _cluster_view, _model, _Runner, _Tokens, _warm, console
+from contracts.config import redis_url as configured_redis_url
+from host_tier.settings import layout_from_model
+from infra.launcher import ClusterSpec
+from node_agent.dtype import resolve_dtype
+from node_agent.model import resolve_model
+
+ARMS = ("engines", "tier", "bigger_cache", "retention")
+REPOS = 5
+"""Repositories the sessions share: 6k tokens of shared context over 10 sessions, more than a bigger
+cache holds beside the sessions' own turns, so an engine's share and duplicates between nodes matter."""
+
+
+@dataclass(frozen=True)
+class KVCacheBenchConfig:
+    workload: AgentWorkloadConfig = field(
+        default_factory=lambda: AgentWorkloadConfig(
+            repos=REPOS,
+            sessions_per_repo=2,
+            turns_min=5,
+            turns_max=8,
+            system_tokens=300,
+            repo_tokens=1200,
+            tool_tokens=(60, 180),
+            reply_tokens=(15, 35),
+            context_budget=2900,
+            session_gap_s=4.0,
+            think_s=12.0,
+        )
+    )
+    node_blocks: int = 128
+    """Engine KV blocks per node (32 tokens each: 4,096 tokens, a little over one session's context, so
+    two prompts fit at once)."""
+    tier_mib: int = 192
+    """The host tier's size; the bigger_cache arm splits the same bytes between the engines."""
+    max_tokens: int = 16
+    dtype: str = "auto"
+    block_size: int = 32
+    router_port: int = 19300
+    node_base_port: int = 19400
+    redis_url: str = field(default_factory=lambda: configured_redis_url(db=6))
+    model: str | None = None
+    workdir: Path = Path(".tandem/bench-kv-cache")
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def by_origin(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """TTFT medians (ms) of the upper half of the requests by prompt length, by where most of the prompt
+    came from (``usage.tandem.kv_origin``)."""
+    reqs = [r for run in runs for r in run["per_request"] if r["ok"] and (r.get("tandem") or {}).get("kv_origin")]
+    if not reqs:
+        return {"local_hit_ttft_ms": float("nan"), "remote_hit_ttft_ms": float("nan"), "miss_ttft_ms": float("nan")}
+    cut = statistics.median(r["prompt_tokens"] for r in reqs)
+    long = [r for r in reqs if r["prompt_tokens"] >= cut]
+    classes: dict[str, list[float]] = {"engine": [], "remote": [], "computed": []}
+    for r in long:
+        origin = r["tandem"]["kv_origin"]
+        amounts = {
+            "engine": origin["engine"],
+            "remote": origin["host_tier"] + origin.get("peer", 0),
+            "computed": origin["computed"],
+        }
+        for kind, ttfts in classes.items():
+            if amounts[kind] >= 0.5 * r["prompt_tokens"]:
+                ttfts.append(r["ttft_ms"])
+    return {
+        "local_hit_ttft_ms": _median(classes["engine"]),
+        "remote_hit_ttft_ms": _median(classes["remote"]),
+        "miss_ttft_ms": _median(classes["computed"]),
+        "long_prompt_tokens": cut,
+        "long_requests": {k: len(v) for k, v in classes.items()},
+    }
+
+
+def _spec(cfg: KVCacheBenchConfig, arm: str, extra_blocks: int) -> ClusterSpec:
+    tier = arm in ("tier", "retention")
+    blocks = cfg.node_blocks + (extra_blocks if arm == "bigger_cache" else 0)
+    return ClusterSpec(
+        prefill=0,
+        decode=0,
+        both=2,
+        model=cfg.model,
+        router_port=cfg.router_port,
+        node_base_port=cfg.node_base_port,
+        redis_url=cfg.redis_url,
+        dtype=cfg.dtype,
+        block_size=cfg.block_size,
+        policy="cache_aware",
+        workdir=cfg.workdir / arm,
+        routers=1,
+        extra_node_args=(f"--num-gpu-blocks-override={blocks}",),  # (each passed as --engine-arg)
+        # vLLM refuses a window its cache cannot hold once; the workload's prompts stay under it
+        max_model_len=cfg.workload.context_budget + 4 * cfg.max_tokens,
+        host_tier=f"{cfg.tier_mib}MiB" if tier else None,
+        peer_kv=tier,
+        router_env=(("TANDEM_ROUTER_SESSION_RETENTION_S", "0" if arm != "retention" else "600"),),
+    )
+
+
+def targets(s: dict[str, float]) -> dict[str, dict[str, Any]]:
+    t = {
+        "retention_hit >= 0.95 * ceiling_hit": (s["retention_hit"], 0.95 * s["ceiling_hit"]),
+        "tier_hit >= bigger_cache_hit + 0.05": (s["tier_hit"], s["bigger_cache_hit"] + 0.05),
+        "tier_ttft_p50_ms < engines_ttft_p50_ms": (-s["tier_ttft_p50_ms"], -s["engines_ttft_p50_ms"]),
+        "remote_hit_ttft_ms <= 1.3 * local_hit_ttft_ms": (-s["remote_hit_ttft_ms"], -1.3 * s["local_hit_ttft_ms"]),
+        "remote_hit_ttft_ms <= 0.5 * miss_ttft_ms": (-s["remote_hit_ttft_ms"], -0.5 * s["miss_ttft_ms"]),
+    }
+    # (the "<=" targets are written as value >= bound on negated figures; NaN never holds)
+    return {k: {"value": abs(v), "bound": abs(b), "held": v >= b} for k, (v, b) in t.items()}
+
+
+def plot(results: dict[str, dict[str, Any]], summary: dict[str, float], out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in ARMS if a in results]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    xs = range(len(arms))
+    colors = ["tab:gray", "tab:blue", "tab:orange", "tab:green"][: len(arms)]
+    axes[0].bar(xs, [results[a]["hit"] for a in arms], color=colors)
+    axes[0].axhline(summary["ceiling_hit"], color="black", ls="--", label="ceiling (unlimited cache)")
+    axes[0].set_ylim(0, 1)
+    axes[0].set_title("engine-confirmed prefix hit rate")
+    axes[0].legend(loc="lower right")
+    axes[1].bar([x - 0.2 for x in xs], [results[a]["ttft_p50_ms"] for a in arms], width=0.4, color=colors)
+    axes[1].bar([x + 0.2 for x in xs], [results[a]["ttft_p99_ms"] for a in arms], width=0.4, color=colors, alpha=0.4)
+    axes[1].set_title("TTFT p50 (solid) and p99 (light), ms")
+    kinds = [
+        ("local_hit_ttft_ms", "engine's own cache"),
+        ("remote_hit_ttft_ms", "host tier or peer"),
+        ("miss_ttft_ms", "computed"),
+    ]
+    axes[2].bar(range(3), [summary[k] for k, _ in kinds], color=["tab:gray", "tab:blue", "tab:red"])
+    axes[2].set_xticks(range(3), [label for _, label in kinds])
+    axes[2].set_title("long prompts: TTFT p50 by where most came from, ms")
+    for ax in axes[:2]:
+        ax.set_xticks(list(xs), [a.replace("_", "\n") for a in arms])
+    for ax in axes:
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("KV reuse on agent sessions with tool pauses: 2 colocated nodes, SmolLM2-135M on CPU")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def run_kv_cache_bench(out: Path, cfg: KVCacheBenchConfig | None = None) -> dict[str, float]:
+    cfg = cfg or KVCacheBenchConfig()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    model_dir = resolve_model(cfg.model)
+    layout = layout_from_model(model_dir, resolve_dtype(cfg.dtype), cfg.block_size, os.environ.get("PYTHONHASHSEED"))
+    extra_blocks = (cfg.tier_mib << 20) // layout.block_bytes // 2  # the tier's bytes, half to each engine
+    routing = RoutingBenchConfig(workload=cfg.workload, max_tokens=cfg.max_tokens, model=cfg.model)
+    runner = _Runner(routing, _Tokens(cfg.model), out.with_suffix(".partial.json"))
+    runner.extra["block_bytes"] = layout.block_bytes
+    runner.extra["bigger_cache_extra_blocks"] = extra_blocks
+    for arm in ARMS:
+        with _cluster(_spec(cfg, arm, extra_blocks), f"{arm}: 2 colocated nodes") as cluster:
+            model = _model(cluster.url)
+            _warm(cluster.url, model, 2)
+            block_size = _cluster_view(cluster.url)["nodes"][0]["block_size"]
+            runner.run("kv_cache", arm, cluster.url, model, block_size)
+    results = runner.results["kv_cache"]
+    summary: dict[str, float] = {
+        "ceiling_hit": max(r["ideal_hit"] for r in results.values()),
+        **{f"{arm}_hit": results[arm]["hit"] for arm in ARMS},
+        "engines_ttft_p50_ms": results["engines"]["ttft_p50_ms"],
+        "tier_ttft_p50_ms": results["tier"]["ttft_p50_ms"],
+    }
+    origins = by_origin([results["tier"], results["retention"]])
+    summary.update({k: v for k, v in origins.items() if k.endswith("_ms")})
+    summary = {k: round(v, 4 if k.endswith("hit") else 1) for k, v in summary.items()}
+    checks = targets(summary)
+    for name, t in checks.items():
+        console.print(
+            f"{'[green]held' if t['held'] else '[red]MISSED'}[/] {name}: {t['value']:.4g} vs {t['bound']:.4g}"
+        )
+    doc = {
+        "benchmark": "kv-cache",
+        "time": started,
+        "duration_s": round(time.time() - started, 1),
+        "config": {**asdict(replace(cfg)), "workdir": str(cfg.workdir)},
+        "results": results,
+        "by_origin": origins,
+        **runner.extra,
+        "summary": summary,
+        "targets": checks,
+    }
+    out.write_text(json.dumps(doc, indent=2, default=str))
+    runner.partial.unlink(missing_ok=True)
+    png = out.with_suffix(".png")
+    plot(results, summary, png)
+    console.print(f"wrote {out} and {png} in {doc['duration_s']:.0f} s")
+    return summary
+
+
+def result_line(summary: dict[str, float]) -> str:
+    keys = (
+        "ceiling_hit",
+        "engines_hit",
+        "bigger_cache_hit",
+        "tier_hit",
+        "retention_hit",
+        "engines_ttft_p50_ms",
+        "tier_ttft_p50_ms",
+        "local_hit_ttft_ms",
+        "remote_hit_ttft_ms",
+        "miss_ttft_ms",
+    )
+    return "RESULT " + " ".join(f"{k}={summary.get(k, float('nan'))}" for k in keys)

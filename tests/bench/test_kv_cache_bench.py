@@ -1,0 +1,76 @@
+"""``tandem bench kv-cache``'s arithmetic on canned runs (the runs themselves need engines: the bench)."""
+
+from __future__ import annotations
+
+import math
+
+from bench.kv_cache import ARMS, KVCacheBenchConfig, _spec, by_origin, result_line, targets
+
+
+def _req(prompt: int, ttft: float, engine: int, tier: int, peer: int = 0) -> dict:
+    origin = {"engine": engine, "host_tier": tier, "peer": peer, "computed": prompt - engine - tier - peer}
+    return {"ok": True, "prompt_tokens": prompt, "ttft_ms": ttft, "tandem": {"kv_origin": origin}}
+
+
+def test_long_prompts_are_classed_by_where_most_of_them_came_from() -> None:
+    run = {
+        "per_request": [
+            _req(100, 5.0, 0, 0),  # short: left out whatever its origin
+            _req(2000, 50.0, 1800, 0),
+            _req(2000, 70.0, 100, 1600),
+            _req(2200, 90.0, 0, 2000),
+            _req(2000, 60.0, 0, 600, 600),  # tier and peer together: remote
+            _req(2400, 900.0, 0, 0),
+            {"ok": False, "prompt_tokens": 3000, "ttft_ms": 1.0, "tandem": None},
+        ]
+    }
+    got = by_origin([run])
+    assert (got["local_hit_ttft_ms"], got["remote_hit_ttft_ms"], got["miss_ttft_ms"]) == (50.0, 70.0, 900.0)
+    assert got["long_requests"] == {"engine": 1, "remote": 3, "computed": 1}
+
+
+def test_no_origins_give_nan_and_every_nan_target_fails() -> None:
+    got = by_origin([{"per_request": []}])
+    assert all(math.isnan(v) for v in got.values())
+    summary = dict.fromkeys(
+        ("ceiling_hit", "retention_hit", "tier_hit", "bigger_cache_hit", "tier_ttft_p50_ms", "engines_ttft_p50_ms"),
+        0.5,
+    )
+    summary.update(got)
+    checks = targets(summary)
+    assert not any(c["held"] for name, c in checks.items() if "remote" in name)
+    assert "remote_hit_ttft_ms=nan" in result_line(summary)
+
+
+def test_targets_hold_and_fail_on_their_bounds() -> None:
+    s = {
+        "ceiling_hit": 0.8,
+        "retention_hit": 0.77,
+        "tier_hit": 0.7,
+        "bigger_cache_hit": 0.66,
+        "engines_ttft_p50_ms": 400.0,
+        "tier_ttft_p50_ms": 300.0,
+        "local_hit_ttft_ms": 100.0,
+        "remote_hit_ttft_ms": 130.0,
+        "miss_ttft_ms": 200.0,
+    }
+    held = {k: v["held"] for k, v in targets(s).items()}
+    assert held == {
+        "retention_hit >= 0.95 * ceiling_hit": True,
+        "tier_hit >= bigger_cache_hit + 0.05": False,
+        "tier_ttft_p50_ms < engines_ttft_p50_ms": True,
+        "remote_hit_ttft_ms <= 1.3 * local_hit_ttft_ms": True,
+        "remote_hit_ttft_ms <= 0.5 * miss_ttft_ms": False,
+    }
+
+
+def test_the_arms_differ_only_in_cache_memory_and_retention() -> None:
+    cfg = KVCacheBenchConfig()
+    specs = {arm: _spec(cfg, arm, extra_blocks=50) for arm in ARMS}
+    blocks = {arm: s.extra_node_args for arm, s in specs.items()}
+    assert blocks["bigger_cache"] == (f"--num-gpu-blocks-override={cfg.node_blocks + 50}",)
+    assert blocks["engines"] == blocks["tier"] == blocks["retention"]
+    assert [specs[a].host_tier is not None for a in ARMS] == [False, True, False, True]
+    assert [specs[a].peer_kv for a in ARMS] == [False, True, False, True]  # our tiers: host tier + peers
+    retention = {a: dict(specs[a].router_env)["TANDEM_ROUTER_SESSION_RETENTION_S"] for a in ARMS}
+    assert retention == {"engines": "0", "tier": "0", "bigger_cache": "0", "retention": "600"}
