@@ -211,19 +211,21 @@ class TandemWorker:
         return sending, recving, failed
 
     def _wait_if_idle(self) -> None:
-        """On a step that computed nothing, sleep until a transfer ends (or ``idle_wait_ms``) rather
-        than return to vLLM's loop, which would step again at once: a spinning engine takes the
-        core its own pull or send threads need. Clear, then look, then wait: an end signalled
-        after the look still wakes the wait."""
-        wait_s = self.settings.idle_wait_ms / 1000
-        if not self._idle or wait_s <= 0:
+        """On a step that computed nothing, sleep until a transfer ends (or ``idle_wait_ms``; while
+        a pull of this node's is in flight, ``pull_wait_ms``) rather than return to vLLM's loop,
+        which would step again at once: a spinning engine takes the core its own pull or send
+        threads need. Clear, then look, then wait: an end signalled after the look still wakes the
+        wait."""
+        if not self._idle or self.settings.idle_wait_ms <= 0:
             return
         self._activity.clear()
         assert self.puller is not None
         if self.leases.has_ended() or not self.puller.outcomes.empty():
             return
-        if len(self.leases) or self.puller.in_flight():
-            self._activity.wait(wait_s)
+        if self.puller.in_flight():  # this node's own pull: what the step waits for (pull_wait_ms)
+            self._activity.wait(max(self.settings.pull_wait_ms, self.settings.idle_wait_ms) / 1000)
+        elif len(self.leases):
+            self._activity.wait(self.settings.idle_wait_ms / 1000)
 
     def take_reports(self) -> TransferReports | None:
         if not self._reports:

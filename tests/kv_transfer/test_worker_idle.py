@@ -34,8 +34,9 @@ class RecordingEvent:
         return True
 
 
-def _worker(idle_wait_ms: float = 5.0) -> TandemWorker:
-    w = TandemWorker(ConnectorSettings(port=9111, idle_wait_ms=idle_wait_ms), "engine-p", num_blocks=4)
+def _worker(idle_wait_ms: float = 5.0, pull_wait_ms: float = 50.0) -> TandemWorker:
+    settings = ConnectorSettings(port=9111, idle_wait_ms=idle_wait_ms, pull_wait_ms=pull_wait_ms)
+    w = TandemWorker(settings, "engine-p", num_blocks=4)
     layout = KVLayout.from_arrays([np.zeros((4, 8), np.uint8)])
     w.puller = Puller(layout, w.stats, wire.Codec(b"x" * 32), threads=1)
     return w
@@ -53,6 +54,32 @@ def test_idle_step_waits_for_the_lease_to_end_and_returns_it() -> None:
     sending, recving, failed = w.transfer_results({"t1"})
     assert ev.waits == [0.005]
     assert sending == {"t1"} and not recving and not failed
+
+
+def test_idle_step_during_its_own_pull_waits_up_to_pull_wait_ms() -> None:
+    """A decode node's idle step waits for its pull with the longer bound (each return to vLLM's
+    loop during a pull sets its worker spinning on the pull's core); a lease alone keeps the short one."""
+    w = _worker()
+    assert w.puller is not None
+    w.puller.in_flight = lambda: 1  # type: ignore[method-assign]
+    w._activity = ev = RecordingEvent()
+    _step(w, idle=True)
+    w.transfer_results(set())
+    assert ev.waits == [0.05]
+    w.puller.in_flight = lambda: 0  # type: ignore[method-assign]
+    w.leases.add("t1", [0], deadline=1e12)
+    w.transfer_results(set())
+    assert ev.waits == [0.05, 0.005]
+
+
+def test_a_pull_wait_shorter_than_the_idle_wait_is_the_idle_wait() -> None:
+    w = _worker(idle_wait_ms=5.0, pull_wait_ms=0)
+    assert w.puller is not None
+    w.puller.in_flight = lambda: 1  # type: ignore[method-assign]
+    w._activity = ev = RecordingEvent()
+    _step(w, idle=True)
+    w.transfer_results(set())
+    assert ev.waits == [0.005]
 
 
 def test_busy_step_never_waits() -> None:
