@@ -56,15 +56,20 @@ def test_idle_step_waits_for_the_lease_to_end_and_returns_it() -> None:
     assert sending == {"t1"} and not recving and not failed
 
 
-def test_idle_step_during_its_own_pull_waits_up_to_pull_wait_ms() -> None:
-    """A decode node's idle step waits for its pull with the longer bound (each return to vLLM's
-    loop during a pull sets its worker spinning on the pull's core); a lease alone keeps the short one."""
-    w = _worker()
+def _idle_step_while_pulling(w: TandemWorker) -> tuple[TandemWorker, RecordingEvent]:
+    """One idle step of ``w`` while its puller reports a pull in flight; the waits it made."""
     assert w.puller is not None
     w.puller.in_flight = lambda: 1  # type: ignore[method-assign]
     w._activity = ev = RecordingEvent()
     _step(w, idle=True)
     w.transfer_results(set())
+    return w, ev
+
+
+def test_idle_step_during_its_own_pull_waits_up_to_pull_wait_ms() -> None:
+    """A decode node's idle step waits for its pull with the longer bound (each return to vLLM's
+    loop during a pull sets its worker spinning on the pull's core); a lease alone keeps the short one."""
+    w, ev = _idle_step_while_pulling(_worker())
     assert ev.waits == [0.05]
     w.puller.in_flight = lambda: 0  # type: ignore[method-assign]
     w.leases.add("t1", [0], deadline=1e12)
@@ -73,12 +78,7 @@ def test_idle_step_during_its_own_pull_waits_up_to_pull_wait_ms() -> None:
 
 
 def test_a_pull_wait_shorter_than_the_idle_wait_is_the_idle_wait() -> None:
-    w = _worker(idle_wait_ms=5.0, pull_wait_ms=0)
-    assert w.puller is not None
-    w.puller.in_flight = lambda: 1  # type: ignore[method-assign]
-    w._activity = ev = RecordingEvent()
-    _step(w, idle=True)
-    w.transfer_results(set())
+    _, ev = _idle_step_while_pulling(_worker(idle_wait_ms=5.0, pull_wait_ms=0))
     assert ev.waits == [0.005]
 
 
