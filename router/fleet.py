@@ -171,9 +171,12 @@ class Fleet:
         nodes = [n for n in self._nodes if n.info.model == model]
         if not nodes:
             raise ModelNotFound(f"The model `{model}` does not exist or no node serves it.", param="model")
-        up = [n for n in nodes if n.info.node_id not in exclude and self._in_routing(n)]
+        allowed = [n for n in nodes if n.info.node_id not in exclude]
+        up = [n for n in allowed if self._in_routing(n)]
         if len(up) < len(nodes):
-            nodes = up or [n for n in nodes if n.info.node_id not in exclude] or nodes
+            # Out of routing only while the rest can still serve the model: a P/D fleet whose only
+            # prefill (or decode) node missed a probe keeps it, trying beats refusing.
+            nodes = next((ns for ns in (up, allowed) if _can_serve(ns)), up or allowed or nodes)
 
         def cands(role: Role) -> list[Candidate]:
             return [Candidate(node=n, inflight=self._inflight[n.info.node_id]) for n in nodes if n.info.role is role]
@@ -202,3 +205,9 @@ class Fleet:
 
     def inflight(self, node_id: str) -> int:
         return self._inflight[node_id]
+
+
+def _can_serve(nodes: list[LiveNode]) -> bool:
+    """Whether these nodes can answer a request: a colocated node, or a prefill and a decode node."""
+    roles = {n.info.role for n in nodes}
+    return Role.BOTH in roles or {Role.PREFILL, Role.DECODE} <= roles
