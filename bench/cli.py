@@ -117,7 +117,12 @@ def bench_kv_transfer(
     size: Annotated[
         list[int] | None, typer.Option(help="Prompt sizes in tokens (repeatable; default 1000, 4000, 7500).")
     ] = None,
-    repeats: Annotated[int, typer.Option(help="Requests per size and transport.")] = 3,
+    repeats: Annotated[
+        int, typer.Option(help="Layer-wise pairs (each a real prefill) per size and transport, and TTFT requests.")
+    ] = 3,
+    pull_repeats: Annotated[
+        int, typer.Option(help="Whole pulls per size and transport (prefix-cache hits; their median is the GB/s).")
+    ] = 7,
     nixl: Annotated[bool, typer.Option(help="Also measure NixlConnector (default UCX and UCX_TLS=tcp).")] = True,
     ttft_tokens: Annotated[int, typer.Option(help="Prompt tokens of the TTFT P/D-vs-colocated comparison.")] = 1000,
     dtype: Annotated[
@@ -141,6 +146,7 @@ def bench_kv_transfer(
     cfg = KvBenchConfig(
         sizes=tuple(size or (1000, 4000, 7500)),
         repeats=repeats,
+        pull_repeats=pull_repeats,
         nixl=nixl,
         redis_url=redis_url,
         ttft_tokens=ttft_tokens,
