@@ -130,9 +130,14 @@ def engine_env(settings: NodeSettings) -> dict[str, str]:
         # get_span_exporter); the router and an OTLP/HTTP collector speak HTTP/protobuf.
         env.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
         env["OTEL_SERVICE_NAME"] = f"vllm-{settings.node_id}"  # vLLM's Resource.create reads it
-    if settings.connector is ConnectorKind.NIXL and settings.role is not Role.BOTH:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_HOOKS), env.get("PYTHONPATH")) if p)
-        env["TANDEM_NIXL_PROGRESS_THREAD"] = settings.nixl_progress_thread
+    # Every engine process starts with our hooks (kv_transfer/engine_hooks/sitecustomize.py).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_HOOKS), env.get("PYTHONPATH")) if p)
+    env["TANDEM_NIXL_PROGRESS_THREAD"] = settings.nixl_progress_thread
+    spin_ms = settings.step_queue_spin()
+    if spin_ms is None:
+        env.pop("TANDEM_ENGINE_SPIN_MS", None)
+    else:
+        env["TANDEM_ENGINE_SPIN_MS"] = f"{spin_ms:g}"
     return env
 
 

@@ -85,6 +85,13 @@ class NodeSettings(BaseSettings):
     nixl_progress_thread: Literal["idle", "normal"] = "idle"
     """NIXL's UCX progress thread busy-polls a core: ``idle`` runs it at SCHED_IDLE priority, ``normal``
     leaves NIXL as shipped. See kv_transfer/engine_hooks/sitecustomize.py."""
+    engine_spin_ms: float | None = Field(default=None, ge=0)
+    """How long vLLM's step queues busy-wait (``sched_yield``) for the next message before they sleep
+    until notified. vLLM spins for 1 s after every message, for GPU hosts whose cores are idle; on a CPU
+    node the spinner (the engine core waiting for its worker's step) shares the node's cores with the
+    worker's OpenMP threads and the KV pull and send threads. None: 0 on CPU builds (sleep at once; a
+    notification wakes it within tens of microseconds, against steps of tens of milliseconds), vLLM's
+    own on GPU builds. See kv_transfer/engine_hooks/sitecustomize.py."""
     heartbeat_s: float = 2.0
     """How often the agent writes the engine's load to the registry and probes the engine's health."""
     registry_ttl_s: float = 15.0
@@ -156,6 +163,14 @@ class NodeSettings(BaseSettings):
                 f"({round_s:g} s): a node whose probe is slow would otherwise drop out of routing while alive"
             )
         return self
+
+    def step_queue_spin(self) -> float | None:
+        """``engine_spin_ms`` resolved for this build (None: leave vLLM's)."""
+        if self.engine_spin_ms is not None:
+            return self.engine_spin_ms
+        from node_agent.dtype import is_cpu_build
+
+        return 0.0 if is_cpu_build() else None
 
     def engine_headers(self) -> dict[str, str]:
         """Headers of this node's own calls to its engine (the API key, when ``engine_auth``). Raises

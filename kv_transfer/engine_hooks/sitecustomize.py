@@ -1,17 +1,38 @@
 """Start-up hook of every Python process of a Tandem engine (the node puts this folder first on the
-engine's PYTHONPATH; Python imports ``sitecustomize`` by itself at start-up).
+engine's PYTHONPATH; Python imports ``sitecustomize`` by itself at start-up). Two fixes for engines on
+hosts with few cores, each a node setting.
 
-NIXL's UCX progress thread busy-polls a whole core for the life of the engine, even when idle (measured
-here: 5.0 s of CPU per 5 s). On a host with few cores it steals the core the engine computes on, and
-OpenMP compute threads that lose their core stall each other at every barrier. Turning the thread off
-is not safe (measured: transfers then never complete, whatever UCX_TLS), so instead the threads
-NIXL starts when vLLM creates its agent are moved to SCHED_IDLE: they still run whenever a core has
-nothing else to do (which is exactly when a transfer is being waited for), and never take a core from
-compute. ``TANDEM_NIXL_PROGRESS_THREAD`` = ``idle`` (default) | ``normal`` (NIXL as shipped).
+**vLLM's step queues spin** (``TANDEM_ENGINE_SPIN_MS``, ``NodeSettings.engine_spin_ms``). The engine
+core and its worker process hand each step over through shared-memory queues
+(``vllm.distributed.device_communicators.shm_broadcast``) whose readers busy-wait with
+``sched_yield`` for a second after every message before they sleep on a ZeroMQ notification. On a
+GPU host that buys microseconds on an idle core. On a CPU node the spinner is the engine core waiting
+for every step of its worker, on the node's own cores: beside the worker's OpenMP threads, and beside
+the KV pull and send threads while a transfer runs (the decode engine's worker waits for its pull,
+``pull_wait_ms``, and its engine core spins all that time). With the setting, a reader spins at most
+that long, then sleeps until the writer's notification, which every write sends (no wake-up is lost:
+the notification socket keeps the last one). The module is patched when it is first imported, so
+processes that never import it pay nothing.
+
+**NIXL's progress thread** (``TANDEM_NIXL_PROGRESS_THREAD``). NIXL's UCX progress thread busy-polls a
+whole core for the life of the engine, even when idle (measured here: 5.0 s of CPU per 5 s). On a host
+with few cores it steals the core the engine computes on, and OpenMP compute threads that lose their
+core stall each other at every barrier. Turning the thread off is not safe (measured: transfers then
+never complete, whatever UCX_TLS), so instead the threads NIXL starts when vLLM creates its agent are
+moved to SCHED_IDLE: they still run whenever a core has nothing else to do (which is exactly when a
+transfer is being waited for), and never take a core from compute.
+``TANDEM_NIXL_PROGRESS_THREAD`` = ``idle`` (default) | ``normal`` (NIXL as shipped).
 """
 
+import importlib.abc
+import importlib.util
 import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
+
+STEP_QUEUES = "vllm.distributed.device_communicators.shm_broadcast"
 
 
 def _threads() -> set[int]:
@@ -43,3 +64,52 @@ def _demote_nixl_threads() -> None:
 
 
 _demote_nixl_threads()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch`` on module ``name`` right after its first import, whoever imports it."""
+
+    def __init__(self, name: str, patch: Callable[[ModuleType], None]) -> None:
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; and so that the lookup below finds the real module
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run, patch = spec.loader.exec_module, self.patch
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _cap_step_queue_spin() -> None:
+    raw = os.environ.get("TANDEM_ENGINE_SPIN_MS", "")
+    if not raw:
+        return  # vLLM's own spin
+    spin_s = float(raw) / 1000
+
+    def patch(module: ModuleType) -> None:
+        cls = module.SpinCondition
+        original = cls.__init__
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+            original(self, *args, **kwargs)
+            if self.is_reader:
+                self.busy_loop_s = min(self.busy_loop_s, spin_s)
+
+        cls.__init__ = __init__
+
+    if STEP_QUEUES in sys.modules:
+        patch(sys.modules[STEP_QUEUES])
+    else:
+        sys.meta_path.insert(0, _AfterImport(STEP_QUEUES, patch))
+
+
+_cap_step_queue_spin()

@@ -73,11 +73,16 @@ def test_engine_env_pins_cores_and_separates_nixl_ports() -> None:
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9103"
 
 
-def test_nixl_engines_start_with_the_hook_that_demotes_the_busy_progress_thread() -> None:
+@pytest.mark.parametrize("role", list(Role))
+def test_every_engine_starts_with_the_hooks(role: Role) -> None:
     from kv_transfer import ENGINE_HOOKS
 
-    env = engine_env(NodeSettings(role=Role.DECODE, connector=ConnectorKind.NIXL))
+    env = engine_env(NodeSettings(role=role))
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ENGINE_HOOKS)
+
+
+def test_nixl_engines_start_with_the_hook_that_demotes_the_busy_progress_thread() -> None:
+    env = engine_env(NodeSettings(role=Role.DECODE, connector=ConnectorKind.NIXL))
     assert env["TANDEM_NIXL_PROGRESS_THREAD"] == "idle"
     assert (
         engine_env(NodeSettings(role=Role.DECODE, connector=ConnectorKind.NIXL, nixl_progress_thread="normal"))[
@@ -85,7 +90,43 @@ def test_nixl_engines_start_with_the_hook_that_demotes_the_busy_progress_thread(
         ]
         == "normal"
     )
-    assert str(ENGINE_HOOKS) not in engine_env(NodeSettings(role=Role.BOTH)).get("PYTHONPATH", "")
+
+
+def test_engine_spin_is_capped_on_cpu_builds_and_as_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    import node_agent.dtype
+
+    monkeypatch.setenv("TANDEM_ENGINE_SPIN_MS", "7")  # an outer setting must not leak into the engine
+    monkeypatch.setattr(node_agent.dtype, "is_cpu_build", lambda: True)
+    assert engine_env(NodeSettings(role=Role.DECODE))["TANDEM_ENGINE_SPIN_MS"] == "0"
+    assert engine_env(NodeSettings(role=Role.DECODE, engine_spin_ms=2.5))["TANDEM_ENGINE_SPIN_MS"] == "2.5"
+    monkeypatch.setattr(node_agent.dtype, "is_cpu_build", lambda: False)  # GPU build: vLLM's own spin
+    assert "TANDEM_ENGINE_SPIN_MS" not in engine_env(NodeSettings(role=Role.DECODE))
+    assert engine_env(NodeSettings(role=Role.DECODE, engine_spin_ms=0))["TANDEM_ENGINE_SPIN_MS"] == "0"
+
+
+@pytest.mark.parametrize(("setting", "reader_spin_s"), [("", 1.0), ("0", 0.0), ("2.5", 0.0025)])
+def test_engine_hook_caps_the_step_queue_spin_in_a_real_interpreter(setting: str, reader_spin_s: float) -> None:
+    """vLLM's own SpinCondition, imported after start-up as vLLM imports it: its readers spin at most
+    the setting (empty: vLLM's 1 s); writers never spin."""
+    import subprocess
+    import sys
+
+    from kv_transfer import ENGINE_HOOKS
+
+    code = (
+        "import zmq, tempfile, os\n"
+        "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+        "d = tempfile.mkdtemp()\n"
+        "ctx = zmq.Context()\n"
+        "reader = SpinCondition(True, ctx, f'ipc://{d}/r')\n"
+        "writer = SpinCondition(False, ctx, f'ipc://{d}/w')\n"
+        "print(reader.busy_loop_s, writer.busy_loop_s)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ENGINE_HOOKS), "TANDEM_ENGINE_SPIN_MS": setting}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    reader, writer = map(float, out.stdout.split()[-2:])
+    assert reader == pytest.approx(reader_spin_s)
+    assert writer == 0
 
 
 def test_engine_hook_moves_nixl_threads_to_sched_idle_in_a_real_interpreter() -> None:
