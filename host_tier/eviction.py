@@ -3,10 +3,19 @@
 The stated policy (``RetentionLru``): least recently used first, in two classes. A block pinned by a
 live retention (a session's context kept across a tool pause, until its TTL) is evicted only when no
 unpinned block is left, and then the pin that expires soonest goes first. Lookups that hit refresh a
-block's recency; a store of a block already held refreshes it too. The server keeps who pinned what
-above it (``server.py``: one pinned set per owner, a budget per tenant) and calls ``unpin`` and
-``demote`` for a session's superseded blocks: demoted blocks go to the cold end of the LRU, so they
-are the first to leave.
+block's recency (a chain's head last, so a chain's tail leaves before its head: a chain is of use only
+from its head). The server keeps who pinned what above it (``server.py``: one pinned set per owner, a
+budget per tenant) and calls ``unpin`` and ``demote`` for a session's superseded blocks.
+
+Demoted blocks go to the cold end of the LRU, the first to leave. Besides a session's superseded
+turn, that is where the tier keeps its copies of blocks an engine on the host still holds, so that
+under pressure the tier holds what the engines do not (exclusive, as a victim cache) rather than
+duplicate them: a finished request's blocks are stored cold (``Reserve(cold=True)``; one already held
+keeps its place), blocks an engine just loaded from the tier are demoted (``Demote``), and a block an
+engine evicts is stored, or refreshed, at the hot end (``Reserve(cold=False)``) since the tier's copy is
+then the host's only one. Without pressure nothing leaves, so the tier still holds every engine's
+blocks for an engine restart or the other node. Among cold blocks the last demoted goes first: the
+engine used it most recently, so it will evict it last.
 
 One policy per file behind ``EvictionPolicy`` (the server calls only these methods).
 """
