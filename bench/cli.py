@@ -243,7 +243,7 @@ def bench_kv_cache(
         float, typer.Option(help="Share of the tier the bench's one tenant may pin (retention's budget).")
     ] = 0.5,
     sessions_per_repo: Annotated[
-        int | None, typer.Option(help="Agent sessions per repository, started together (default: 3).")
+        int | None, typer.Option(help="Agent sessions per repository, started 5 s apart (default: 3).")
     ] = None,
     think_s: Annotated[
         float | None, typer.Option(help="Mean tool pause between an answer and the next turn, s (default: 12).")

@@ -5,9 +5,12 @@ Workload: ``bench.agent_workload`` (sessions over shared repositories, growing t
 the router, ``x-session-id`` on every request), sized so that the run's shared context (system prompt
 and repositories: ~6.7k tokens, 210 blocks) is larger than one node's engine cache (128 blocks), with
 tool pauses (``think_s``) long enough for the other sessions to push a paused session's blocks out of
-the engines. A repository's sessions start together (``fan_out_gap_s``: parallel agents on one
-repository, as coding agents fan out), so cache-aware routing, which balances them over both nodes,
-needs each repository's context on both nodes: once in the host tier, or twice in the engines.
+the engines. A repository's three sessions start one after another, 5 s apart (``fan_out_gap_s``:
+parallel agents on one repository, as coding agents fan out), so cache-aware routing, which weighs a
+node's queue against its cached prefix, often places them on both nodes: each repository's context is
+then wanted on both, once in the host tier or twice in the engines. (5 s is about one prefill of the
+repository here: sessions started closer would compute it in parallel before any cache could hold it,
+a loss no arm can avoid and the unlimited-cache ceiling does not count.)
 
 Arms, each on 2 fresh colocated nodes behind one router (cache_aware), fresh content per arm (a salt in
 the shared system prompt, so no arm warms another), in this order:
@@ -57,7 +60,7 @@ from node_agent.model import resolve_model
 ARMS = ("engines", "tier", "bigger_cache", "retention")
 REPOS = 4
 """Repositories the sessions share: 6.4k tokens of repository context plus the system prompt over 12
-sessions, three per repository started together."""
+sessions, three per repository started 5 s apart."""
 
 
 def default_workload() -> AgentWorkloadConfig:
@@ -71,8 +74,8 @@ def default_workload() -> AgentWorkloadConfig:
         tool_tokens=(60, 180),
         reply_tokens=(15, 35),
         context_budget=2900,
-        session_gap_s=8.0,
-        fan_out_gap_s=0.5,
+        session_gap_s=10.0,
+        fan_out_gap_s=5.0,
         think_s=12.0,
     )
 
