@@ -27,7 +27,9 @@ from tests.support.helpers import colocated_node_command, engine_healthy, tier_s
 
 pytestmark = pytest.mark.e2e
 
-REDIS_URL = os.environ.get("TANDEM_TEST_REDIS_TIER_EVICTION", "redis://127.0.0.1:6379/12")
+REDIS_URL = os.environ.get(
+    "TANDEM_TEST_REDIS_TIER", "redis://127.0.0.1:6379/10"
+)  # as test_host_tier (run one after the other)
 PORT = 18600
 BLOCK = 32
 ENGINE_BLOCKS = 40
