@@ -126,7 +126,7 @@ class TierClient:
         return found.slots
 
     def demote(self, keys: Sequence[bytes]) -> None:
-        """The caller now holds its own copies of these blocks: the tier's go to the cold end."""
+        """The caller now holds its own copies of these blocks: the tier's become spares (``eviction.py``)."""
         self._call(m.Demote(list(keys)))
 
     def forget(self, keys: Sequence[bytes], reason: str = "corrupt") -> None:

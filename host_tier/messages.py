@@ -6,7 +6,7 @@ slot numbers and keys cross this socket; block bytes never do (clients copy thro
     Hello                          -> Welcome(path, geometry, fingerprint, event endpoints)
     Reserve(keys, cold)            -> Reserved(slots)       one per key, -1 = already held or no room;
                                                             cold: an engine still holds these blocks
-                                                            (they go to the cold end, ``eviction.py``)
+                                                            (stored as spares, ``eviction.py``)
     Commit(slots, keys)            -> Done                  written and sealed: now readable, evictable
     Abort(slots, keys)             -> Done                  a reservation given back unwritten
     Lookup(keys, prefix)           -> Found(slots)          -1 = not held; prefix: stop at the first miss
@@ -15,8 +15,8 @@ slot numbers and keys cross this socket; block bytes never do (clients copy thro
                                                             no longer names is unpinned and demoted);
                                                             past the tenant's budget, refused
     Forget(keys, reason)           -> Done                  a reader found a block corrupt or stale
-    Demote(keys)                   -> Done                  an engine just loaded these: the tier's copy
-                                                            is a duplicate now, first to leave
+    Demote(keys)                   -> Done                  an engine just loaded these: the tier's
+                                                            copies are spares now
     Stats                          -> TierStats
 
 Versions: 1, the first; 2 adds ``Reserve.cold`` and ``Demote`` (a version-1 server could not decode
@@ -37,9 +37,9 @@ class Hello(msgspec.Struct, tag=True):
 class Reserve(msgspec.Struct, tag=True):
     keys: list[bytes]
     cold: bool = False
-    """Copies of blocks an engine still holds (offloaded when its request ended): stored at the cold end
-    of the LRU, and a key already held keeps its place. Otherwise (an engine evicting its only copy) new
-    blocks go to the hot end and a held one is refreshed."""
+    """Copies of blocks an engine still holds (offloaded when its request ended): stored as spares, which
+    leave first, and a key already held keeps its place. Otherwise (an engine evicting its only copy)
+    new blocks go to the hot end and a held one is refreshed."""
 
 
 class Commit(msgspec.Struct, tag=True):
@@ -133,7 +133,7 @@ class TierStats(msgspec.Struct, tag=True):
     pins_refused: int = 0
     """Blocks a Pin asked for beyond its tenant's budget."""
     demoted: int = 0
-    """Blocks a session's next Pin no longer named (a superseded turn's tail), sent to the cold end."""
+    """Blocks a session's next Pin no longer named (a superseded turn's tail), first in line to leave."""
 
 
 Reply = Welcome | Reserved | Found | Pinned | Done | Failed | TierStats

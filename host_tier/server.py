@@ -124,9 +124,9 @@ class TierCore:
         if isinstance(req, m.Pin):
             return self._pin(req)
         if isinstance(req, m.Demote):
-            for k in req.keys:
+            for k in reversed(req.keys):  # a chain's tail the oldest spare: it leaves first
                 if (held := self.by_key.get(k)) is not None:
-                    self.policy.demote(held)
+                    self.policy.spare(held)
             return m.Done()
         if isinstance(req, m.Forget):
             for k in req.keys:
@@ -235,7 +235,7 @@ class TierCore:
         return slot
 
     def _commit(self, slots: list[int], keys: list[bytes]) -> None:
-        stored = []
+        stored, spares = [], []
         for slot, key in zip(slots, keys, strict=True):
             w = self.writing.get(slot)
             if w is None or w[0] != key:
@@ -251,8 +251,10 @@ class TierCore:
             self.key_of[slot] = key
             self.policy.add(slot)
             if w[2]:
-                self.policy.demote(slot)
+                spares.append(slot)
             stored.append(key)
+        for slot in reversed(spares):  # a chain's tail the oldest spare: it leaves first
+            self.policy.spare(slot)
         self.stored += len(stored)
         if self.events is not None:
             self.events.stored(stored)

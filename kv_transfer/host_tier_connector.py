@@ -25,9 +25,9 @@ The sequence, per request:
                a request the router marked for retention (``kv_transfer_params["tandem_retain"]``:
                ttl, owner, tenant; ``router.retention``) then has its blocks pinned for the TTL
 
-Exclusive under pressure (the tier's policy, ``host_tier.eviction``): those copies are stored cold,
-since the engine still holds the blocks (it frees them into its prefix cache), and blocks just loaded
-are demoted; the tier's copy becomes the hot one when the engine evicts the block. vLLM tells a
+Exclusive under pressure (the tier's policy, ``host_tier.eviction``): those copies are stored as
+spares, since the engine still holds the blocks (it frees them into its prefix cache), and blocks just
+loaded become spares; the tier's copy becomes the hot one when the engine evicts the block. vLLM tells a
 connector of no eviction, so the scheduler half infers it: it remembers which cached block id holds
 which key (from finished requests), and a remembered block id handed to a request at another position
 than its key's (``update_state_after_alloc``: every block of a request scheduled from the queue;

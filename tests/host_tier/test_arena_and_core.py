@@ -320,7 +320,7 @@ def test_copies_an_engine_still_holds_leave_before_the_tier_s_only_copies(arena:
     core = TierCore(arena)
     put(core, 0)  # evicted by an engine: the tier's copy is the only one
     put(core, 1)
-    put_cold(core, [2, 3])  # a chain an engine still holds: its tail leaves first
+    put_cold(core, [2, 3])  # a chain an engine still holds: spares, its tail leaving first
     put(core, 4)
     assert held(core, range(5)) == [0, 1, 2, 4]
     put(core, 5)
@@ -332,7 +332,21 @@ def test_copies_an_engine_still_holds_leave_before_the_tier_s_only_copies(arena:
     assert held(core, range(7)) == [1, 4, 5, 6]
 
 
-def test_blocks_an_engine_loaded_are_demoted_and_a_hit_chain_s_head_stays_longest(arena: Arena) -> None:
+def test_the_oldest_spares_leave_first_and_a_hit_takes_one_back(arena: Arena) -> None:
+    core = TierCore(arena)
+    put_cold(core, [0])  # request A ended
+    put_cold(core, [1, 2])  # request B ended later: its chain is the fresher spare
+    put(core, 3)  # the tier is full now
+    put(core, 4)
+    assert held(core, range(5)) == [1, 2, 3, 4]  # A's spare, the oldest, left first
+    put(core, 5)
+    assert held(core, range(6)) == [1, 3, 4, 5]  # then B's tail
+    core.handle(m.Lookup([key(1)]))  # another engine wants B's head: no longer a spare
+    put(core, 6)
+    assert held(core, range(7)) == [1, 4, 5, 6]  # no spare left: the least recently used, 3
+
+
+def test_blocks_an_engine_loaded_become_spares_and_a_hit_chain_s_head_stays_longest(arena: Arena) -> None:
     core = TierCore(arena)
     for i in range(4):
         put(core, i)
