@@ -10,8 +10,10 @@ Per session (all text deterministic from ``seed``, the repository index and the 
               + user (the tool's output: a file, a test log or a grep, ~tool_tokens)
 Sessions take turns_min..turns_max turns; a turn whose prompt would exceed ``context_budget`` tokens
 ends its session early (counted in the bench's JSON). Session i arrives at the sum of i exponential
-gaps of mean ``session_gap_s``; between turns the agent "runs the tool" for an exponential think time
-of mean ``think_s``. Sizes are in tokens of the served model's tokenizer (``count_tokens``).
+gaps of mean ``session_gap_s`` (repositories interleaved); with ``fan_out_gap_s``, a repository's
+sessions arrive together instead, that many seconds apart (parallel agents on one repository), and
+repositories arrive ``session_gap_s`` apart on average. Between turns the agent "runs the tool" for an
+exponential think time of mean ``think_s``. Sizes are in tokens of the served model's tokenizer (``count_tokens``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class AgentWorkloadConfig:
     context_budget: int = 7600
     """Largest prompt a turn may have; must leave room for max_tokens inside the model's 8k window."""
     session_gap_s: float = 5.0
+    fan_out_gap_s: float | None = None
+    """None: sessions arrive one by one, repositories interleaved. A number: a repository's sessions
+    arrive together, this many seconds apart, as when one agent fans out over a repository or a team
+    starts parallel agents on it (their shared context is then wanted on several nodes at once)."""
     think_s: float = 1.0
     seed: int = 7
     # The defaults are sized for a 2-core CPU host that prefills ~70-100 tokens/s per core (float32,
@@ -177,6 +183,14 @@ def _reply(rng: random.Random, tool: str, tokens: int, count_tokens: Callable[[s
     return f'{text}\nCalling {tool}("{_ident(rng)}").'
 
 
+def shared_context(
+    cfg: AgentWorkloadConfig, salt: str, repo: int, count_tokens: Callable[[str], int]
+) -> tuple[str, str]:
+    """(system prompt, repository context) as every session of ``repo`` in a run salted ``salt`` opens:
+    the workload's longest shared prefix (``bench.kv_probe`` measures prompts of that length)."""
+    return _system(salt, cfg, count_tokens), _repo(repo, cfg, count_tokens)
+
+
 def build_sessions(
     cfg: AgentWorkloadConfig,
     salt: str,
@@ -190,6 +204,9 @@ def build_sessions(
     timing = random.Random(f"{cfg.seed}-timing")
     order = list(range(cfg.sessions))
     timing.shuffle(order)  # repositories interleave in arrival order
+    if cfg.fan_out_gap_s is not None:  # ... or arrive together, repository by repository
+        first = {idx % cfg.repos: k for k, idx in reversed(list(enumerate(order)))}
+        order.sort(key=lambda idx: first[idx % cfg.repos])
     sessions, start = [], 0.0
     for k, idx in enumerate(order):
         repo = idx % cfg.repos
@@ -211,7 +228,9 @@ def build_sessions(
             if prompt_tokens(nxt) > cfg.context_budget:
                 break
             turns.append(nxt)
-        if k:
+        if k and cfg.fan_out_gap_s is not None and repo == order[k - 1] % cfg.repos:
+            start += cfg.fan_out_gap_s
+        elif k:
             start += timing.expovariate(1.0 / cfg.session_gap_s)
         pause = random.Random(f"{cfg.seed}-think-{idx}")
         think = [pause.expovariate(1.0 / cfg.think_s) for _ in turns[1:]]

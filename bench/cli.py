@@ -245,9 +245,26 @@ def bench_kv_cache(
     ),
     node_blocks: Annotated[int, typer.Option(help="Engine KV blocks per node (32 tokens each).")] = 128,
     tier_mib: Annotated[int, typer.Option(help="Host tier size, MiB (the bigger_cache arm splits it).")] = 192,
-    sessions_per_repo: Annotated[int, typer.Option(help="Agent sessions per repository (5 repositories).")] = 2,
-    think_s: Annotated[float, typer.Option(help="Mean tool pause between an answer and the next turn, s.")] = 12.0,
+    pin_share: Annotated[
+        float, typer.Option(help="Share of the tier the bench's one tenant may pin (retention's budget).")
+    ] = 0.5,
+    sessions_per_repo: Annotated[
+        int | None, typer.Option(help="Agent sessions per repository, started 5 s apart (default: 3).")
+    ] = None,
+    think_s: Annotated[
+        float | None, typer.Option(help="Mean tool pause between an answer and the next turn, s (default: 12).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Workload seed (the content is salted per arm anyway).")] = 7,
+    arms: Annotated[
+        str, typer.Option(help="Comma-separated arms to run: engines, tier, bigger_cache, retention.")
+    ] = "engines,tier,bigger_cache,retention",
+    probes: Annotated[
+        int, typer.Option(help="Fresh prefixes probed for TTFT by origin at the end of the tier arm (0: none).")
+    ] = 5,
+    smoke: Annotated[
+        bool,
+        typer.Option(help="A small workload (2 repositories x 2 sessions, short pauses, 2 probes): checks it runs."),
+    ] = False,
     redis_url: Annotated[
         str | None,
         typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 6)."),
@@ -261,14 +278,28 @@ def bench_kv_cache(
     remote_hit_ttft_ms=… miss_ttft_ms=…"""
     from dataclasses import replace
 
-    from bench.kv_cache import KVCacheBenchConfig, result_line, run_kv_cache_bench
+    from bench.kv_cache import ARMS, KVCacheBenchConfig, result_line, run_kv_cache_bench, smoke_workload
 
+    chosen = tuple(a.strip() for a in arms.split(",") if a.strip())
+    unknown = sorted(set(chosen) - set(ARMS))
+    if unknown or not chosen:
+        raise typer.BadParameter(f"unknown arms {unknown}: choose from {', '.join(ARMS)}", param_hint="--arms")
     base = KVCacheBenchConfig()
+    workload = smoke_workload() if smoke else base.workload
+    workload = replace(
+        workload,
+        sessions_per_repo=sessions_per_repo or workload.sessions_per_repo,
+        think_s=workload.think_s if think_s is None else think_s,
+        seed=seed,
+    )
     cfg = replace(
         base,
         node_blocks=node_blocks,
         tier_mib=tier_mib,
-        workload=replace(base.workload, sessions_per_repo=sessions_per_repo, think_s=think_s, seed=seed),
+        pin_share=pin_share,
+        arms=chosen,
+        probes=min(probes, 2) if smoke else probes,
+        workload=workload,
         redis_url=redis_url or _redis_url(db=6),
     )
     signal.signal(signal.SIGTERM, interrupt)

@@ -2,9 +2,15 @@
 context does not fit one node's engine cache, against the fair baseline of giving vLLM that memory.
 
 Workload: ``bench.agent_workload`` (sessions over shared repositories, growing turns, real SSE through
-the router, ``x-session-id`` on every request), sized so that a node's engine cache holds about one
-session's context while the run's distinct context is several times that, with tool pauses
-(``think_s``) long enough for the other sessions to push a paused session's blocks out of the engines.
+the router, ``x-session-id`` on every request), sized so that the run's shared context (system prompt
+and repositories: ~6.7k tokens, 210 blocks) is larger than one node's engine cache (128 blocks), with
+tool pauses (``think_s``) long enough for the other sessions to push a paused session's blocks out of
+the engines. A repository's three sessions start one after another, 5 s apart (``fan_out_gap_s``:
+parallel agents on one repository, as coding agents fan out), so cache-aware routing, which weighs a
+node's queue against its cached prefix, often places them on both nodes: each repository's context is
+then wanted on both, once in the host tier or twice in the engines. (5 s is about one prefill of the
+repository here: sessions started closer would compute it in parallel before any cache could hold it,
+a loss no arm can avoid and the unlimited-cache ceiling does not count.)
 
 Arms, each on 2 fresh colocated nodes behind one router (cache_aware), fresh content per arm (a salt in
 the shared system prompt, so no arm warms another), in this order:
@@ -17,13 +23,19 @@ the shared system prompt, so no arm warms another), in this order:
                    ("just give vLLM more memory", the baseline a user would try first)
     retention      our tiers + session retention (pins across the tool pause, ``router.retention``)
 
+The bench runs without auth, so every session is one tenant's: its pins may hold ``pin_share`` of the
+tier (``TANDEM_TIER_TENANT_PIN_SHARE`` of the tier process, set explicitly here and recorded).
+
 Per arm: the engine-confirmed hit rate (prompt_tokens_details.cached_tokens over prompt tokens: the
-engine's own cache plus what it loaded from the tier), TTFT p50/p99, and ``ceiling``: what one cache
-of unlimited size would reuse on the same request sequence (``router.kv_index.ideal``). Over the tier
-arms' long prompts (the upper half by length, where the shared prefix is longest), TTFT medians by where
-most of the prompt came from (``usage.tandem.kv_origin``): the engine's own cache (local), the host
-tier or the peer node (remote: another engine's offload or cache, or this one's offload), or computed
-(miss).
+engine's own cache plus what it loaded from the tier or a peer), TTFT p50/p99, and ``ceiling``: what one
+cache of unlimited size would reuse on the same request sequence (``router.kv_index.ideal``), computed
+the same way for every arm (the ceiling is the largest).
+
+TTFT by where a prompt's prefix came from: at the end of the tier arm, on the idle cluster,
+``bench.kv_probe`` sends fresh prompts of the workload's longest shared prefix (system + repository) as a
+miss on node A, a local hit on A and a remote hit on B (pinned with ``x-tandem-node``); its medians are
+the RESULT line's ``local_hit_ttft_ms``, ``remote_hit_ttft_ms`` and ``miss_ttft_ms``. The same split of
+the tier arms' own long prompts under load is kept in the JSON (``by_origin_under_load``).
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.agent_workload import AgentWorkloadConfig
+from bench.kv_probe import probe_by_origin
 from bench.routing import RoutingBenchConfig, _cluster, _cluster_view, _model, _Runner, _Tokens, _warm, console
 from contracts.config import redis_url as configured_redis_url
 from host_tier.settings import layout_from_model
@@ -45,33 +58,48 @@ from node_agent.dtype import resolve_dtype
 from node_agent.model import resolve_model
 
 ARMS = ("engines", "tier", "bigger_cache", "retention")
-REPOS = 5
-"""Repositories the sessions share: 6k tokens of shared context over 10 sessions, more than a bigger
-cache holds beside the sessions' own turns, so an engine's share and duplicates between nodes matter."""
+REPOS = 4
+"""Repositories the sessions share: 6.4k tokens of repository context plus the system prompt over 12
+sessions, three per repository started 5 s apart."""
+
+
+def default_workload() -> AgentWorkloadConfig:
+    return AgentWorkloadConfig(
+        repos=REPOS,
+        sessions_per_repo=3,
+        turns_min=5,
+        turns_max=8,
+        system_tokens=300,
+        repo_tokens=1600,
+        tool_tokens=(60, 180),
+        reply_tokens=(15, 35),
+        context_budget=2900,
+        session_gap_s=10.0,
+        fan_out_gap_s=5.0,
+        think_s=12.0,
+    )
+
+
+def smoke_workload() -> AgentWorkloadConfig:
+    """A few minutes in all: every arm, the probe and the plot, on a workload too small to compare arms."""
+    return replace(default_workload(), repos=2, sessions_per_repo=2, turns_min=3, turns_max=4, think_s=4.0)
 
 
 @dataclass(frozen=True)
 class KVCacheBenchConfig:
-    workload: AgentWorkloadConfig = field(
-        default_factory=lambda: AgentWorkloadConfig(
-            repos=REPOS,
-            sessions_per_repo=2,
-            turns_min=5,
-            turns_max=8,
-            system_tokens=300,
-            repo_tokens=1200,
-            tool_tokens=(60, 180),
-            reply_tokens=(15, 35),
-            context_budget=2900,
-            session_gap_s=4.0,
-            think_s=12.0,
-        )
-    )
+    workload: AgentWorkloadConfig = field(default_factory=default_workload)
     node_blocks: int = 128
     """Engine KV blocks per node (32 tokens each: 4,096 tokens, a little over one session's context, so
     two prompts fit at once)."""
     tier_mib: int = 192
     """The host tier's size; the bigger_cache arm splits the same bytes between the engines."""
+    pin_share: float = 0.5
+    """The share of the tier one tenant's session pins may hold (the tier's ``tenant_pin_share``): the
+    bench's sessions are all one tenant's, so this caps what retention pins in all."""
+    arms: tuple[str, ...] = ARMS
+    """The arms to run (in ``ARMS`` order); a figure of an arm not run is NaN."""
+    probes: int = 5
+    """Fresh prefixes the probe measures at the end of the tier arm (``bench.kv_probe``); 0: none."""
     max_tokens: int = 16
     dtype: str = "auto"
     block_size: int = 32
@@ -86,7 +114,7 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def by_origin(runs: list[dict[str, Any]]) -> dict[str, float]:
+def by_origin(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """TTFT medians (ms) of the upper half of the requests by prompt length, by where most of the prompt
     came from (``usage.tandem.kv_origin``)."""
     reqs = [r for run in runs for r in run["per_request"] if r["ok"] and (r.get("tandem") or {}).get("kv_origin")]
@@ -134,6 +162,7 @@ def _spec(cfg: KVCacheBenchConfig, arm: str, extra_blocks: int) -> ClusterSpec:
         # vLLM refuses a window its cache cannot hold once; the workload's prompts stay under it
         max_model_len=cfg.workload.context_budget + 4 * cfg.max_tokens,
         host_tier=f"{cfg.tier_mib}MiB" if tier else None,
+        tier_env=(("TANDEM_TIER_TENANT_PIN_SHARE", str(cfg.pin_share)),),
         peer_kv=tier,
         router_env=(("TANDEM_ROUTER_SESSION_RETENTION_S", "0" if arm != "retention" else "600"),),
     )
@@ -176,7 +205,7 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, float], out_png:
     ]
     axes[2].bar(range(3), [summary[k] for k, _ in kinds], color=["tab:gray", "tab:blue", "tab:red"])
     axes[2].set_xticks(range(3), [label for _, label in kinds])
-    axes[2].set_title("long prompts: TTFT p50 by where most came from, ms")
+    axes[2].set_title("idle probe, longest shared prefix: TTFT p50 by origin, ms")
     for ax in axes[:2]:
         ax.set_xticks(list(xs), [a.replace("_", "\n") for a in arms])
     for ax in axes:
@@ -198,21 +227,42 @@ def run_kv_cache_bench(out: Path, cfg: KVCacheBenchConfig | None = None) -> dict
     runner = _Runner(routing, _Tokens(cfg.model), out.with_suffix(".partial.json"))
     runner.extra["block_bytes"] = layout.block_bytes
     runner.extra["bigger_cache_extra_blocks"] = extra_blocks
-    for arm in ARMS:
+    probe: dict[str, Any] = {}
+    for arm in (a for a in ARMS if a in cfg.arms):
         with _cluster(_spec(cfg, arm, extra_blocks), f"{arm}: 2 colocated nodes") as cluster:
             model = _model(cluster.url)
             _warm(cluster.url, model, 2)
-            block_size = _cluster_view(cluster.url)["nodes"][0]["block_size"]
-            runner.run("kv_cache", arm, cluster.url, model, block_size)
+            nodes = _cluster_view(cluster.url)["nodes"]
+            runner.run("kv_cache", arm, cluster.url, model, nodes[0]["block_size"])
+            if arm == "tier" and cfg.probes:
+                with console.status("tier: probing TTFT by origin at the longest shared prefix…"):
+                    a, b = sorted(n["node_id"] for n in nodes)
+                    probe = probe_by_origin(
+                        cluster.url,
+                        model,
+                        (a, b),
+                        cfg.workload,
+                        runner.tokens.text,
+                        n=cfg.probes,
+                        max_tokens=cfg.max_tokens,
+                    )
+                seen = "/".join(str(probe[f"{k}_as_expected"]) for k in ("miss", "local", "remote"))
+                console.print(
+                    f"{'probe':>34}: {probe['prefix_tokens']} tokens of prefix: miss {probe['miss_ttft_ms']:.0f} ms, "
+                    f"local {probe['local_hit_ttft_ms']:.0f} ms, remote {probe['remote_hit_ttft_ms']:.0f} ms "
+                    f"(from where expected: {seen})"
+                )
     results = runner.results["kv_cache"]
+    nan = float("nan")
     summary: dict[str, float] = {
         "ceiling_hit": max(r["ideal_hit"] for r in results.values()),
-        **{f"{arm}_hit": results[arm]["hit"] for arm in ARMS},
-        "engines_ttft_p50_ms": results["engines"]["ttft_p50_ms"],
-        "tier_ttft_p50_ms": results["tier"]["ttft_p50_ms"],
+        **{f"{arm}_hit": results[arm]["hit"] if arm in results else nan for arm in ARMS},
+        "engines_ttft_p50_ms": results["engines"]["ttft_p50_ms"] if "engines" in results else nan,
+        "tier_ttft_p50_ms": results["tier"]["ttft_p50_ms"] if "tier" in results else nan,
     }
-    origins = by_origin([results["tier"], results["retention"]])
-    summary.update({k: v for k, v in origins.items() if k.endswith("_ms")})
+    under_load = by_origin([results[a] for a in ("tier", "retention") if a in results])
+    for key in ("local_hit_ttft_ms", "remote_hit_ttft_ms", "miss_ttft_ms"):
+        summary[key] = probe.get(key, nan)
     summary = {k: round(v, 4 if k.endswith("hit") else 1) for k, v in summary.items()}
     checks = targets(summary)
     for name, t in checks.items():
@@ -225,7 +275,8 @@ def run_kv_cache_bench(out: Path, cfg: KVCacheBenchConfig | None = None) -> dict
         "duration_s": round(time.time() - started, 1),
         "config": {**asdict(replace(cfg)), "workdir": str(cfg.workdir)},
         "results": results,
-        "by_origin": origins,
+        "probe": probe,
+        "by_origin_under_load": under_load,
         **runner.extra,
         "summary": summary,
         "targets": checks,

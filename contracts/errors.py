@@ -124,8 +124,10 @@ class Unavailable(TandemError):
     error_type = "service_unavailable"
     code = "no_capacity"
 
-    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
-        super().__init__(message, code=code)
+    def __init__(
+        self, message: str, *, retry_after: float = 1.0, code: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message, code=code, param=param)
         self.retry_after = retry_after
 
 

@@ -100,10 +100,10 @@ class TierClient:
         """Offload blocks the tier does not hold yet. Returns how many were stored."""
         return self.put_parts(keys, [[np.frombuffer(b, dtype=np.uint8)] for b in blocks])
 
-    def put_parts(self, keys: Sequence[bytes], blocks: Sequence[list[np.ndarray]]) -> int:
+    def put_parts(self, keys: Sequence[bytes], blocks: Sequence[list[np.ndarray]], *, cold: bool = False) -> int:
         """``put`` for blocks held in pieces (an engine's cache: one piece per layer), gathered straight
-        into their slots."""
-        reserved = self._call(m.Reserve(list(keys)))
+        into their slots. ``cold``: the caller keeps its own copy (see ``eviction.py``)."""
+        reserved = self._call(m.Reserve(list(keys), cold))
         assert isinstance(reserved, m.Reserved)
         mine = [(slot, key, parts) for slot, key, parts in zip(reserved.slots, keys, blocks, strict=True) if slot >= 0]
         sealed: list[tuple[int, bytes]] = []
@@ -124,6 +124,10 @@ class TierClient:
         found = self._call(m.Lookup(list(keys)))
         assert isinstance(found, m.Found)
         return found.slots
+
+    def demote(self, keys: Sequence[bytes]) -> None:
+        """The caller now holds its own copies of these blocks: the tier's become spares (``eviction.py``)."""
+        self._call(m.Demote(list(keys)))
 
     def forget(self, keys: Sequence[bytes], reason: str = "corrupt") -> None:
         self._call(m.Forget(list(keys), reason))

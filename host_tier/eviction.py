@@ -3,10 +3,22 @@
 The stated policy (``RetentionLru``): least recently used first, in two classes. A block pinned by a
 live retention (a session's context kept across a tool pause, until its TTL) is evicted only when no
 unpinned block is left, and then the pin that expires soonest goes first. Lookups that hit refresh a
-block's recency; a store of a block already held refreshes it too. The server keeps who pinned what
-above it (``server.py``: one pinned set per owner, a budget per tenant) and calls ``unpin`` and
-``demote`` for a session's superseded blocks: demoted blocks go to the cold end of the LRU, so they
-are the first to leave.
+block's recency (a chain's head last, so a chain's tail leaves before its head: a chain is of use only
+from its head). The server keeps who pinned what above it (``server.py``: one pinned set per owner, a
+budget per tenant) and calls ``unpin`` and ``demote`` for a session's superseded blocks.
+
+Spares. The tier keeps its copies of blocks an engine on the host still holds apart, as spares, so that
+under pressure it holds what the engines do not (exclusive, as a victim cache) rather than duplicate
+them: a finished request's blocks are stored as spares (``Reserve(cold=True)``; one already held
+keeps its place), blocks an engine just loaded from the tier become spares (``Demote``), and a block an
+engine evicts is stored, or taken back from the spares, at the hot end (``Reserve(cold=False)``), the
+tier's copy being the host's only one then. Spares leave before any other unpinned block, the oldest
+first: a fresh one is the likeliest to be wanted by another node soon (parallel sessions on one
+repository), an old one the likeliest to come back hot when its engine evicts it. A chain becomes
+spares tail first, so its tail leaves first. Without pressure nothing leaves, so the tier still holds
+every engine's blocks for an engine restart or the other node.
+
+``demote`` (a session's superseded blocks, ``server.py``) puts a block first in line to leave.
 
 One policy per file behind ``EvictionPolicy`` (the server calls only these methods).
 """
@@ -26,6 +38,7 @@ class EvictionPolicy(Protocol):
     def set_pin(self, slot: int, until: float) -> None: ...
     def unpin(self, slot: int) -> None: ...
     def demote(self, slot: int) -> None: ...
+    def spare(self, slot: int) -> None: ...
     def victim(self, now: float) -> tuple[int, str] | None:
         """The slot to evict and why (``lru`` or ``pinned_lru``), or None if nothing is held."""
         ...
@@ -34,23 +47,40 @@ class EvictionPolicy(Protocol):
 class RetentionLru:
     def __init__(self) -> None:
         self._lru: OrderedDict[int, None] = OrderedDict()
+        """Unpinned order of the tier's own copies, least recently used first."""
+        self._spare: OrderedDict[int, None] = OrderedDict()
+        """Copies an engine still holds, oldest first: they leave before anything in ``_lru``."""
         self._pinned: dict[int, float] = {}
         self._expiry: list[tuple[float, int]] = []  # heap; entries may be stale (checked against _pinned)
 
+    def _held(self, slot: int) -> bool:
+        return slot in self._lru or slot in self._spare
+
     def add(self, slot: int) -> None:
+        self._spare.pop(slot, None)
         self._lru[slot] = None
         self._lru.move_to_end(slot)
 
     def touch(self, slot: int) -> None:
-        if slot in self._lru:
+        if slot in self._spare:  # used again: the tier's copy is wanted, no longer a spare
+            self.add(slot)
+        elif slot in self._lru:
             self._lru.move_to_end(slot)
+
+    def spare(self, slot: int) -> None:
+        """An engine holds this block too: the newest spare."""
+        if self._held(slot):
+            self._lru.pop(slot, None)
+            self._spare[slot] = None
+            self._spare.move_to_end(slot)
 
     def remove(self, slot: int) -> None:
         self._lru.pop(slot, None)
+        self._spare.pop(slot, None)
         self._pinned.pop(slot, None)
 
     def pin(self, slot: int, until: float) -> None:
-        if slot not in self._lru:
+        if not self._held(slot):
             return
         if until > self._pinned.get(slot, 0.0):
             self._pinned[slot] = until
@@ -59,7 +89,7 @@ class RetentionLru:
     def set_pin(self, slot: int, until: float) -> None:
         """Pinned until exactly ``until`` (earlier or later than before: the server computes it over the
         slot's owners)."""
-        if slot not in self._lru:
+        if not self._held(slot):
             return
         self._pinned[slot] = until
         heapq.heappush(self._expiry, (until, slot))  # an older entry goes stale and is skipped
@@ -69,8 +99,10 @@ class RetentionLru:
 
     def demote(self, slot: int) -> None:
         """Next to be evicted (unless pinned)."""
-        if slot in self._lru:
-            self._lru.move_to_end(slot, last=False)
+        if self._held(slot):
+            self._lru.pop(slot, None)
+            self._spare[slot] = None
+            self._spare.move_to_end(slot, last=False)
 
     def is_pinned(self, slot: int, now: float) -> bool:
         until = self._pinned.get(slot)
@@ -88,9 +120,10 @@ class RetentionLru:
 
     def victim(self, now: float) -> tuple[int, str] | None:
         self._expire(now)
-        for slot in self._lru:  # oldest first; pinned ones are skipped (few: bounded by the budget)
-            if slot not in self._pinned:
-                return slot, "lru"
+        for order in (self._spare, self._lru):  # oldest first; pinned ones are skipped (few: budgeted)
+            for slot in order:
+                if slot not in self._pinned:
+                    return slot, "lru"
         while self._expiry:
             until, slot = self._expiry[0]
             if self._pinned.get(slot) == until:

@@ -4,7 +4,9 @@ Versioned: ``Hello`` carries ``PROTOCOL`` and a server answers another version w
 slot numbers and keys cross this socket; block bytes never do (clients copy through the shared file).
 
     Hello                          -> Welcome(path, geometry, fingerprint, event endpoints)
-    Reserve(keys)                  -> Reserved(slots)       one per key, -1 = already held or no room
+    Reserve(keys, cold)            -> Reserved(slots)       one per key, -1 = already held or no room;
+                                                            cold: an engine still holds these blocks
+                                                            (stored as spares, ``eviction.py``)
     Commit(slots, keys)            -> Done                  written and sealed: now readable, evictable
     Abort(slots, keys)             -> Done                  a reservation given back unwritten
     Lookup(keys, prefix)           -> Found(slots)          -1 = not held; prefix: stop at the first miss
@@ -13,14 +15,19 @@ slot numbers and keys cross this socket; block bytes never do (clients copy thro
                                                             no longer names is unpinned and demoted);
                                                             past the tenant's budget, refused
     Forget(keys, reason)           -> Done                  a reader found a block corrupt or stale
+    Demote(keys)                   -> Done                  an engine just loaded these: the tier's
+                                                            copies are spares now
     Stats                          -> TierStats
+
+Versions: 1, the first; 2 adds ``Reserve.cold`` and ``Demote`` (a version-1 server could not decode
+``Demote``, so the handshake refuses it).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -29,6 +36,10 @@ class Hello(msgspec.Struct, tag=True):
 
 class Reserve(msgspec.Struct, tag=True):
     keys: list[bytes]
+    cold: bool = False
+    """Copies of blocks an engine still holds (offloaded when its request ended): stored as spares, which
+    leave first, and a key already held keeps its place. Otherwise (an engine evicting its only copy)
+    new blocks go to the hot end and a held one is refreshed."""
 
 
 class Commit(msgspec.Struct, tag=True):
@@ -60,11 +71,15 @@ class Forget(msgspec.Struct, tag=True):
     reason: str = "corrupt"
 
 
+class Demote(msgspec.Struct, tag=True):
+    keys: list[bytes]
+
+
 class Stats(msgspec.Struct, tag=True):
     pass
 
 
-Request = Hello | Reserve | Commit | Abort | Lookup | Pin | Forget | Stats
+Request = Hello | Reserve | Commit | Abort | Lookup | Pin | Forget | Demote | Stats
 
 
 class Welcome(msgspec.Struct, tag=True):
@@ -118,7 +133,7 @@ class TierStats(msgspec.Struct, tag=True):
     pins_refused: int = 0
     """Blocks a Pin asked for beyond its tenant's budget."""
     demoted: int = 0
-    """Blocks a session's next Pin no longer named (a superseded turn's tail), sent to the cold end."""
+    """Blocks a session's next Pin no longer named (a superseded turn's tail), first in line to leave."""
 
 
 Reply = Welcome | Reserved | Found | Pinned | Done | Failed | TierStats

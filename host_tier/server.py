@@ -76,7 +76,8 @@ class TierCore:
         self.policy = RetentionLru()
         self.by_key: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
-        self.writing: dict[int, tuple[bytes, float]] = {}
+        self.writing: dict[int, tuple[bytes, float, bool]] = {}
+        """slot -> (key, reserved at, cold) of a reservation not committed yet."""
         self.free: list[int] = []
         self.stored = self.hits = self.misses = self.reclaimed = 0
         self.evictions: Counter[str] = Counter()
@@ -106,7 +107,7 @@ class TierCore:
             a = self.arena
             return m.Welcome(str(a.path), a.slot_bytes, a.n_slots, a.fingerprint, m.PROTOCOL, *self.endpoints)
         if isinstance(req, m.Reserve):
-            return m.Reserved([self._reserve(k) for k in req.keys])
+            return m.Reserved([self._reserve(k, req.cold) for k in req.keys])
         if isinstance(req, m.Commit):
             self._commit(req.slots, req.keys)
             return m.Done()
@@ -122,6 +123,11 @@ class TierCore:
             return m.Found(self._lookup(req.keys, req.prefix))
         if isinstance(req, m.Pin):
             return self._pin(req)
+        if isinstance(req, m.Demote):
+            for k in reversed(req.keys):  # a chain's tail the oldest spare: it leaves first
+                if (held := self.by_key.get(k)) is not None:
+                    self.policy.spare(held)
+            return m.Done()
         if isinstance(req, m.Forget):
             for k in req.keys:
                 gone = self.by_key.get(k)
@@ -210,10 +216,11 @@ class TierCore:
             demoted=self.demoted,
         )
 
-    def _reserve(self, key: bytes) -> int:
+    def _reserve(self, key: bytes, cold: bool = False) -> int:
         slot = self.by_key.get(key)
         if slot is not None:
-            self.policy.touch(slot)  # a store of what is held: refresh it, nothing to write
+            if not cold:
+                self.policy.touch(slot)  # an engine's only copy of what is held: refresh it, nothing to write
             return -1
         if not self.free:
             self.reclaim()
@@ -224,11 +231,11 @@ class TierCore:
             self._drop(victim[0])
             self.evictions[victim[1]] += 1
         slot = self.free.pop()
-        self.writing[slot] = (key, self.clock())
+        self.writing[slot] = (key, self.clock(), cold)
         return slot
 
     def _commit(self, slots: list[int], keys: list[bytes]) -> None:
-        stored = []
+        stored, spares = [], []
         for slot, key in zip(slots, keys, strict=True):
             w = self.writing.get(slot)
             if w is None or w[0] != key:
@@ -243,7 +250,11 @@ class TierCore:
             self.by_key[key] = slot
             self.key_of[slot] = key
             self.policy.add(slot)
+            if w[2]:
+                spares.append(slot)
             stored.append(key)
+        for slot in reversed(spares):  # a chain's tail the oldest spare: it leaves first
+            self.policy.spare(slot)
         self.stored += len(stored)
         if self.events is not None:
             self.events.stored(stored)
@@ -261,8 +272,11 @@ class TierCore:
             self.hits += 1
             if self.policy.is_pinned(slot, self.clock()):
                 self.pinned_hits += 1
-            self.policy.touch(slot)
             out.append(slot)
+        # A chain is only of use from its head: refreshed last, the head is the last of it to leave.
+        for slot in reversed(out):
+            if slot >= 0:
+                self.policy.touch(slot)
         return out
 
     def _drop(self, slot: int) -> None:
@@ -288,7 +302,7 @@ class TierCore:
                     self.slot_owners.get(slot, {}).pop(owner, None)
                     self._set_pin(slot)
         cutoff = now - self.write_timeout_s
-        for slot, (_, since) in list(self.writing.items()):
+        for slot, (_, since, _) in list(self.writing.items()):
             if since < cutoff:
                 del self.writing[slot]
                 self.arena.invalidate(slot)

@@ -161,6 +161,8 @@ class ClusterSpec:
     """Environment of every node process on top of this one's (``TANDEM_NODE_*`` settings)."""
     host_tier: str | None = None
     """Size of a host tier every node shares (``2GiB``; ``tandem tier serve``); None: no host tier."""
+    tier_env: tuple[tuple[str, str], ...] = ()
+    """Environment of the host tier's process on top of this one's (``TANDEM_TIER_*`` settings)."""
     keep_host_tier: bool = False
     """Leave the tier's file (its blocks, and the RAM they take in /dev/shm) after ``stop``, for the next
     start to find; by default a stopped cluster gives the RAM back."""
@@ -358,6 +360,7 @@ class Cluster:
             "TANDEM_TIER_REPLAY_ENDPOINT": replay,
             # its host_tier rows go where the router's records go, so the cluster's lake writer has them
             "TANDEM_TIER_TELEMETRY_REDIS_URL": self.redis_url,
+            **dict(spec.tier_env),
         }
         self._spawn("host-tier", args, env)
         return endpoint

@@ -25,14 +25,24 @@ The sequence, per request:
                a request the router marked for retention (``kv_transfer_params["tandem_retain"]``:
                ttl, owner, tenant; ``router.retention``) then has its blocks pinned for the TTL
 
+Exclusive under pressure (the tier's policy, ``host_tier.eviction``): those copies are stored as
+spares, since the engine still holds the blocks (it frees them into its prefix cache), and blocks just
+loaded become spares; the tier's copy becomes the hot one when the engine evicts the block. vLLM tells a
+connector of no eviction, so the scheduler half infers it: it remembers which cached block id holds
+which key (from finished requests), and a remembered block id handed to a request at another position
+than its key's (``update_state_after_alloc``: every block of a request scheduled from the queue;
+``build_connector_meta``: the blocks running requests grew by) was evicted to be reused. Its key is
+saved in that step's ``handle_preemptions``, which vLLM runs before anything writes the step's new
+blocks (the zeroing of new blocks, loads, the forward): the block still holds the evicted KV. A block
+the tier holds already is only refreshed, so most evictions cost one round trip and no copy.
+
 Keys are the engine's own block hashes (``request.block_hashes``, sha256_cbor), the same the router's
 fleet index and every tier use. A tier that is down costs a miss, never a failed request: lookups
 answer 0 and offloads are skipped while it does not answer (one 0.5 s timeout, then off for
 ``tier_retry_s``, so a dead tier does not stall the scheduler on every lookup).
 
 Not done yet: the copies run on the engine's thread inside the step (a 7.5k-token bf16 prompt is
-about 170 MB: ~40 ms at the 4 GB/s measured here); blocks are offloaded when their request ends, not
-when the engine evicts them.
+about 170 MB: ~40 ms at the 4 GB/s measured here).
 """
 
 from __future__ import annotations
@@ -98,6 +108,9 @@ class BlockCopy:
 class HostTierMetadata(KVConnectorMetadata):
     loads: list[BlockCopy] = field(default_factory=list)
     stores: list[BlockCopy] = field(default_factory=list)
+    evicted: BlockCopy | None = None
+    """Blocks the engine evicted this step to reuse them, with the keys they still hold until the step
+    writes them: saved to the tier (hot) in ``handle_preemptions``, before any write."""
 
 
 def _dtype_name(vllm_config: VllmConfig) -> str:
@@ -140,6 +153,10 @@ class HostTierConnector(KVConnectorBase_V1):
         self._pending_load: dict[str, tuple[int, int]] = {}  # request -> (first block index, count)
         self._loads: list[BlockCopy] = []
         self._stores: list[BlockCopy] = []
+        self._cached: dict[int, bytes] = {}
+        """block id -> the key it holds, for blocks of finished requests (vLLM's prefix cache), until the
+        block is seen handed out again (evicted, or hit where the key says)."""
+        self._evicted: BlockCopy = BlockCopy("", [], [])
         # worker side
         self._stored: set[str] = set()
         self._load_errors: set[int] = set()
@@ -181,35 +198,54 @@ class HostTierConnector(KVConnectorBase_V1):
         return n * self.block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids()[0] if blocks.blocks else []
+        # Every block of a request scheduled from the queue: prefix hits keep their keys, any other
+        # remembered block was evicted for it.
+        for i, block_id in enumerate(block_ids):
+            key = self._cached.get(block_id)
+            if key is not None and not (i < len(request.block_hashes) and bytes(request.block_hashes[i]) == key):
+                self._note_evicted(block_id)
         pending = self._pending_load.pop(request.request_id, None)
         if pending is None or num_external_tokens == 0:
             return
         first, n = pending
         n = min(n, num_external_tokens // self.block_size)
-        block_ids = blocks.get_block_ids()[0]
         keys = [bytes(h) for h in request.block_hashes[first : first + n]]
         self._loads.append(BlockCopy(request.request_id, list(block_ids[first : first + n]), keys))
 
+    def _note_evicted(self, block_id: int) -> None:
+        key = self._cached.pop(block_id)
+        self._evicted.block_ids.append(block_id)
+        self._evicted.keys.append(key)
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        meta = HostTierMetadata(loads=self._loads, stores=self._stores)
-        self._loads, self._stores = [], []
+        # The blocks running requests grew by this step are new: a remembered one among them was evicted.
+        # (Resumed requests came through update_state_after_alloc, which told their hits apart.)
+        cached_reqs = scheduler_output.scheduled_cached_reqs
+        for req_id, new_ids in zip(cached_reqs.req_ids, cached_reqs.new_block_ids, strict=True):
+            if new_ids is None or req_id in cached_reqs.resumed_req_ids:
+                continue
+            for block_id in new_ids[0]:
+                if block_id in self._cached:
+                    self._note_evicted(block_id)
+        evicted = self._evicted if self._evicted.block_ids else None
+        meta = HostTierMetadata(loads=self._loads, stores=self._stores, evicted=evicted)
+        self._loads, self._stores, self._evicted = [], [], BlockCopy("", [], [])
         return meta
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         self._pending_load.pop(request.request_id, None)
-        if self._up() is None or request.status not in (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
-        ):
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
         ids = list(block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids or ())
         # Every block whose tokens all have KV: the last sampled token was never fed, so not its.
         n = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes), len(ids))
-        if n == 0:
-            return False, None
         keys = [bytes(h) for h in request.block_hashes[:n]]
+        self._cached.update(zip(ids[:n], keys, strict=True))  # vLLM keeps them cached once freed
+        if n == 0 or self._up() is None:
+            return False, None
         self._stores.append(BlockCopy(request.request_id, ids[:n], keys, _retain(request.kv_transfer_params)))
         return True, None  # held one more step, while the worker copies them out
 
@@ -221,11 +257,17 @@ class HostTierConnector(KVConnectorBase_V1):
         assert self._kv is not None
         return [layer[block_id] for layer in self._kv.layers]
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Runs before this step writes any block (vLLM's hook for saving what is about to be
+        overwritten): the evicted blocks still hold their keys' KV, and go to the tier hot."""
+        if isinstance(kv_connector_metadata, HostTierMetadata) and kv_connector_metadata.evicted is not None:
+            self._store(kv_connector_metadata.evicted, cold=False)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HostTierMetadata)
         for copy in meta.stores:
-            self._store(copy)
+            self._store(copy, cold=True)  # the engine keeps them cached: the tier's copy is the spare
             self._stored.add(copy.request_id)  # always: vLLM frees the blocks only once it is reported
         for copy in meta.loads:
             self._load(copy)
@@ -240,6 +282,7 @@ class HostTierConnector(KVConnectorBase_V1):
                 found = tier.slots(copy.keys)
             except ConfigError as exc:
                 self._down(exc)
+        loaded = 0
         for i, block_id in enumerate(copy.block_ids):
             ok = (
                 i < len(found)
@@ -254,15 +297,21 @@ class HostTierConnector(KVConnectorBase_V1):
                         tier.forget([copy.keys[i]])
                     except ConfigError as exc:
                         self._down(exc)
-                return
-            self.loaded_blocks += 1
+                break
+            loaded += 1
+        self.loaded_blocks += loaded
+        if loaded and tier is not None:
+            try:
+                tier.demote(copy.keys[:loaded])  # this engine holds them now: the tier's are the spares
+            except ConfigError as exc:
+                self._down(exc)
 
-    def _store(self, copy: BlockCopy) -> None:
+    def _store(self, copy: BlockCopy, *, cold: bool) -> None:
         tier = self._up()
         if tier is None or self._kv is None:
             return
         try:
-            self.stored_blocks += tier.put_parts(copy.keys, [self._parts(b) for b in copy.block_ids])
+            self.stored_blocks += tier.put_parts(copy.keys, [self._parts(b) for b in copy.block_ids], cold=cold)
             if copy.retain is not None:
                 r = copy.retain
                 tier.pin(copy.keys, r.ttl_s, r.owner, r.tenant)

@@ -24,6 +24,7 @@ client.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from contextlib import AsyncExitStack
 from typing import Any
@@ -83,6 +84,30 @@ def route_preference(request: Request, tenant: Tenant, settings: RouterSettings)
             "x-tandem-route needs an admin key (or TANDEM_ROUTER_ROUTE_HEADER=always)", param="x-tandem-route"
         )
     return prefer
+
+
+NODE_HEADER = "x-tandem-node"
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,254}")
+"""A node id as node agents make them (host name, a dash, a hex suffix; ``tandem up``'s role-port)."""
+
+
+def node_pin(request: Request, tenant: Tenant, settings: RouterSettings, prefer: str | None) -> str | None:
+    """The node an operator pins the request to (``x-tandem-node``), gated as ``x-tandem-route`` is:
+    pinning overrides the policy's placement and load balance (benchmarks' probes, debugging one node)."""
+    node = request.headers.get(NODE_HEADER)
+    if node is None:
+        return None
+    if not _NODE_ID.fullmatch(node):
+        raise InvalidRequest(f"{NODE_HEADER} must be a node id (as /cluster lists them)", param=NODE_HEADER)
+    allowed = settings.route_header == "always" or (settings.route_header == "auto" and tenant.may_administer)
+    if not allowed:
+        raise PermissionDenied(
+            f"{NODE_HEADER} needs an admin key (or TANDEM_ROUTER_ROUTE_HEADER=always)", param=NODE_HEADER
+        )
+    if prefer == "disaggregated":
+        # A pinned node serves the request alone: a P/D pair would put half of it elsewhere.
+        raise InvalidRequest(f"{NODE_HEADER} cannot be combined with x-tandem-route: disaggregated", param=NODE_HEADER)
+    return node
 
 
 class GenerationRoute:
@@ -174,6 +199,7 @@ class Exchange:
             tenant.tenant_id, authenticated=tenant.key_id is not None, client_salt=take_client_salt(req.model_extra)
         )
         prefer = route_preference(request, admission.tenant, self.settings)
+        pin = node_pin(request, admission.tenant, self.settings, prefer)
         deadline = request_deadline(
             request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s, arrival=arrival
         )
@@ -218,7 +244,7 @@ class Exchange:
 
         # No token bucket, no charge: the prompt is then tokenized only if routing needs it.
         charges = charge if ctx.gate.charges_tokens(admission) else None
-        plan = self.orch.plan(self.kind, req, trace, prefer, charges, cache_salt, self.spawn)  # type: ignore[arg-type]
+        plan = self.orch.plan(self.kind, req, trace, prefer, charges, cache_salt, self.spawn, pin)  # type: ignore[arg-type]
         leg = self.leg = await plan
         self.holds.push_async_callback(leg.release)
         if not req.stream:

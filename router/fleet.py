@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from contracts.errors import ModelNotFound, StoreError, TandemError
+from contracts.errors import ModelNotFound, NotFound, StoreError, TandemError, Unavailable
 from contracts.registry import LiveNode, NodeRegistry, Role
 from router.housekeeping import Housekeeping
 from router.policies.base import Candidate
@@ -182,6 +182,22 @@ class Fleet:
             return [Candidate(node=n, inflight=self._inflight[n.info.node_id]) for n in nodes if n.info.role is role]
 
         return Pools(prefill=cands(Role.PREFILL), decode=cands(Role.DECODE), colocated=cands(Role.BOTH))
+
+    def pinned(self, model: str, node_id: str, *, param: str, retry_after: float = 1.0) -> Candidate:
+        """The node an operator pinned a request to (``x-tandem-node``): 404 when no node of that id
+        serves ``model``, 503 while it is out of routing (marked down, or failing its probes). Unlike
+        ``pools``, never another node: a pinned request measures or debugs that node."""
+        node = next((n for n in self._nodes if n.info.node_id == node_id and n.info.model == model), None)
+        if node is None:
+            raise NotFound(f"no live node `{node_id}` serves the model `{model}`", param=param, code="node_not_found")
+        if not self._in_routing(node):
+            raise Unavailable(
+                f"node `{node_id}` is out of routing now (a failed leg or failing probes)",
+                retry_after=retry_after,
+                code="node_unavailable",
+                param=param,
+            )
+        return Candidate(node=node, inflight=self._inflight[node_id])
 
     @contextlib.contextmanager
     def track(self, *candidates: Candidate | None) -> Iterator[None]:

@@ -243,6 +243,12 @@ class Orchestrator:
             retry_after=self.settings.retry_after_s,
         )
 
+    def _pinned(self, model: str, node_id: str) -> Decision:
+        """The operator's choice (``x-tandem-node``): that node alone, whatever the policy would pick."""
+        node = self.fleet.pinned(model, node_id, param="x-tandem-node", retry_after=self.settings.retry_after_s)
+        code = ReasonCode.PINNED
+        return Decision(node, None, self.policy.name, code, code, reason=f"pinned to {node_id} by x-tandem-node")
+
     async def _prompt_ids(
         self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any], node: NodeInfo, trace: RequestTrace
     ) -> list[int] | None:
@@ -338,6 +344,7 @@ class Orchestrator:
         charge: TokenCharge | None = None,
         cache_salt: str | None = None,
         background: Background | None = None,
+        pin: str | None = None,
     ) -> Leg:
         """Validate, route and run the prefill leg. Returns the decode leg to run (a layer-wise one is
         already in flight). ``charge`` is called with (prompt tokens, max_tokens) once they are known,
@@ -348,15 +355,16 @@ class Orchestrator:
         The request's ``model`` is resolved first (``router.model_table``): the engines see the served
         name. If the node chosen for it refuses for capacity (its admission queue is full) and the model
         has a fallback, the request is planned once more on the fallback, uncharged (its tokens were
-        charged once)."""
+        charged once). ``pin`` (``x-tandem-node``) names the node that serves the request alone, instead
+        of the policy; a pinned request never moves to another node or model."""
         req.check_supported()
         resolution = self.models.resolve(req.model, self.fleet.serves)
         note_resolution(trace, resolution)
         try:
-            return await self._plan_on(resolution.served, kind, req, trace, prefer, charge, cache_salt, background)
+            return await self._plan_on(resolution.served, kind, req, trace, prefer, charge, cache_salt, background, pin)
         except Unavailable as exc:
             fallback = resolution.fallback
-            if fallback is None or exc.code not in CAPACITY_CODES:
+            if fallback is None or exc.code not in CAPACITY_CODES or pin is not None:
                 raise
             log.warning("%s has no capacity (%s); planning on its fallback %s", trace.model, exc.message, fallback)
             note_resolution(trace, replace(resolution, served=fallback, via=Via.FALLBACK, fallback=None))
@@ -380,6 +388,7 @@ class Orchestrator:
         charge: TokenCharge | None,
         cache_salt: str | None,
         background: Background | None,
+        pin: str | None = None,
     ) -> Leg:
         pools = self.fleet.pools(model)
         req.model = model  # the engine serves this name (vLLM refuses any other)
@@ -403,7 +412,7 @@ class Orchestrator:
             session_id=trace.session_id,
             block_keys=self._keys(reference, ids, cache_salt),
         )
-        decision = self._select(rr, pools, prefer)
+        decision = self._select(rr, pools, prefer) if pin is None else self._pinned(model, pin)
         trace.routed = time.time()
         note_decision(trace, decision)
         self._hit_breakdown(rr, decision, trace, pools)
@@ -702,6 +711,8 @@ class Orchestrator:
         assert isinstance(exc, UpstreamError)
         failed = leg.decision.decode
         self._node_failed(failed, exc)
+        if leg.decision.code is ReasonCode.PINNED:
+            raise exc  # its operator asked for that node, no other
         prefill = leg.decision.prefill
         path = leg.url[len(failed.node.info.url) :]
         body = {k: v for k, v in leg.body.items() if k != "kv_transfer_params"}

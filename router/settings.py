@@ -137,5 +137,5 @@ class RouterSettings(BaseSettings):
     session_retention_max_s: float = Field(default=3600.0, ge=0.0)
     """Longest TTL a request may ask for."""
     route_header: Literal["auto", "always", "never"] = "auto"
-    """Who may force the path with ``x-tandem-route``: auto (default) while auth is off or for admin keys;
-    always; never. A request that may not gets 403."""
+    """Who may force the path with ``x-tandem-route`` or pin a request to a node with ``x-tandem-node``:
+    auto (default) while auth is off or for admin keys; always; never. A request that may not gets 403."""

@@ -100,7 +100,7 @@ _REQUESTS = [
         "routing_reason_code",
         pa.string(),
         "Why the node that prefilled was chosen (router.policies.ReasonCode): best_prefix, load_guard, "
-        "session_affinity, local_prefill, prefill_saturated, least_loaded, round_robin, forced_pd. (v2)",
+        "session_affinity, local_prefill, prefill_saturated, least_loaded, round_robin, forced_pd, pinned. (v2)",
     ),
     _f(
         "routing_decode_reason_code",

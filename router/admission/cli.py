@@ -59,7 +59,10 @@ def create(
         ),
     ] = None,
     admin: Annotated[
-        bool, typer.Option("--admin", help="An admin key: may read /metrics and /cluster and send x-tandem-route.")
+        bool,
+        typer.Option(
+            "--admin", help="An admin key: may read /metrics and /cluster and send x-tandem-route and x-tandem-node."
+        ),
     ] = False,
 ) -> None:
     """Create a key for TENANT and print it once: it is stored only as a hash and cannot be shown again.

@@ -84,7 +84,7 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     key_id: str | None = None
     """The key that authenticated the request; None when auth is off."""
     admin: bool = False
-    """An admin key (``tandem keys create --admin``): /metrics, /cluster, ``x-tandem-route``."""
+    """An admin key (``tandem keys create --admin``): /metrics, /cluster, ``x-tandem-route``, ``x-tandem-node``."""
 
     @property
     def may_administer(self) -> bool:

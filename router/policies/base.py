@@ -61,6 +61,8 @@ class ReasonCode(enum.StrEnum):
         least_loaded       the least_loaded policy; load = the node's load
         round_robin        the round_robin policy's turn
         forced_pd          the client's ``x-tandem-route: disaggregated`` overrode a local prefill
+        pinned             an operator's ``x-tandem-node`` named the node, which serves the request alone
+                           (no policy was asked; the request never moves to another node)
     """
 
     BEST_PREFIX = "best_prefix"
@@ -73,6 +75,7 @@ class ReasonCode(enum.StrEnum):
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
     FORCED_PD = "forced_pd"
+    PINNED = "pinned"
 
 
 @dataclass(frozen=True, slots=True)

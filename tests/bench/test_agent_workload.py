@@ -3,6 +3,8 @@ fresh content per salt, inside the context budget."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
 
 
@@ -44,3 +46,19 @@ def test_another_salt_changes_only_the_first_characters() -> None:
         sys_a, sys_b = sa.turns[-1][0]["content"], sb.turns[-1][0]["content"]
         assert sys_a != sys_b and sys_a[len("[run-0]") :] == sys_b[len("[run-1]") :]
         assert sa.turns[-1][1:] == sb.turns[-1][1:]
+
+
+def test_fanned_out_sessions_of_a_repository_arrive_together() -> None:
+    cfg = replace(CFG, repos=3, fan_out_gap_s=0.5, session_gap_s=10.0)
+    sessions = build_sessions(cfg, "a", _count, _prompt)
+    repos = [s.turns[0][1]["content"].split("Task ")[0] for s in sessions]
+    # repository by repository: each repository's sessions form one run of arrivals, 0.5 s apart
+    runs = [repos[i] for i in range(len(repos)) if i == 0 or repos[i] != repos[i - 1]]
+    assert len(runs) == len(set(runs)) == cfg.repos
+    for a, b in zip(sessions, sessions[1:], strict=False):
+        same = a.turns[0][1]["content"].split("Task ")[0] == b.turns[0][1]["content"].split("Task ")[0]
+        assert (round(b.start_s - a.start_s, 3) == 0.5) == same
+    # the content is the interleaved workload's, only the arrival order and times differ
+    assert sorted(s.session_id for s in sessions) == sorted(
+        s.session_id for s in build_sessions(replace(cfg, fan_out_gap_s=None), "a", _count, _prompt)
+    )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 from bench.kv_cache import ARMS, KVCacheBenchConfig, _spec, by_origin, result_line, targets
+from bench.kv_probe import came_as_expected, summarize
+from bench.loadgen import RequestResult
 
 
 def _req(prompt: int, ttft: float, engine: int, tier: int, peer: int = 0) -> dict:
@@ -74,3 +76,30 @@ def test_the_arms_differ_only_in_cache_memory_and_retention() -> None:
     assert [specs[a].peer_kv for a in ARMS] == [False, True, False, True]  # our tiers: host tier + peers
     retention = {a: dict(specs[a].router_env)["TANDEM_ROUTER_SESSION_RETENTION_S"] for a in ARMS}
     assert retention == {"engines": "0", "tier": "0", "bigger_cache": "0", "retention": "600"}
+
+
+def test_the_tier_arms_set_the_one_tenant_s_pin_share_explicitly() -> None:
+    cfg = KVCacheBenchConfig(pin_share=0.75)
+    for arm in ARMS:
+        assert dict(_spec(cfg, arm, extra_blocks=50).tier_env) == {"TANDEM_TIER_TENANT_PIN_SHARE": "0.75"}
+
+
+def _probe_row(kind: str, ttft: float, prompt: int, **origin: int) -> dict:
+    usage = {"prompt_tokens": prompt, "tandem": {"kv_origin": {"engine": 0, "host_tier": 0, "peer": 0, **origin}}}
+    return {"kind": kind, "ttft_ms": ttft, "as_expected": came_as_expected(RequestResult(ok=True, usage=usage), kind)}
+
+
+def test_the_probe_counts_a_request_only_where_its_prefix_came_from_where_its_kind_says() -> None:
+    rows = [
+        _probe_row("miss", 2000.0, 1900, computed=1900),
+        _probe_row("miss", 2200.0, 1900, computed=1900),
+        _probe_row("local", 150.0, 1900, engine=1856, computed=44),
+        _probe_row("local", 900.0, 1900, computed=1900),  # A had lost it: not a local hit
+        _probe_row("remote", 160.0, 1900, host_tier=1856, computed=44),
+        _probe_row("remote", 170.0, 1900, peer=1000, host_tier=500, computed=400),
+        _probe_row("remote", 2100.0, 1900, computed=1900),  # B computed it: not a remote hit
+    ]
+    got = summarize(rows)
+    assert (got["miss_ttft_ms"], got["local_hit_ttft_ms"], got["remote_hit_ttft_ms"]) == (2100.0, 150.0, 165.0)
+    assert (got["miss_as_expected"], got["local_as_expected"], got["remote_as_expected"]) == (2, 1, 2)
+    assert math.isnan(summarize([r for r in rows if r["kind"] != "remote"])["remote_hit_ttft_ms"])

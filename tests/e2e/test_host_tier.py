@@ -46,8 +46,13 @@ PROMPTS = [
 
 
 class Running:
-    def __init__(self, tmp: Path) -> None:
+    """A host tier and one colocated float32 node on ``port`` using it (``node_args`` added to its
+    command line), with a router in this process once ``start_router`` ran."""
+
+    def __init__(self, tmp: Path, port: int = PORT, node_args: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
+        self.port = port
+        self.node_args = node_args
         self.model = default_model_dir()
         self.layout = layout_from_model(self.model, "float32", BLOCK)
         self.endpoint = f"ipc://{tmp}/tier.sock"
@@ -70,8 +75,8 @@ class Running:
         log = (self.tmp / "procs.log").open("ab")
         tier = tier_serve_command(self.model, "float32", BLOCK, 256 * self.layout.block_bytes)
         node = colocated_node_command(
-            PORT,
-            f"tier-{PORT}",
+            self.port,
+            f"tier-{self.port}",
             REDIS_URL,
             self.tmp,
             "--cores",
@@ -80,6 +85,7 @@ class Running:
             str(BLOCK),
             "--host-tier",
             self.endpoint,
+            *self.node_args,
         )
         for cmd in (tier, node):
             self.procs.append(
@@ -97,13 +103,13 @@ class Running:
     def split(self, prompt: str) -> tuple[int, int]:
         """What the router's index says of ``prompt`` on the node: (own blocks, tier blocks after them)."""
         ids = httpx.post(
-            f"http://127.0.0.1:{PORT}/tokenize",
+            f"http://127.0.0.1:{self.port}/tokenize",
             json={"model": self.model.name, "prompt": prompt},
             headers=engine_auth_headers(loopback_only=True),
             timeout=30,
         ).json()["tokens"]
         keys = list(BlockHasher(BLOCK, "sha256_cbor").keys(ids))[: (len(ids) - 1) // BLOCK]
-        return self.on_router_loop(lambda: self.app.state.index.split(self.model.name, keys, f"tier-{PORT}"))
+        return self.on_router_loop(lambda: self.app.state.index.split(self.model.name, keys, f"tier-{self.port}"))
 
     def routed(self, prompt: str) -> dict[str, Any]:
         body = {"model": self.model.name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
@@ -121,7 +127,7 @@ class Running:
 
     def complete(self, prompt: str) -> tuple[str, int]:
         resp = httpx.post(
-            f"http://127.0.0.1:{PORT}/v1/completions",
+            f"http://127.0.0.1:{self.port}/v1/completions",
             json={"model": self.model.name, "prompt": prompt, "max_tokens": 12, "temperature": 0},
             headers=engine_auth_headers(loopback_only=True),
             timeout=300,
@@ -133,7 +139,9 @@ class Running:
 
     def reset_engine_cache(self) -> None:
         resp = httpx.post(
-            f"http://127.0.0.1:{PORT}/reset_prefix_cache", headers=engine_auth_headers(loopback_only=True), timeout=60
+            f"http://127.0.0.1:{self.port}/reset_prefix_cache",
+            headers=engine_auth_headers(loopback_only=True),
+            timeout=60,
         )
         assert resp.status_code == 200, resp.text
 

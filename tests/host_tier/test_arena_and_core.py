@@ -304,3 +304,57 @@ def test_a_slot_two_sessions_pin_stays_pinned_until_both_let_go(arena: Arena) ->
     assert core.policy.is_pinned(core.by_key[key(0)], clock.t)  # the fork still keeps block 0
     assert not core.policy.is_pinned(core.by_key[key(1)], clock.t)
     assert core.stats().demoted == 1  # only block 1, which nobody pins any more
+
+
+def put_cold(core: TierCore, ids: list[int]) -> None:
+    """A finished request's blocks, which its engine keeps cached (``Reserve(cold=True)``)."""
+    reserved = core.handle(m.Reserve([key(i) for i in ids], cold=True))
+    assert isinstance(reserved, m.Reserved)
+    mine = [(slot, i) for slot, i in zip(reserved.slots, ids, strict=True) if slot >= 0]
+    for slot, i in mine:
+        core.arena.write(slot, key(i), block(i))
+    core.handle(m.Commit([s for s, _ in mine], [key(i) for _, i in mine]))
+
+
+def test_copies_an_engine_still_holds_leave_before_the_tier_s_only_copies(arena: Arena) -> None:
+    core = TierCore(arena)
+    put(core, 0)  # evicted by an engine: the tier's copy is the only one
+    put(core, 1)
+    put_cold(core, [2, 3])  # a chain an engine still holds: spares, its tail leaving first
+    put(core, 4)
+    assert held(core, range(5)) == [0, 1, 2, 4]
+    put(core, 5)
+    assert held(core, range(6)) == [0, 1, 4, 5]
+    # A cold store of a held block keeps its place; an engine evicting it refreshes it.
+    put_cold(core, [0])
+    put(core, 1)
+    put(core, 6)
+    assert held(core, range(7)) == [1, 4, 5, 6]
+
+
+def test_the_oldest_spares_leave_first_and_a_hit_takes_one_back(arena: Arena) -> None:
+    core = TierCore(arena)
+    put_cold(core, [0])  # request A ended
+    put_cold(core, [1, 2])  # request B ended later: its chain is the fresher spare
+    put(core, 3)  # the tier is full now
+    put(core, 4)
+    assert held(core, range(5)) == [1, 2, 3, 4]  # A's spare, the oldest, left first
+    put(core, 5)
+    assert held(core, range(6)) == [1, 3, 4, 5]  # then B's tail
+    core.handle(m.Lookup([key(1)]))  # another engine wants B's head: no longer a spare
+    put(core, 6)
+    assert held(core, range(7)) == [1, 4, 5, 6]  # no spare left: the least recently used, 3
+
+
+def test_blocks_an_engine_loaded_become_spares_and_a_hit_chain_s_head_stays_longest(arena: Arena) -> None:
+    core = TierCore(arena)
+    for i in range(4):
+        put(core, i)
+    core.handle(m.Lookup([key(0), key(1), key(2), key(3)]))  # one chain: its head refreshed last
+    put(core, 4)
+    assert held(core, range(5)) == [0, 1, 2, 4]  # the tail left, not the head
+    core.handle(m.Demote([key(1), key(2)]))  # an engine loaded them: its copies are the ones in use
+    put(core, 5)
+    put(core, 6)
+    assert held(core, range(7)) == [0, 4, 5, 6]
+    assert core.stats().evictions == {"lru": 3}

@@ -21,7 +21,7 @@ from contracts.errors import ConfigError
 from host_tier.client import TierClient
 from host_tier.events import MEDIUM, event_key
 from host_tier.settings import TierSettings, layout_from_model
-from tests.support.helpers import tier_serve_command
+from tests.support.helpers import tier_serve_command, wait_for
 
 CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "num_hidden_layers": 3}
 
@@ -361,3 +361,50 @@ def test_the_tier_emits_host_tier_rows_the_lake_writer_writes_and_they_sum_to_it
         for k in r.scan_iter(f"{prefix}:*"):
             r.delete(k)
         r.close()
+
+
+STALLED_WRITER = """
+import sys
+from host_tier import messages as m
+from host_tier.client import TierClient
+client = TierClient(sys.argv[1], bytes.fromhex(sys.argv[2]), timeout_s=30.0)
+keys = [bytes([i]) * 32 for i in range(int(sys.argv[3]))]
+reserved = client._call(m.Reserve(keys))
+slot = reserved.slots[0]
+client.arena.begin_write(slot)  # half a write: the engine dies inside its copy
+print(sum(s >= 0 for s in reserved.slots), flush=True)
+sys.stdin.read()  # held until killed
+"""
+
+
+def test_an_engine_killed_inside_an_offload_leaves_no_tier_space_behind(tmp_path: Path, model: Path) -> None:
+    t = Tier(tmp_path, model, n_blocks=8)
+    t.env["TANDEM_TIER_WRITE_TIMEOUT_S"] = "1"
+    t.start()
+    writer = None
+    try:
+        client = t.client()
+        writer = subprocess.Popen(
+            [sys.executable, "-c", STALLED_WRITER, t.settings.endpoint, t.layout.fingerprint().hex(), "3"],
+            env=t.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert writer.stdout is not None and writer.stdout.readline().strip() == b"3"
+        assert client.stats().writing == 3
+        writer.kill()
+        writer.wait()
+        # the dead writer's reservations are taken back (nothing committed, nothing readable) ...
+        assert wait_for(lambda: client.stats().writing == 0, timeout_s=30), client.stats()
+        stats = client.stats()
+        assert (stats.reclaimed, stats.held) == (3, 0)
+        assert client.lookup([bytes([0]) * 32]) == 0
+        # ... and every slot is there for the next writer
+        keys, data = blocks(t, 8, seed=11)
+        assert client.put(keys, data) == 8
+    finally:
+        if writer is not None and writer.poll() is None:
+            writer.kill()
+        if t.proc is not None and t.proc.poll() is None:
+            t.proc.terminate()
+            t.proc.wait(timeout=10)

@@ -1,0 +1,122 @@
+"""TTFT at the workload's longest shared prefix, by where the prefix comes from, on an idle cluster.
+
+The arms' own TTFT medians by origin mix load into the comparison (a remote hit that queued behind a
+miss reads slower than a local hit that did not). This probe takes the load out: on two colocated nodes
+A and B, for each of ``n`` fresh prefixes (a new salt, so no block of it is cached anywhere) as long as
+the workload's system prompt plus one repository's context, three requests one after the other, each
+pinned with the admin header ``x-tandem-node`` (``router.exchange.node_pin``):
+
+    miss     on A, the first sight of the prefix: computed
+    local    on A again, another task after the same prefix: A's own cache
+    remote   on B, which never saw it: B loads it from the host tier (A offloaded it when its request
+             ended) or from A (cross-node reuse, ``router.peer_fetch``)
+
+Each request's prefix is the same; only the task after it differs, so the three compute the same few
+uncached tokens apart from what the origin supplies. No wait is needed between them: A's blocks reach
+the tier in the engine step after its request ends, and the next request is scheduled in that step or
+later. The medians per kind are taken over the requests whose ``usage.tandem.kv_origin`` says most of
+the prompt came from where the kind says (a remote request B computed is not a remote hit), and the
+counts say how many that was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from bench.agent_workload import AgentWorkloadConfig, shared_context
+from bench.loadgen import RequestResult, one_request
+
+KINDS = ("miss", "local", "remote")
+ORIGIN = {"miss": ("computed",), "local": ("engine",), "remote": ("host_tier", "peer")}
+"""Which ``kv_origin`` entries a kind's request should have most of its prompt from."""
+
+
+def came_as_expected(result: RequestResult, kind: str) -> bool:
+    usage = result.usage or {}
+    origin = (usage.get("tandem") or {}).get("kv_origin") or {}
+    prompt = usage.get("prompt_tokens") or 0
+    return result.ok and prompt > 0 and sum(origin.get(k, 0) for k in ORIGIN[kind]) >= 0.5 * prompt
+
+
+async def _probe(
+    url: str, model: str, nodes: tuple[str, str], prompts: list[Callable[[str], list[dict[str, str]]]], max_tokens: int
+) -> list[dict[str, Any]]:
+    a, b = nodes
+    rows = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10)) as client:
+        for i, messages in enumerate(prompts):
+            for kind, node in (("miss", a), ("local", a), ("remote", b)):
+                body = {
+                    "model": model,
+                    "messages": messages(f"Task probe-{i}-{kind}: explain what the {kind} handler does."),
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                r = await one_request(client, f"{url}/v1/chat/completions", body, {"x-tandem-node": node})
+                usage = r.usage or {}
+                rows.append(
+                    {
+                        "prefix": i,
+                        "kind": kind,
+                        "node": node,
+                        "ok": r.ok,
+                        "error": r.error,
+                        "ttft_ms": round(r.ttft_s * 1000, 1),
+                        "prompt_tokens": usage.get("prompt_tokens"),
+                        "kv_origin": (usage.get("tandem") or {}).get("kv_origin"),
+                        "as_expected": came_as_expected(r, kind),
+                    }
+                )
+    return rows
+
+
+def probe_by_origin(
+    url: str,
+    model: str,
+    nodes: tuple[str, str],
+    workload: AgentWorkloadConfig,
+    count_tokens: Callable[[str], int],
+    *,
+    n: int = 5,
+    max_tokens: int = 16,
+) -> dict[str, Any]:
+    """Run the probe (module docstring) on ``nodes`` (A, B) behind the router at ``url``. Returns
+    ``local_hit_ttft_ms``, ``remote_hit_ttft_ms``, ``miss_ttft_ms`` (medians), ``prefix_tokens``, the
+    counts per kind that came from where they should, and every request."""
+    nonce = uuid.uuid4().hex[:8]
+    prompts = []
+    for i in range(n):
+        system, repo = shared_context(workload, f"probe-{nonce}-{i}", i % workload.repos, count_tokens)
+
+        def messages(task: str, system: str = system, repo: str = repo) -> list[dict[str, str]]:
+            return [{"role": "system", "content": system}, {"role": "user", "content": repo + task}]
+
+        prompts.append(messages)
+    rows = asyncio.run(_probe(url, model, nodes, prompts, max_tokens))
+    first = prompts[0]("")
+    return {
+        **summarize(rows),
+        "prefix_tokens": count_tokens(first[0]["content"]) + count_tokens(first[1]["content"]),
+        "nodes": list(nodes),
+        "requests": rows,
+    }
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """TTFT medians per kind over the requests that came from where their kind says, and their counts."""
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        ttfts = [r["ttft_ms"] for r in rows if r["kind"] == kind and r["as_expected"]]
+        key = "miss_ttft_ms" if kind == "miss" else f"{kind}_hit_ttft_ms"
+        out[key] = statistics.median(ttfts) if ttfts else float("nan")
+        out[f"{kind}_as_expected"] = len(ttfts)
+    return out
