@@ -123,6 +123,7 @@ def engine_env(settings: NodeSettings) -> dict[str, str]:
     env.pop("VLLM_API_KEY", None)
     if settings.engine_auth:  # in the environment: a command line is visible to every user in ps
         env["VLLM_API_KEY"] = cluster_engine_api_key(loopback_only=settings.is_loopback)
+    env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(settings.engine_keep_alive_s)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_* variables UCX itself may not use
     if settings.otlp_traces_endpoint:

@@ -92,6 +92,11 @@ class NodeSettings(BaseSettings):
     worker's OpenMP threads and the KV pull and send threads. None: 0 on CPU builds (sleep at once; a
     notification wakes it within tens of microseconds, against steps of tens of milliseconds), vLLM's
     own on GPU builds. See kv_transfer/engine_hooks/sitecustomize.py."""
+    engine_keep_alive_s: int = Field(default=90, ge=1)
+    """How long the engine's HTTP server keeps an idle connection (VLLM_HTTP_TIMEOUT_KEEP_ALIVE; vLLM's
+    own is 5 s). Longer than the router keeps idle connections to engines (60 s, router/node_client.py),
+    so the router always closes first and never sends a request down a connection the engine is just
+    closing ("Server disconnected without sending a response")."""
     heartbeat_s: float = 2.0
     """How often the agent writes the engine's load to the registry and probes the engine's health."""
     registry_ttl_s: float = 15.0

@@ -78,4 +78,5 @@ def router(
         log_level=log_level,
         reuse_port=settings.reuse_port,
         cpu_priority=settings.cpu_priority,
+        keep_alive_s=settings.keep_alive_s,
     )

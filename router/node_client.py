@@ -25,6 +25,10 @@ from router.sse_upstream import SseStream, StreamPool, engine_error
 
 _encode = msgspec.json.Encoder().encode
 
+ENGINE_POOL_IDLE_S = 60
+"""How long an idle connection to an engine stays in the pool. Engines keep theirs longer
+(``NodeSettings.engine_keep_alive_s``): the side that reuses a connection must be the one that closes it."""
+
 
 class NodeClient:
     def __init__(
@@ -42,7 +46,7 @@ class NodeClient:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(
-                    limit=1024, limit_per_host=0, keepalive_timeout=60, enable_cleanup_closed=True
+                    limit=1024, limit_per_host=0, keepalive_timeout=ENGINE_POOL_IDLE_S, enable_cleanup_closed=True
                 ),
                 # sock_read bounds the wait for a whole non-streamed answer.
                 timeout=aiohttp.ClientTimeout(

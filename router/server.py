@@ -81,11 +81,20 @@ def serve(
     log_level: str,
     reuse_port: bool = False,
     cpu_priority: CpuPriority = CpuPriority.NORMAL,
+    keep_alive_s: int = 120,
 ) -> None:
     """Run ``app`` until SIGINT or SIGTERM; with ``reuse_port``, on a port shared with other replicas.
     ``cpu_priority`` is applied to this process first (``telemetry.priority``): the threads started
     later (the telemetry flusher, uvloop's workers) inherit it."""
     log.info("CPU priority: %s", apply_cpu_priority(cpu_priority))
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, proxy_headers=False)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        proxy_headers=False,
+        timeout_keep_alive=keep_alive_s,
+    )
     housekeeping = getattr(getattr(app, "state", None), "housekeeping", None)
     RouterServer(config, housekeeping).run(sockets=[shared_socket(host, port)] if reuse_port else None)

@@ -67,6 +67,11 @@ class RouterSettings(BaseSettings):
     """Longest a streamed answer waits for its client to take more bytes (a client that stopped reading,
     with every buffer between full). Past it the stream is cut, its engine request aborted and its node
     slot given back, recorded as ``ClientStalled``; until then reading from the engine pauses."""
+    keep_alive_s: int = Field(default=120, ge=1)
+    """How long the router keeps a client's idle HTTP connection open. Longer than clients keep them
+    in their pools (httpx and the openai SDK: 5 s; aiohttp 15 s; Go 90 s), so the client side always
+    closes first: a server that closes a connection just as its client reuses it for a POST fails that
+    request ("Server disconnected without sending a response"), which uvicorn's own 5 s invites."""
     retry_after_s: float = 2.0
     """Retry-After sent with 503 when no node can take a request."""
     cpu_priority: CpuPriority = CpuPriority.BATCH

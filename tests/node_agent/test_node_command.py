@@ -104,10 +104,16 @@ def test_engine_spin_is_capped_on_cpu_builds_and_as_told(monkeypatch: pytest.Mon
     assert engine_env(NodeSettings(role=Role.DECODE, engine_spin_ms=0))["TANDEM_ENGINE_SPIN_MS"] == "0"
 
 
-@pytest.mark.parametrize(("setting", "reader_spin_s"), [("", 1.0), ("0", 0.0), ("2.5", 0.0025)])
-def test_engine_hook_caps_the_step_queue_spin_in_a_real_interpreter(setting: str, reader_spin_s: float) -> None:
+@pytest.mark.parametrize(
+    ("setting", "reader_spin_s", "writer_hwm", "recheck_ms"),
+    [("", 1.0, 1, 5000), ("0", 0.0, 0, 100), ("2.5", 0.0025, 0, 100)],
+)
+def test_engine_hook_caps_the_step_queue_spin_in_a_real_interpreter(
+    setting: str, reader_spin_s: float, writer_hwm: int, recheck_ms: int
+) -> None:
     """vLLM's own SpinCondition, imported after start-up as vLLM imports it: its readers spin at most
-    the setting (empty: vLLM's 1 s); writers never spin."""
+    the setting (empty: vLLM's 1 s), writers never spin; with the setting, no notification is dropped
+    (no high-water mark) and a sleeping reader looks again every 100 ms."""
     import subprocess
     import sys
 
@@ -120,13 +126,16 @@ def test_engine_hook_caps_the_step_queue_spin_in_a_real_interpreter(setting: str
         "ctx = zmq.Context()\n"
         "reader = SpinCondition(True, ctx, f'ipc://{d}/r')\n"
         "writer = SpinCondition(False, ctx, f'ipc://{d}/w')\n"
-        "print(reader.busy_loop_s, writer.busy_loop_s)"
+        "import vllm.distributed.device_communicators.shm_broadcast as m\n"
+        "hwm = writer.local_notify_socket.getsockopt(zmq.SNDHWM)\n"
+        "print(reader.busy_loop_s, writer.busy_loop_s, hwm, m.SHM_READER_RECHECK_INTERVAL_MS)"
     )
     env = {**os.environ, "PYTHONPATH": str(ENGINE_HOOKS), "TANDEM_ENGINE_SPIN_MS": setting}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    reader, writer = map(float, out.stdout.split()[-2:])
+    reader, writer, hwm, recheck = map(float, out.stdout.split()[-4:])
     assert reader == pytest.approx(reader_spin_s)
     assert writer == 0
+    assert (hwm, recheck) == (writer_hwm, recheck_ms)
 
 
 def test_engine_hook_moves_nixl_threads_to_sched_idle_in_a_real_interpreter() -> None:
