@@ -31,6 +31,9 @@ async def test_the_decode_leg_leaves_before_the_prefill_answers_and_names_its_tr
     async with standin_cluster(tmp_path, roles, kv_connector="tandem") as c:
         pre, dec = c.engines["pre"], c.engines["dec"]
         pre.close_gate()  # the prefill leg is held: only a pair sent at once reaches the decode node now
+        # The decode leg is held too: a stand-in decode node answers without waiting for any KV, and a
+        # decode leg that finished leaves its prefill leg abandoned, perhaps before it reached the node.
+        dec.close_gate()
         async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:
             answer = asyncio.create_task(client.post(CHAT, json=c.chat("lw", stream=stream), headers=PD))
             await wait_until(lambda: len(dec.bodies()) == 1 and len(pre.bodies()) == 1)
@@ -41,6 +44,7 @@ async def test_the_decode_leg_leaves_before_the_prefill_answers_and_names_its_tr
             assert decode["remote_block_ids"] == [] and decode["remote_host_id"] == "standin-host"
             assert decode["remote_endpoints"]["tcp"].startswith("tcp://127.0.0.1:")
             pre.open_gate()
+            dec.open_gate()
             r = await answer
             assert r.status_code == 200, r.text
             if stream:
