@@ -139,6 +139,14 @@ class TandemPromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames,
             )
         )
+        self.pulls_active = per_engine(
+            g(
+                name="tandem_kv_pulls_active",
+                multiprocess_mode="mostrecent",
+                documentation="Pulls under way now (decode side; a layer-wise one while its prefill computes).",
+                labelnames=labelnames,
+            )
+        )
         self._outcome_counter = c(
             name="tandem_kv_lease_outcomes",
             documentation="Leases ended, by outcome.",
@@ -158,5 +166,6 @@ class TandemPromMetrics(KVConnectorPromMetrics):
         self.leases_active[engine_idx].set(d.get("leases_active", 0))
         self.leased_blocks[engine_idx].set(d.get("leased_blocks", 0))
         self.leases_sending[engine_idx].set(d.get("leases_sending", 0))
+        self.pulls_active[engine_idx].set(d.get("pulls_active", 0))
         for outcome, n in d.get("lease_outcomes", {}).items():
             self._outcome_counter.labels(*self._labels[engine_idx], outcome).inc(n)

@@ -11,7 +11,7 @@ from typing import Any
 
 LISTS = ("recv_seconds", "recv_bytes", "send_seconds", "send_blocks")
 COUNTS = ("recv_blocks", "failed_transfers", "rejected", "recv_failed", "unauthenticated", "peer_refused")
-GAUGES = ("leases_active", "leased_blocks", "leases_sending")
+GAUGES = ("leases_active", "leased_blocks", "leases_sending", "pulls_active")
 
 
 @dataclass
@@ -50,13 +50,20 @@ class TransferStats:
             for o in outcomes:
                 self.lease_outcomes[o] = self.lease_outcomes.get(o, 0) + 1
 
-    def snapshot(self, leases_active: int, leased_blocks: int, leases_sending: int) -> dict[str, Any]:
+    def snapshot(
+        self, leases_active: int, leased_blocks: int, leases_sending: int, pulls_active: int = 0
+    ) -> dict[str, Any]:
         """Take what accumulated since the last call (vLLM sums successive snapshots itself)."""
         with self.lock:
             data: dict[str, Any] = {k: getattr(self, k) for k in LISTS}
             data.update({k: getattr(self, k) for k in COUNTS})
             data["lease_outcomes"] = self.lease_outcomes
-            data.update(leases_active=leases_active, leased_blocks=leased_blocks, leases_sending=leases_sending)
+            data.update(
+                leases_active=leases_active,
+                leased_blocks=leased_blocks,
+                leases_sending=leases_sending,
+                pulls_active=pulls_active,
+            )
             for k in LISTS:
                 setattr(self, k, [])
             for k in COUNTS:

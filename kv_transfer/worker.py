@@ -42,7 +42,7 @@ class TandemWorker:
         self._ended_unreported: set[str] = set()
         self._load_errors: set[int] = set()
         self._reports: dict[str, TransferReport] = {}
-        self._last_gauges = (0, 0, 0)
+        self._last_gauges = (0, 0, 0, 0)
         self._layer_index: dict[str, int] = {}
         self._request_of: dict[str, str] = {}
         """Layer-wise leases: transfer id → the prefill request holding its blocks (vLLM frees blocks
@@ -239,7 +239,8 @@ class TandemWorker:
 
     def stats_snapshot(self) -> dict[str, Any] | None:
         """What accumulated since the last step, or None when nothing did (vLLM then sends nothing)."""
-        gauges = (len(self.leases), self.leases.leased_blocks(), self.leases.sending())
+        pulls = 0 if self.puller is None else self.puller.in_flight()
+        gauges = (len(self.leases), self.leases.leased_blocks(), self.leases.sending(), pulls)
         snap = self.stats.snapshot(*gauges)
         moved = any(snap[k] for k in (*LISTS, *COUNTS, "lease_outcomes"))
         if not moved and gauges == self._last_gauges:

@@ -22,9 +22,13 @@ class EngineSnapshot:
     generation_tokens: float
     leases_active: int = 0
     """tandem_kv_leases_active: KV leases the engine's connector holds for decode nodes (prefill side)."""
+    pulls_active: int = 0
+    """tandem_kv_pulls_active: pulls the engine's connector has under way (decode side), a layer-wise
+    one for as long as the prefill node computes the prompt."""
 
 
 LEASES = "tandem_kv_leases_active"
+PULLS = "tandem_kv_pulls_active"
 _WANTED = frozenset(
     {
         "vllm:num_requests_running",
@@ -49,7 +53,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
     by_source: dict[str, float] = {}
     blocks = block_size = 0
     for line in text.splitlines():
-        if not line.startswith(("vllm:", LEASES)):
+        if not line.startswith(("vllm:", LEASES, PULLS)):
             continue  # comments (# HELP, # TYPE), other exporters' samples
         end = len(line)
         for sep in ("{", " "):
@@ -57,7 +61,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
             if 0 <= i < end:
                 end = i
         name = line[:end]
-        if name not in _WANTED and name != LEASES:
+        if name not in _WANTED and name not in (LEASES, PULLS):
             continue
         labels: dict[str, str] = {}
         rest = line[end:]
@@ -87,6 +91,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
         prompt_tokens_by_source=by_source,
         generation_tokens=values.get("vllm:generation_tokens_total", 0.0),
         leases_active=int(values.get(LEASES, 0)),
+        pulls_active=int(values.get(PULLS, 0)),
     )
 
 

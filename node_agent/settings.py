@@ -132,8 +132,9 @@ class NodeSettings(BaseSettings):
     it computes nothing (its processes use under ``COMPUTING_CORES`` of CPU), or with a process stopped
     (SIGSTOP, state T) for this long, counts as hung."""
     stall_compute_timeout_s: float = 300.0
-    """An engine that keeps computing (0.2 of a core or more) without its token counters moving counts
-    as hung after this long. On a slow CPU one prefill step of a long prompt takes longer than
+    """An engine that keeps computing (0.2 of a core or more), or waits for a KV pull its connector
+    has under way (``tandem_kv_pulls_active``), without its token counters moving counts as hung after
+    this long. On a slow CPU one prefill step of a long prompt takes longer than
     ``stall_timeout_s`` (measured on a 2-core AVX2 host: 2,400 prompt tokens in 65 s), and restarting
     it then only repeats the work."""
     tool_call_parser: str | None = "pythonic"

@@ -334,6 +334,12 @@ class EngineSupervisor:
                 await self._beat(info, msgspec.structs.replace(load, failed_probes=failed_probes))
             else:
                 failed_probes = 0
+                if snap.pulls_active:
+                    # Waiting for a pull is waiting on a peer, not a hang: a layer-wise pull lasts as long
+                    # as the prefill node computes the prompt (minutes for a long one on a slow CPU) and
+                    # fails by itself once that node goes quiet (the connector's stall timeout). It gets
+                    # the computing engine's limit, not the idle one's.
+                    computed_at = now
                 tokens = snap.generation_tokens + sum(snap.prompt_tokens_by_source.values())
                 busy = snap.running + snap.waiting > 0
                 still = now - progress[1]
@@ -342,7 +348,9 @@ class EngineSupervisor:
                 elif still > s.stall_compute_timeout_s or (
                     still > s.stall_timeout_s and now - computed_at > s.stall_timeout_s
                 ):
-                    doing = "computing" if now - computed_at <= s.stall_timeout_s else "idle CPU"
+                    doing = "idle CPU"
+                    if now - computed_at <= s.stall_timeout_s:
+                        doing = "pulling KV" if snap.pulls_active else "computing"
                     return Outcome(
                         Ending.FAILED,
                         f"hung: {snap.running} running, {snap.waiting} waiting and no "

@@ -62,9 +62,13 @@ async def _registered(sup: EngineSupervisor, registry: NodeRegistry) -> bool:
     return any(n.info.node_id == sup.settings.node_id for n in await registry.live_nodes())
 
 
-def test_the_lease_gauge_is_read_with_the_engine_metrics() -> None:
-    text = 'tandem_kv_leases_active{engine="0",model_name="m"} 2.0\ntandem_kv_leases_activ 9\nvllm:x 1\n'
-    assert parse_metrics(text).leases_active == 2
+def test_the_lease_and_pull_gauges_are_read_with_the_engine_metrics() -> None:
+    text = (
+        'tandem_kv_leases_active{engine="0",model_name="m"} 2.0\ntandem_kv_leases_activ 9\nvllm:x 1\n'
+        'tandem_kv_pulls_active{engine="0",model_name="m"} 1.0\ntandem_kv_pulls_active{engine="1"} 2.0\n'
+    )
+    snap = parse_metrics(text)
+    assert snap.leases_active == 2 and snap.pulls_active == 3
 
 
 async def test_stop_deregisters_at_once_and_stops_the_engine_only_when_it_has_drained(

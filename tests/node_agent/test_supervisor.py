@@ -237,6 +237,18 @@ async def test_an_engine_that_computes_without_a_token_gets_the_longer_limit(red
         assert a.sup.last_exit is not None and "(computing)" in a.sup.last_exit, a.sup.last_exit
 
 
+async def test_an_engine_waiting_for_a_kv_pull_gets_the_longer_limit(redis_unit_url: str) -> None:
+    # A decode node whose layer-wise pull waits for a long prefill on another node: a request waiting,
+    # no CPU used, no counter moving, a pull under way. Found by bench kv-transfer on a 2-core AVX2 host
+    # (1k-token bf16 prefills of ~30 s): the 30 s idle limit restarted a healthy decode engine.
+    async with agent(redis_unit_url, lambda n: ["--pulling"] if n == 1 else [], stall_compute_timeout_s=6.0) as a:
+        await until(lambda: a.epoch_at_least(1), 30, "first start")
+        started = time.monotonic()
+        await until(lambda: a.epoch_at_least(2), 60, "restart after the longer limit")
+        assert time.monotonic() - started >= 5.0  # the 1 s idle-CPU limit did not apply
+        assert a.sup.last_exit is not None and "(pulling KV)" in a.sup.last_exit, a.sup.last_exit
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

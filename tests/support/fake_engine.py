@@ -10,6 +10,8 @@ stopped, hold ports, and leave helpers behind.
 --busy         report one running request whose token counters never move (a stalled engine)
 --burn         with --busy: also keep a core busy (an engine in one long prefill step, not a deadlock)
 --busy-until F report one running request and one KV lease until file F exists (a node draining)
+--pulling      report one waiting request and one KV pull under way, no counter moving, no CPU used (a
+               decode node waiting for a long prefill on another node)
 --exit-status  exit with this status at once (an engine that cannot start)
 """
 
@@ -23,10 +25,11 @@ import sys
 import time
 
 
-def _metrics(busy: bool, leases: int = 0) -> str:
+def _metrics(busy: bool, leases: int = 0, pulling: bool = False) -> str:
     return (
         f'vllm:num_requests_running{{model_name="fake"}} {1 if busy else 0}\n'
-        'vllm:num_requests_waiting{model_name="fake"} 0\n'
+        f'vllm:num_requests_waiting{{model_name="fake"}} {1 if pulling else 0}\n'
+        f'tandem_kv_pulls_active{{engine="0",model_name="fake"}} {1.0 if pulling else 0.0}\n'
         'vllm:kv_cache_usage_perc{model_name="fake"} 0.0\n'
         'vllm:generation_tokens_total{model_name="fake"} 7\n'
         'vllm:cache_config_info{block_size="16",num_gpu_blocks="64"} 1.0\n'
@@ -40,6 +43,7 @@ def main() -> None:
     p.add_argument("--helper", action="store_true")
     p.add_argument("--busy", action="store_true")
     p.add_argument("--busy-until", default=None)
+    p.add_argument("--pulling", action="store_true", help="one request waiting on a KV pull, no progress")
     p.add_argument("--burn", action="store_true", help="with --busy: also use a core (a long prefill step)")
     p.add_argument("--exit-status", type=int, default=None)
     p.add_argument("--listen-only", action="store_true", help="(internal) the helper: hold the port, sleep")
@@ -80,7 +84,9 @@ def main() -> None:
     app = StandInEngine().app
     app.router.routes += [
         Route(
-            "/metrics", lambda _: PlainTextResponse(_metrics(a.busy or draining(), int(draining()))), methods=["GET"]
+            "/metrics",
+            lambda _: PlainTextResponse(_metrics(a.busy or draining(), int(draining()), a.pulling)),
+            methods=["GET"],
         ),
         Route("/v1/models", lambda _: JSONResponse({"data": [{"id": "fake", "max_model_len": 512}]}), methods=["GET"]),
     ]
