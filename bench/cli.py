@@ -128,10 +128,11 @@ def bench_kv_transfer(
     dtype: Annotated[
         str,
         typer.Option(
-            help="Engine dtype: bfloat16 (the model's own) or float32 (prefills "
-            "~2x faster on AVX2 CPUs, twice the bytes per token)."
+            help="Engine dtype: auto (bfloat16, the model's own, on CPUs with bfloat16 instructions; "
+            "float32 on AVX2-only CPUs, where bfloat16 prefills run ~5x slower), bfloat16 or float32 "
+            "(twice the bytes per token)."
         ),
-    ] = "bfloat16",
+    ] = "auto",
     redis_url: Annotated[
         str | None,
         typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 9)."),

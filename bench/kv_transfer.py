@@ -50,7 +50,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ from infra.launcher import Cluster, ClusterSpec
 from kv_transfer import prefill_request_params
 from kv_transfer.auth import engine_auth_headers
 from kv_transfer.hugepages import advise_huge_pages
+from node_agent.dtype import resolve_dtype
 
 console = Console(stderr=True)
 
@@ -93,7 +94,11 @@ class KvBenchConfig:
     """$TANDEM_REDIS_URL's server, database 9: the benchmark's own."""
     router_port: int = 18500
     node_base_port: int = 18600
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """As the nodes resolve it (``node_agent.dtype``): the model's bfloat16 where the CPU has bfloat16
+    instructions, float32 where it has only AVX2 (bfloat16 matmuls there run ~5x slower: a 1k-token
+    prefill took ~30 s on this project's 2-core AVX2 host, a 7.5k one minutes). Resolved before the
+    run, so the JSON says which it was."""
     kv_cache_gib: int = 2
     nixl: bool = True
     ttft_tokens: int = 1000
@@ -398,6 +403,8 @@ def _started(cluster: Cluster, what: str) -> Any:
 
 def run_kv_transfer_bench(out: Path, cfg: KvBenchConfig | None = None) -> dict[str, Any]:
     cfg = cfg or KvBenchConfig()
+    cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype))
+    console.print(f"engines in {cfg.dtype}")
     workdir = Path(".tandem") / "bench-kv-transfer"
     samples: list[Sample] = []
     ttfts: dict[str, float] = {}
