@@ -51,7 +51,7 @@ class TransferStats:
                 self.lease_outcomes[o] = self.lease_outcomes.get(o, 0) + 1
 
     def snapshot(
-        self, leases_active: int, leased_blocks: int, leases_sending: int, pulls_active: int = 0
+        self, leases_active: int, leased_blocks: int, leases_sending: int, pulls_active: int
     ) -> dict[str, Any]:
         """Take what accumulated since the last call (vLLM sums successive snapshots itself)."""
         with self.lock:

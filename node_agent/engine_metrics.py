@@ -37,6 +37,8 @@ _WANTED = frozenset(
         "vllm:prompt_tokens_by_source_total",
         "vllm:cache_config_info",
         "vllm:generation_tokens_total",
+        LEASES,
+        PULLS,
     }
 )
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -53,7 +55,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
     by_source: dict[str, float] = {}
     blocks = block_size = 0
     for line in text.splitlines():
-        if not line.startswith(("vllm:", LEASES, PULLS)):
+        if not line.startswith(("vllm:", "tandem_kv_")):
             continue  # comments (# HELP, # TYPE), other exporters' samples
         end = len(line)
         for sep in ("{", " "):
@@ -61,7 +63,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
             if 0 <= i < end:
                 end = i
         name = line[:end]
-        if name not in _WANTED and name not in (LEASES, PULLS):
+        if name not in _WANTED:
             continue
         labels: dict[str, str] = {}
         rest = line[end:]
