@@ -107,7 +107,8 @@ async def _one(
     }
     out = await send(client, url.rstrip("/") + "/v1/completions", body, headers, on_chunk=on_chunk)
     if out.status != "ok" or not out.chunk_times:
-        raise RuntimeError(f"profiling request failed: {out.error}")
+        why = out.error or "the stream ended without a token"
+        raise RuntimeError(f"profiling request failed: {why} (HTTP {out.http_status})")
     return [out.sent, *out.chunk_times], out.cached_tokens or 0
 
 

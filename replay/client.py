@@ -2,10 +2,14 @@
 
 ``send`` posts ``/v1/completions`` with the prompt as token ids, ``stream: true`` and
 ``stream_options.include_usage``, and reads the event stream as bytes arrive. It records the time of
-every chunk that carries text (TTFT is the first; ITL the gaps between them, so a chunk holding several
-tokens counts once, as a client sees it) and the final ``usage`` (prompt, completion and cached tokens,
-``prompt_tokens_details.cached_tokens``). ``ignore_eos`` asks a vLLM engine for exactly ``max_tokens``
-tokens, so output lengths are the trace's.
+every chunk that carries a token (TTFT is the first; ITL the gaps between them, so a chunk holding
+several tokens counts once, as a client sees it) and the final ``usage`` (prompt, completion and cached
+tokens, ``prompt_tokens_details.cached_tokens``). A token's chunk may hold no text: a special token
+(``<|im_end|>`` after an ignored EOS) or the first bytes of a character are held back by the
+detokenizer, and vLLM still sends the chunk (text ``""``, no ``finish_reason``). Such chunks count; a
+closing chunk with no text and a ``finish_reason`` counts only when no chunk came before it (a one-token
+answer whose token has no text), since a server may close a stream with one after the last token.
+``ignore_eos`` asks a vLLM engine for exactly ``max_tokens`` tokens, so output lengths are the trace's.
 
 Outcomes (``Outcome.status``): ``ok`` (the stream ended with ``[DONE]``), ``error`` (an HTTP error
 status, a transport error, an ``error`` event, a stream cut before ``[DONE]``: ``error`` says which),
@@ -33,7 +37,7 @@ class Outcome:
     sent: float = 0.0
     """``time.monotonic()`` when the request was sent."""
     chunk_times: list[float] = field(default_factory=list)
-    """Monotonic time of every chunk that carried text."""
+    """Monotonic time of every chunk that carried a token (module docstring)."""
     end: float = 0.0
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -45,6 +49,17 @@ def _usage(out: Outcome, usage: dict[str, Any]) -> None:
     out.completion_tokens = usage.get("completion_tokens")
     details = usage.get("prompt_tokens_details") or {}
     out.cached_tokens = details.get("cached_tokens")
+
+
+def _carries_token(choices: list[dict[str, Any]], *, first: bool) -> bool:
+    """Whether a completion chunk's choices hold a token (module docstring): text, or no text yet no
+    ``finish_reason``, or a closing chunk with no chunk before it. A usage-only chunk has no choices."""
+    for c in choices:
+        if "text" not in c:
+            continue
+        if c["text"] or c.get("finish_reason") is None or first:
+            return True
+    return False
 
 
 async def _stream(
@@ -76,7 +91,7 @@ async def _stream(
             if "error" in event:
                 out.error = f"error event: {json.dumps(event['error'])[:300]}"
                 return
-            if any(c.get("text") for c in event.get("choices") or []):
+            if _carries_token(event.get("choices") or [], first=not out.chunk_times):
                 out.chunk_times.append(time.monotonic())
                 if on_chunk is not None:
                     on_chunk(out)
