@@ -552,21 +552,57 @@ def _fmt(v: float | None) -> str:
 
 
 def plot(result: dict[str, Any], out_png: Path) -> None:
+    """Three panels: whole pulls' GB/s against the memcpy ceiling; the exposed time (prefill's answer to
+    every block in place) of whole pulls against layer-wise ones, per transport (layer-wise pulls have
+    no GB/s of their own: they span the prefill); and the fixed cost of a 1-block pull, median and
+    quartiles, against its 3 ms target."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, sizes in sorted(result["transfers"].items()):
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.8))
+    colors = {t: f"C{i}" for i, t in enumerate((*TRANSPORTS, "nixl", "nixl_tcp"))}
+    transfers = result["transfers"]
+    for name, sizes in sorted(transfers.items()):
+        if name.startswith("layerwise-"):
+            continue
         xs = sorted(sizes, key=int)
-        ax1.plot([sizes[x]["tokens"] for x in xs], [sizes[x]["gbps"] for x in xs], marker="o", label=name)
-        ax2.plot([sizes[x]["tokens"] for x in xs], [sizes[x]["ms"] for x in xs], marker="o", label=name)
+        label = name.removeprefix("tandem-")
+        ax1.plot(
+            [sizes[x]["tokens"] for x in xs], [sizes[x]["gbps"] for x in xs], "o-", color=colors[label], label=label
+        )
     ax1.axhline(result["memcpy_gbps"], color="grey", linestyle="--", label="memcpy ceiling")
-    ax1.set(xlabel="prompt tokens", ylabel="effective GB/s", title="KV transfer throughput")
-    ax2.set(xlabel="prompt tokens", ylabel="transfer time (ms, log)", title="Per-request transfer time", yscale="log")
-    ax1.legend(fontsize=8)
-    ax2.legend(fontsize=8)
+    ax1.set(xlabel="prompt tokens", ylabel="GB/s (median of whole pulls)", title="Whole-pull throughput")
+    for t in TRANSPORTS:
+        for kind, style in (("tandem", "o-"), ("layerwise", "s--")):
+            sizes = transfers.get(f"{kind}-{t}", {})
+            xs = [x for x in sorted(sizes, key=int) if sizes[x]["exposed_ms"] is not None]
+            if xs:
+                label = f"{t} {'whole' if kind == 'tandem' else 'layer-wise'}"
+                ax2.plot(
+                    [sizes[x]["tokens"] for x in xs],
+                    [sizes[x]["exposed_ms"] for x in xs],
+                    style,
+                    color=colors[t],
+                    label=label,
+                )
+    ax2.axhline(0, color="black", lw=0.8)
+    ax2.set_yscale("symlog", linthresh=10)
+    ax2.set(xlabel="prompt tokens", ylabel="ms after the prefill's answer (symlog)", title="Exposed transfer time")
+    spread = result["pull_fixed_spread_ms"]
+    shown = [t for t in TRANSPORTS if result["pull_fixed_ms"].get(t) is not None]
+    medians = [result["pull_fixed_ms"][t] for t in shown]
+    low = [m - (spread[t] or [m, m])[0] for t, m in zip(shown, medians, strict=True)]
+    high = [(spread[t] or [m, m])[1] - m for t, m in zip(shown, medians, strict=True)]
+    ax3.bar(shown, medians, yerr=[low, high], capsize=4, color=[colors[t] for t in shown])
+    ax3.axhline(3.0, color="grey", linestyle="--", label="target (3 ms)")
+    ax3.set(ylabel="ms (median, quartiles)", title="Fixed cost: a 1-block pull")
+    for ax in (ax1, ax2, ax3):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    dtype = result["config"].get("dtype", "")
+    fig.suptitle(f"tandem bench kv-transfer: 1P+1D real engines, {dtype}")
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)

@@ -3,6 +3,8 @@ transport, on the best transport in the RESULT line, and a missing figure reads 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.kv_transfer import PULL_FIXED_TOKENS, KvBenchConfig, Sample, summarise
@@ -41,3 +43,22 @@ def test_summary_reports_exposed_time_and_fixed_cost_on_the_best_transport(capsy
     assert fields["exposed_whole_ms"] == "65.000" and fields["pull_fixed_ms"] == "2.100"
     assert fields["exposed_layerwise_ms"] == "na"
     assert fields["pull_fixed_p25_ms"] == "2.000" and fields["pull_fixed_p75_ms"] == "3.550"
+
+
+def test_plot_draws_layerwise_exposed_time_and_fixed_cost_with_figures_missing(tmp_path: Path) -> None:
+    """Layer-wise entries carry no GB/s (only an exposed time), a transport may have no fixed pulls and
+    NIXL may not have run: the plot still draws every panel."""
+    from bench.kv_transfer import plot
+
+    cfg = KvBenchConfig(sizes=(1000,), repeats=1, nixl=False)
+    samples = [
+        Sample("tandem-shm", 1010, 46e6, 0.009, 0.020),
+        Sample("tandem-tcp", 1010, 46e6, 0.040, 0.050),
+        Sample("layerwise-shm", 1010, 0.0, 0.0, -0.120),
+        Sample("layerwise-tcp", 1010, 0.0, 0.0, None),
+    ]
+    fixed = [Sample("fixed-shm", PULL_FIXED_TOKENS, 5.9e6, 0.003)]
+    result = summarise(samples, cfg, {}, 5_900_000, fixed, memcpy_gbps=8.0)
+    out = tmp_path / "kv.png"
+    plot(result, out)
+    assert out.read_bytes().startswith(b"\x89PNG")
