@@ -593,8 +593,9 @@ def plot(result: dict[str, Any], out_png: Path) -> None:
     spread = result["pull_fixed_spread_ms"]
     shown = [t for t in TRANSPORTS if result["pull_fixed_ms"].get(t) is not None]
     medians = [result["pull_fixed_ms"][t] for t in shown]
-    low = [m - (spread[t] or [m, m])[0] for t, m in zip(shown, medians, strict=True)]
-    high = [(spread[t] or [m, m])[1] - m for t, m in zip(shown, medians, strict=True)]
+    quartiles = [spread[t] or [m, m] for t, m in zip(shown, medians, strict=True)]
+    low = [m - q[0] for m, q in zip(medians, quartiles, strict=True)]
+    high = [q[1] - m for m, q in zip(medians, quartiles, strict=True)]
     ax3.bar(shown, medians, yerr=[low, high], capsize=4, color=[colors[t] for t in shown])
     ax3.axhline(3.0, color="grey", linestyle="--", label="target (3 ms)")
     ax3.set(ylabel="ms (median, quartiles)", title="Fixed cost: a 1-block pull")

@@ -38,8 +38,8 @@ USAGE = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}
 
 
 def test_tokens_without_text_count_as_chunks() -> None:
-    """vLLM streams ``<|im_end|>`` (skipped as special) as a chunk with text "": three tokens, none of
-    them with text, are three chunks, and the answer is ok (it was an error before: no chunk at all)."""
+    """vLLM streams ``<|im_end|>`` (skipped as special) as a chunk with text "": tokens without text
+    count, and the answer is ok (it was an error before: no chunk at all)."""
     out = _send(_sse(_choice(""), _choice(""), _choice("", "length"), USAGE))
     assert out.status == "ok"
     # the closing chunk holds vLLM's last token, but without text it cannot be told from a bare closing
