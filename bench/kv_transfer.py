@@ -511,9 +511,14 @@ def summarise(
     result["targets"] = {
         "best_vs_memcpy": round(result["best_gbps"] / memcpy, 3),
         "best_at_least_60pct_memcpy": result["best_gbps"] >= 0.6 * memcpy,
-        "best_not_slower_than_nixl": result["nixl_gbps"] is None or result["best_gbps"] >= result["nixl_gbps"],
-        "tcp_not_slower_than_nixl_tcp": result["nixl_tcp_gbps"] is None
-        or (result["tcp_gbps"] or 0) >= result["nixl_tcp_gbps"],
+        # None: NIXL was not measured (--no-nixl, or it failed to load); a comparison without its other
+        # side is not a pass
+        "best_not_slower_than_nixl": None
+        if result["nixl_gbps"] is None
+        else result["best_gbps"] >= result["nixl_gbps"],
+        "tcp_not_slower_than_nixl_tcp": None
+        if result["nixl_tcp_gbps"] is None
+        else (result["tcp_gbps"] or 0) >= result["nixl_tcp_gbps"],
         "pull_fixed_at_most_3ms": fixed_ms[best] is not None and fixed_ms[best] <= 3.0,
         # on shm and on tcp; None: not measured on one of them
         "layerwise_at_most_30pct_of_whole": None

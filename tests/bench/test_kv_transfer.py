@@ -37,6 +37,9 @@ def test_summary_reports_exposed_time_and_fixed_cost_on_the_best_transport(capsy
     assert result["pull_fixed_spread_ms"]["ipc"] is None
     assert result["targets"]["pull_fixed_at_most_3ms"] is True
     assert result["targets"]["layerwise_at_most_30pct_of_whole"] is None
+    # NIXL off: its comparisons are not measured, so neither reads as held
+    assert result["targets"]["best_not_slower_than_nixl"] is None
+    assert result["targets"]["tcp_not_slower_than_nixl_tcp"] is None
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("RESULT ")
     fields = dict(kv.split("=") for kv in line.removeprefix("RESULT ").split())
@@ -62,3 +65,18 @@ def test_plot_draws_layerwise_exposed_time_and_fixed_cost_with_figures_missing(t
     out = tmp_path / "kv.png"
     plot(result, out)
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_nixl_targets_compare_when_nixl_was_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    """With NIXL measured, each comparison is a real True or False, at the largest size."""
+    cfg = KvBenchConfig(sizes=(7500,), repeats=1, nixl=True)
+    samples = [
+        Sample("tandem-shm", 7510, 348e6, 0.040),
+        Sample("tandem-tcp", 7510, 348e6, 0.300),
+        Sample("nixl", 7510, 348e6, 0.100),  # shm faster than NIXL
+        Sample("nixl_tcp", 7510, 348e6, 0.200),  # tcp slower than NIXL over tcp
+    ]
+    targets = summarise(samples, cfg, {}, 2_900_000, [], memcpy_gbps=10.0)["targets"]
+    assert targets["best_not_slower_than_nixl"] is True
+    assert targets["tcp_not_slower_than_nixl_tcp"] is False
+    capsys.readouterr()
