@@ -18,6 +18,14 @@ repository), an old one the likeliest to come back hot when its engine evicts it
 spares tail first, so its tail leaves first. Without pressure nothing leaves, so the tier still holds
 every engine's blocks for an engine restart or the other node.
 
+Pinned spares. A pin guards a session's context across its pause, but while the engine still holds a
+block the tier's pinned copy guards nothing: kept, half the tier's pins would hold duplicates and crowd
+out the only copies of everything else. So the order is: unpinned spares, then pinned spares
+(``pinned_spare``; the server keeps their pins by key and puts them back when the engine evicts the
+block and it is stored again, hot), then unpinned only-copies (``lru``), then pinned only-copies
+(``pinned_lru``, the soonest expiry first). A block of the request being stored is never its victim
+(``keep``: a request's blocks are one chain, of use only from its head).
+
 ``demote`` (a session's superseded blocks, ``server.py``) puts a block first in line to leave.
 
 One policy per file behind ``EvictionPolicy`` (the server calls only these methods).
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 
@@ -39,8 +48,9 @@ class EvictionPolicy(Protocol):
     def unpin(self, slot: int) -> None: ...
     def demote(self, slot: int) -> None: ...
     def spare(self, slot: int) -> None: ...
-    def victim(self, now: float) -> tuple[int, str] | None:
-        """The slot to evict and why (``lru`` or ``pinned_lru``), or None if nothing is held."""
+    def victim(self, now: float, keep: AbstractSet[int] = frozenset()) -> tuple[int, str] | None:
+        """The slot to evict and why (``lru``, ``pinned_spare`` or ``pinned_lru``), never one of ``keep``
+        (the blocks of the request being stored); None if nothing else is held."""
         ...
 
 
@@ -118,15 +128,25 @@ class RetentionLru:
             if self._pinned.get(slot) == until:
                 del self._pinned[slot]
 
-    def victim(self, now: float) -> tuple[int, str] | None:
+    def victim(self, now: float, keep: AbstractSet[int] = frozenset()) -> tuple[int, str] | None:
         self._expire(now)
-        for order in (self._spare, self._lru):  # oldest first; pinned ones are skipped (few: budgeted)
-            for slot in order:
-                if slot not in self._pinned:
-                    return slot, "lru"
+        for slot in self._spare:  # oldest first; pinned and kept ones are skipped (few)
+            if slot not in self._pinned and slot not in keep:
+                return slot, "lru"
+        for slot in self._spare:  # a pin guards a session's context, and its engine holds this copy
+            if slot not in keep:
+                return slot, "pinned_spare"
+        for slot in self._lru:
+            if slot not in self._pinned and slot not in keep:
+                return slot, "lru"
         while self._expiry:
             until, slot = self._expiry[0]
             if self._pinned.get(slot) == until:
-                return slot, "pinned_lru"
-            heapq.heappop(self._expiry)
-        return None
+                if slot not in keep:
+                    return slot, "pinned_lru"
+                break
+            heapq.heappop(self._expiry)  # stale
+        # the soonest expiry is kept: the next live one in order (rare, so a sort is fine)
+        live = (e for e in sorted(self._expiry) if self._pinned.get(e[1]) == e[0] and e[1] not in keep)
+        first = next(live, None)
+        return None if first is None else (first[1], "pinned_lru")

@@ -10,8 +10,8 @@ builds the Arrow batch and talks to Redis (``telemetry.emitter``), so a slow or 
 A row holds the gauges at the interval's end (blocks by state, pinned bytes) and the counters' deltas
 over it. Evictions and forgotten blocks are counted by reason: each reason known here (the policy's
 ``lru`` and ``pinned_lru``, the client's ``corrupt``) has a column of its own, so a query sums it
-without parsing; any other reason goes into a JSON column (``{"reason": blocks}``), so a reason added
-later reaches the lake before its column does.
+without parsing; any other reason (the policy's ``pinned_spare``) goes into a JSON column
+(``{"reason": blocks}``), so a reason added later reaches the lake before its column does.
 
 The last interval's row is emitted when the server stops (``close``), so the rows of one server run sum
 to its counters. A restarted server counts from zero again; its rows start a new series (the counters

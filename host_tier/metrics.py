@@ -8,7 +8,7 @@ reads only that: a scrape never touches the live state and never waits for the l
     tandem_tier_pinned_bytes                       gauge           what session retention holds
     tandem_tier_stored_total, _hits_total, _misses_total           counters (blocks)
     tandem_tier_pinned_hits_total                  counter         hits on pinned blocks ("hits saved")
-    tandem_tier_evictions_total{reason=lru|pinned_lru}             counter
+    tandem_tier_evictions_total{reason=lru|pinned_spare|pinned_lru}  counter
     tandem_tier_forgotten_total{reason=corrupt|...}                counter
     tandem_tier_pins_refused_total, _demoted_total, _reclaimed_total
 """

@@ -29,6 +29,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,11 +65,13 @@ class TierCore:
         self.arena = arena
         self.endpoints = endpoints
         self.pin_budget = max(int(arena.n_slots * tenant_pin_share), 1)
-        self.owner_pins: dict[str, tuple[str, float, set[int]]] = {}
-        """owner -> (tenant, until, the slots its last Pin pinned); dropped when it expires (``reclaim``)."""
+        self.owner_pins: dict[str, tuple[str, float, set[bytes]]] = {}
+        """owner -> (tenant, until, the keys its last Pin pinned); dropped when it expires (``reclaim``)."""
         self.tenant_pins: Counter[str] = Counter()
-        self.slot_owners: dict[int, dict[str, float]] = {}
-        """slot -> {owner: until}: who pins it, each until when (several sessions may share a prefix)."""
+        self.key_owners: dict[bytes, dict[str, float]] = {}
+        """key -> {owner: until}: who pins it, each until when (several sessions may share a prefix). By
+        key, not slot: a pinned spare may leave while its engine holds the block, and its pin waits here
+        for the block to come back (``_commit``)."""
         self.pinned_hits = self.pins_refused = self.demoted = 0
         self.events = events
         self.write_timeout_s = write_timeout_s
@@ -107,7 +110,12 @@ class TierCore:
             a = self.arena
             return m.Welcome(str(a.path), a.slot_bytes, a.n_slots, a.fingerprint, m.PROTOCOL, *self.endpoints)
         if isinstance(req, m.Reserve):
-            return m.Reserved([self._reserve(k, req.cold) for k in req.keys])
+            # A store never evicts a block of its own request: a request's keys are one chain, useful
+            # only from its head, so dropping its held head to store its tail loses both (a finished
+            # request's cold copy of a shared prefix plus its own task blocks, under pressure, would
+            # otherwise evict the prefix's last block: the oldest spare left).
+            keep = frozenset(s for k in req.keys if (s := self.by_key.get(k)) is not None)
+            return m.Reserved([self._reserve(k, req.cold, keep) for k in req.keys])
         if isinstance(req, m.Commit):
             self._commit(req.slots, req.keys)
             return m.Done()
@@ -151,24 +159,23 @@ class TierCore:
             return m.Pinned(len(held))
         tenant, _, before = self.owner_pins.pop(req.owner, (req.tenant, 0.0, set()))
         self.tenant_pins[tenant] -= len(before)
-        for slot in before:
-            self.slot_owners.get(slot, {}).pop(req.owner, None)
-        pinned: set[int] = set()
+        for k in before:
+            self.key_owners.get(k, {}).pop(req.owner, None)
+        pinned: set[bytes] = set()
         refused = 0
         for k in req.keys:
-            slot = self.by_key.get(k)
-            if slot is None or slot in pinned:
+            if k not in self.by_key or k in pinned:
                 continue
             if self.tenant_pins[req.tenant] + len(pinned) >= self.pin_budget:
                 refused += 1
                 continue
-            pinned.add(slot)
-            self.slot_owners.setdefault(slot, {})[req.owner] = until
-            self._set_pin(slot)
-        for slot in before - pinned:
-            shared = bool(self.slot_owners.get(slot))  # another session sharing the prefix still keeps it
-            self._set_pin(slot)
-            if not shared:
+            pinned.add(k)
+            self.key_owners.setdefault(k, {})[req.owner] = until
+            self._set_pin(k)
+        for k in before - pinned:
+            shared = bool(self.key_owners.get(k))  # another session sharing the prefix still keeps it
+            self._set_pin(k)
+            if not shared and (slot := self.by_key.get(k)) is not None:
                 self.policy.demote(slot)
                 self.demoted += 1
         if pinned:
@@ -177,25 +184,30 @@ class TierCore:
         self.pins_refused += refused
         return m.Pinned(len(pinned), refused)
 
-    def _set_pin(self, slot: int) -> None:
-        """The slot's pin: the latest expiry among its owners, or none when it has none left."""
-        owners = self.slot_owners.get(slot)
+    def _set_pin(self, key: bytes) -> None:
+        """The key's pin: the latest expiry among its owners, or none when it has none left (a key not
+        held keeps its owners, waiting for the block to be stored again)."""
+        owners = self.key_owners.get(key)
+        if not owners:
+            self.key_owners.pop(key, None)
+        slot = self.by_key.get(key)
+        if slot is None:
+            return
         if owners:
             self.policy.set_pin(slot, max(owners.values()))
         else:
-            self.slot_owners.pop(slot, None)
             self.policy.unpin(slot)
 
-    def _unpin_slot(self, slot: int) -> None:
-        """A pinned slot leaves the tier: it no longer counts against its owners' tenants."""
-        for owner in self.slot_owners.pop(slot, {}):
+    def _unpin_key(self, key: bytes) -> None:
+        """A pinned block leaves the tier for good: it no longer counts against its owners' tenants."""
+        for owner in self.key_owners.pop(key, {}):
             entry = self.owner_pins.get(owner)
             if entry is None:
                 continue
-            tenant, _, slots = entry
-            slots.discard(slot)
+            tenant, _, keys = entry
+            keys.discard(key)
             self.tenant_pins[tenant] -= 1
-            if not slots:
+            if not keys:
                 del self.owner_pins[owner]
 
     def stats(self) -> m.TierStats:
@@ -216,7 +228,7 @@ class TierCore:
             demoted=self.demoted,
         )
 
-    def _reserve(self, key: bytes, cold: bool = False) -> int:
+    def _reserve(self, key: bytes, cold: bool = False, keep: AbstractSet[int] = frozenset()) -> int:
         slot = self.by_key.get(key)
         if slot is not None:
             if not cold:
@@ -225,10 +237,11 @@ class TierCore:
         if not self.free:
             self.reclaim()
         if not self.free:
-            victim = self.policy.victim(self.clock())
+            victim = self.policy.victim(self.clock(), keep)
             if victim is None:
-                return -1  # every slot is being written
-            self._drop(victim[0])
+                return -1  # every slot is being written, or held by this same request
+            # a pinned spare's engine still holds the block: its pin waits for the block to come back
+            self._drop(victim[0], keep_pin=victim[1] == "pinned_spare")
             self.evictions[victim[1]] += 1
         slot = self.free.pop()
         self.writing[slot] = (key, self.clock(), cold)
@@ -252,6 +265,8 @@ class TierCore:
             self.policy.add(slot)
             if w[2]:
                 spares.append(slot)
+            if key in self.key_owners:  # a pinned spare that left while its engine held it, back
+                self._set_pin(key)
             stored.append(key)
         for slot in reversed(spares):  # a chain's tail the oldest spare: it leaves first
             self.policy.spare(slot)
@@ -279,10 +294,10 @@ class TierCore:
                 self.policy.touch(slot)
         return out
 
-    def _drop(self, slot: int) -> None:
-        if slot in self.slot_owners:
-            self._unpin_slot(slot)
+    def _drop(self, slot: int, *, keep_pin: bool = False) -> None:
         key = self.key_of.pop(slot)
+        if key in self.key_owners and not keep_pin:
+            self._unpin_key(key)
         del self.by_key[key]
         self.policy.remove(slot)
         self.arena.invalidate(slot)
@@ -294,13 +309,13 @@ class TierCore:
         """Take back reservations whose writer has not committed within ``write_timeout_s``, and forget
         the owners whose pins expired (their blocks stay, as plain LRU ones; the budget is free again)."""
         now = self.clock()
-        for owner, (tenant, until, slots) in list(self.owner_pins.items()):
+        for owner, (tenant, until, keys) in list(self.owner_pins.items()):
             if until <= now:
                 del self.owner_pins[owner]
-                self.tenant_pins[tenant] -= len(slots)
-                for slot in slots:
-                    self.slot_owners.get(slot, {}).pop(owner, None)
-                    self._set_pin(slot)
+                self.tenant_pins[tenant] -= len(keys)
+                for k in keys:
+                    self.key_owners.get(k, {}).pop(owner, None)
+                    self._set_pin(k)
         cutoff = now - self.write_timeout_s
         for slot, (_, since, _) in list(self.writing.items()):
             if since < cutoff:

@@ -358,3 +358,61 @@ def test_blocks_an_engine_loaded_become_spares_and_a_hit_chain_s_head_stays_long
     put(core, 6)
     assert held(core, range(7)) == [0, 4, 5, 6]
     assert core.stats().evictions == {"lru": 3}
+
+
+def test_a_store_never_evicts_a_block_of_its_own_chain(arena: Arena) -> None:
+    """Under pressure, a finished request's cold store of a held shared prefix plus its own new block
+    evicts something else, not the prefix's last block (the oldest spare left): the prefix stays whole
+    for the next node."""
+    core = TierCore(arena)
+    put(core, 0)  # the tier's only copy of some other block
+    put_cold(core, [1, 2, 3])  # request A computed a prefix: spares, its tail (3) the oldest
+    # request B (same prefix, another task) ends on A's node: its chain is the prefix and block 4
+    reserved = core.handle(m.Reserve([key(1), key(2), key(3), key(4)], cold=True))
+    assert isinstance(reserved, m.Reserved) and reserved.slots[:3] == [-1, -1, -1] and reserved.slots[3] >= 0
+    assert held(core, range(5)) == [1, 2, 3]  # block 0 left, the prefix stayed whole
+    # When only the request's own blocks are left to evict, the new block is not stored.
+    core.handle(m.Abort([reserved.slots[3]], [key(4)]))
+    put_cold(core, [5])
+    assert core.handle(m.Reserve([key(1), key(2), key(3), key(5), key(6)], cold=True)) == m.Reserved(
+        [-1, -1, -1, -1, -1]
+    )
+    assert held(core, range(7)) == [1, 2, 3, 5]
+
+
+def test_pinned_blocks_of_the_storing_request_are_not_its_victims(arena: Arena) -> None:
+    clock = Clock()
+    core = TierCore(arena, clock=clock, tenant_pin_share=1.0)
+    for i in range(4):
+        put(core, i)
+    core.handle(m.Pin([key(0)], 10.0, owner="s1", tenant="A"))  # expires first
+    core.handle(m.Pin([key(1), key(2), key(3)], 60.0, owner="s2", tenant="A"))
+    reserved = core.handle(m.Reserve([key(0), key(4)]))  # everything pinned; block 0 is this chain's
+    assert isinstance(reserved, m.Reserved) and reserved.slots[1] >= 0
+    assert key(0) in core.by_key and core.stats().evictions == {"pinned_lru": 1}
+
+
+def test_a_pinned_spare_leaves_before_the_only_copies_and_its_pin_returns_with_the_block(arena: Arena) -> None:
+    """A session's pinned context that its engine still holds is a duplicate: under pressure it leaves
+    before the tier's only copies, and when the engine evicts the block (stored again, hot) the pin is
+    back, still counted against the tenant."""
+    clock = Clock()
+    core = TierCore(arena, clock=clock, tenant_pin_share=1.0)
+    put(core, 0)
+    put(core, 1)  # only copies of other blocks
+    put_cold(core, [2, 3])  # the session's turn ended: its engine keeps the blocks
+    assert core.handle(m.Pin([key(2), key(3)], 60.0, owner="s", tenant="A")) == m.Pinned(2, 0)
+    put(core, 4)  # pressure: the pinned spare's tail goes, not the only copies 0 and 1
+    assert held(core, range(5)) == [0, 1, 2, 4]
+    assert core.stats().evictions == {"pinned_spare": 1} and core.tenant_pins["A"] == 2
+    put(core, 3)  # the engine evicted block 3: stored again, its pin with it
+    assert held(core, range(5)) == [0, 1, 3, 4]  # (block 2, a pinned spare still, made the room)
+    assert core.policy.is_pinned(core.by_key[key(3)], clock.t)
+    put(core, 5)
+    put(core, 6)
+    # pinned and now the only copy: it stays while the unpinned ones go
+    assert held(core, range(7)) == [3, 4, 5, 6] and core.tenant_pins["A"] == 2
+    # the TTL ends: the pin and its budget are gone
+    clock.t += 61
+    core.reclaim()
+    assert core.tenant_pins["A"] == 0 and not core.key_owners
