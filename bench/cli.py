@@ -244,7 +244,8 @@ def bench_kv_cache(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
         "results/bench-kv-cache.json"
     ),
-    node_blocks: Annotated[int, typer.Option(help="Engine KV blocks per node (32 tokens each).")] = 128,
+    nodes: Annotated[int, typer.Option(help="Colocated nodes sharing the host's tier (at least 2).", min=2)] = 4,
+    node_blocks: Annotated[int, typer.Option(help="Engine KV blocks per node (32 tokens each).")] = 96,
     tier_mib: Annotated[int, typer.Option(help="Host tier size, MiB (the bigger_cache arm splits it).")] = 192,
     pin_share: Annotated[
         float, typer.Option(help="Share of the tier the bench's one tenant may pin (retention's budget).")
@@ -273,8 +274,8 @@ def bench_kv_cache(
 ) -> None:
     """Host tier and session retention against the engines alone and against giving the engines the
     tier's memory as KV cache, on agent sessions whose shared context outgrows one node's cache, with
-    tool pauses; the unlimited-cache ceiling alongside. Four arms of 2 fresh colocated nodes each,
-    ~15-20 min on 2 cores. The last line is RESULT ceiling_hit=… engines_hit=… bigger_cache_hit=…
+    tool pauses; the unlimited-cache ceiling alongside. Four arms of 4 fresh colocated nodes each
+    (``--nodes``), ~20-25 min on 2 cores. The last line is RESULT ceiling_hit=… engines_hit=… bigger_cache_hit=…
     tier_hit=… retention_hit=… engines_ttft_p50_ms=… tier_ttft_p50_ms=… local_hit_ttft_ms=…
     remote_hit_ttft_ms=… miss_ttft_ms=…"""
     from dataclasses import replace
@@ -295,6 +296,7 @@ def bench_kv_cache(
     )
     cfg = replace(
         base,
+        nodes=nodes,
         node_blocks=node_blocks,
         tier_mib=tier_mib,
         pin_share=pin_share,

@@ -3,23 +3,28 @@ context does not fit one node's engine cache, against the fair baseline of givin
 
 Workload: ``bench.agent_workload`` (sessions over shared repositories, growing turns, real SSE through
 the router, ``x-session-id`` on every request), sized so that the run's shared context (system prompt
-and repositories: ~6.7k tokens, 210 blocks) is larger than one node's engine cache (128 blocks), with
-tool pauses (``think_s``) long enough for the other sessions to push a paused session's blocks out of
-the engines. A repository's three sessions start one after another, 5 s apart (``fan_out_gap_s``:
-parallel agents on one repository, as coding agents fan out), so cache-aware routing, which weighs a
-node's queue against its cached prefix, often places them on both nodes: each repository's context is
-then wanted on both, once in the host tier or twice in the engines. (5 s is about one prefill of the
-repository here: sessions started closer would compute it in parallel before any cache could hold it,
-a loss no arm can avoid and the unlimited-cache ceiling does not count.)
+and repositories: ~6.7k tokens, 210 blocks) is larger than one node's engine cache in every arm (96
+blocks alone, 164 with the bigger cache), with tool pauses (``think_s``) long enough for the other
+sessions to push a paused session's blocks out of the engines. A repository's three sessions start one
+after another, 5 s apart (``fan_out_gap_s``: parallel agents on one repository, as coding agents fan
+out), so cache-aware routing, which weighs a node's queue against its cached prefix, often places them
+on different nodes: each repository's context is then wanted on several, once in the host tier or
+again in each engine. (5 s is about one prefill of the repository here: sessions started closer would
+compute it in parallel before any cache could hold it, a loss no arm can avoid and the unlimited-cache
+ceiling does not count.)
 
-Arms, each on 2 fresh colocated nodes behind one router (cache_aware), fresh content per arm (a salt in
-the shared system prompt, so no arm warms another), in this order:
+Four colocated nodes (``nodes``) share the host, as engines on a GPU host's GPUs do: with two, cache-
+aware routing keeps most of a repository's sessions on one node, and the bigger cache ties the tier
+(2026-12-03, 2 nodes, 2 repositories of 6 sessions: 0.904 against 0.903, both 0.98 of the ceiling).
+
+Arms, each on ``nodes`` fresh colocated nodes behind one router (cache_aware), fresh content per arm (a
+salt in the shared system prompt, so no arm warms another), in this order:
 
     engines        the engines alone: ``node_blocks`` KV blocks each
-    tier           our tiers: the same engines + a host tier of ``tier_mib`` (shared by both nodes: a
-                   block one node offloaded, the other loads) + cross-node reuse (``--peer-kv``: a node
-                   loads a prefix the other's engine holds, ``router.peer_fetch``), retention off
-    bigger_cache   no tier; each engine given its half of the tier's memory as extra KV blocks
+    tier           our tiers: the same engines + a host tier of ``tier_mib`` (shared by every node: a
+                   block one node offloaded, another loads) + cross-node reuse (``--peer-kv``: a node
+                   loads a prefix another's engine holds, ``router.peer_fetch``), retention off
+    bigger_cache   no tier; each engine given its share of the tier's memory as extra KV blocks
                    ("just give vLLM more memory", the baseline a user would try first)
     retention      our tiers + session retention (pins across the tool pause, ``router.retention``)
 
@@ -88,9 +93,13 @@ def smoke_workload() -> AgentWorkloadConfig:
 @dataclass(frozen=True)
 class KVCacheBenchConfig:
     workload: AgentWorkloadConfig = field(default_factory=default_workload)
-    node_blocks: int = 128
-    """Engine KV blocks per node (32 tokens each: 4,096 tokens, a little over one session's context, so
-    two prompts fit at once)."""
+    nodes: int = 4
+    """Colocated nodes on this host, sharing its one tier. Four, as on a GPU host with an engine per GPU:
+    a repository's parallel sessions then land on several nodes, so its context is wanted on several
+    at once, which each engine's own cache must hold again and the host tier holds once."""
+    node_blocks: int = 96
+    """Engine KV blocks per node (32 tokens each: 3,072 tokens, a little over the longest prompt, so
+    one prompt at a time fits whole)."""
     tier_mib: int = 192
     """The host tier's size; the bigger_cache arm splits the same bytes between the engines."""
     pin_share: float = 0.5
@@ -148,7 +157,7 @@ def _spec(cfg: KVCacheBenchConfig, arm: str, extra_blocks: int) -> ClusterSpec:
     return ClusterSpec(
         prefill=0,
         decode=0,
-        both=2,
+        both=cfg.nodes,
         model=cfg.model,
         router_port=cfg.router_port,
         node_base_port=cfg.node_base_port,
@@ -180,7 +189,7 @@ def targets(s: dict[str, float]) -> dict[str, dict[str, Any]]:
     return {k: {"value": abs(v), "bound": abs(b), "held": v >= b} for k, (v, b) in t.items()}
 
 
-def plot(results: dict[str, dict[str, Any]], summary: dict[str, float], out_png: Path) -> None:
+def plot(results: dict[str, dict[str, Any]], summary: dict[str, float], out_png: Path, nodes: int = 4) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,7 +219,7 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, float], out_png:
         ax.set_xticks(list(xs), [a.replace("_", "\n") for a in arms])
     for ax in axes:
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("KV reuse on agent sessions with tool pauses: 2 colocated nodes, SmolLM2-135M on CPU")
+    fig.suptitle(f"KV reuse on agent sessions with tool pauses: {nodes} colocated nodes, SmolLM2-135M on CPU")
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -222,21 +231,21 @@ def run_kv_cache_bench(out: Path, cfg: KVCacheBenchConfig | None = None) -> dict
     started = time.time()
     model_dir = resolve_model(cfg.model)
     layout = layout_from_model(model_dir, resolve_dtype(cfg.dtype), cfg.block_size, os.environ.get("PYTHONHASHSEED"))
-    extra_blocks = (cfg.tier_mib << 20) // layout.block_bytes // 2  # the tier's bytes, half to each engine
+    extra_blocks = (cfg.tier_mib << 20) // layout.block_bytes // cfg.nodes  # the tier's bytes, split evenly
     routing = RoutingBenchConfig(workload=cfg.workload, max_tokens=cfg.max_tokens, model=cfg.model)
     runner = _Runner(routing, _Tokens(cfg.model), out.with_suffix(".partial.json"))
     runner.extra["block_bytes"] = layout.block_bytes
     runner.extra["bigger_cache_extra_blocks"] = extra_blocks
     probe: dict[str, Any] = {}
     for arm in (a for a in ARMS if a in cfg.arms):
-        with _cluster(_spec(cfg, arm, extra_blocks), f"{arm}: 2 colocated nodes") as cluster:
+        with _cluster(_spec(cfg, arm, extra_blocks), f"{arm}: {cfg.nodes} colocated nodes") as cluster:
             model = _model(cluster.url)
             _warm(cluster.url, model, 2)
             nodes = _cluster_view(cluster.url)["nodes"]
             runner.run("kv_cache", arm, cluster.url, model, nodes[0]["block_size"])
             if arm == "tier" and cfg.probes:
                 with console.status("tier: probing TTFT by origin at the longest shared prefix…"):
-                    a, b = sorted(n["node_id"] for n in nodes)
+                    a, b = sorted(n["node_id"] for n in nodes)[:2]
                     probe = probe_by_origin(
                         cluster.url,
                         model,
@@ -284,7 +293,7 @@ def run_kv_cache_bench(out: Path, cfg: KVCacheBenchConfig | None = None) -> dict
     out.write_text(json.dumps(doc, indent=2, default=str))
     runner.partial.unlink(missing_ok=True)
     png = out.with_suffix(".png")
-    plot(results, summary, png)
+    plot(results, summary, png, cfg.nodes)
     console.print(f"wrote {out} and {png} in {doc['duration_s']:.0f} s")
     return summary
 
