@@ -139,14 +139,12 @@ class RetentionLru:
         for slot in self._lru:
             if slot not in self._pinned and slot not in keep:
                 return slot, "lru"
-        while self._expiry:
-            until, slot = self._expiry[0]
-            if self._pinned.get(slot) == until:
-                if slot not in keep:
-                    return slot, "pinned_lru"
-                break
+        # pinned only-copies, the soonest expiry first
+        while self._expiry and self._pinned.get(self._expiry[0][1]) != self._expiry[0][0]:
             heapq.heappop(self._expiry)  # stale
-        # the soonest expiry is kept: the next live one in order (rare, so a sort is fine)
+        if self._expiry and self._expiry[0][1] not in keep:
+            return self._expiry[0][1], "pinned_lru"
+        # the soonest is the storing request's own: the next live one in order (rare, so a sort is fine)
         live = (e for e in sorted(self._expiry) if self._pinned.get(e[1]) == e[0] and e[1] not in keep)
         first = next(live, None)
         return None if first is None else (first[1], "pinned_lru")
