@@ -9,11 +9,14 @@ One run (one process; fresh engines for every configuration, so no cache survive
    started with ``infra.launcher.Cluster``:
    - the nodes as the router's ``/cluster`` lists them (role, URL, KV blocks, block size);
    - a profile measured on this very cluster (``profiling.measure`` and ``fit``), straight to each
-     engine (a router would spread a batch of streams over nodes), every engine of the configuration
-     measured at once (in the replay they are all busy on the shared cores), one step model per node
-     kind from its nodes' points; then what the router adds (16-token prompts through it and straight
-     to the engine, interleaved, so that prefill noise does not swamp it), added to every kind's
-     ``request_overhead_s``; for P/D the handover: a P/D request's first token less the same
+     engine (a router would spread a batch of streams over nodes), one engine at a time with the
+     others idle, one step model per node kind from its nodes' points; then how much slower a step
+     runs while another engine of the host computes (``profiling.measure.neighbour_slowdown``: alone
+     and beside busy neighbours, the step models' ``shared_slowdown``; measuring every engine at once
+     instead, as this benchmark did until 2026-12-04, folded a neighbour of random busyness into every
+     point: one decode point 66 ms, its neighbour 150 ms); then what the router adds (16-token prompts
+     through it and straight to the engine, interleaved, so that prefill noise does not swamp it),
+     added to every kind's ``request_overhead_s``; for P/D the handover: a P/D request's first token less the same
      prompt's first token straight from the prefill engine (pairs in turn, at 16 tokens and at the
      sweep's prefill lengths), less the router and the decode node's step for the prompt's last
      token, fitted against prompt length: the prefill kind's transfer coefficients (the router's
@@ -21,7 +24,8 @@ One run (one process; fresh engines for every configuration, so no cache survive
    - the trace replayed closed loop through the router (``replay.runner``), the cores that processes
      outside this benchmark keep busy sampled every second (a shared host), then the cluster stopped.
 3. The simulator (``simulator.fleet``) runs the same trace, closed loop, on the same nodes (``sim_specs``:
-   role, KV blocks and block size as the engines reported them, each role's token budget per step),
+   role, KV blocks and block size as the engines reported them, each role's token budget per step,
+   all on one host, whose neighbours slow each other's steps as measured),
    with the configuration's measured profile, the router's real ``cache_aware`` policy and the nodes'
    heartbeat period as its load staleness; ``simulator.report.summarize`` puts it in the replay's terms.
 4. The comparison below: per configuration, the relative error of the simulated TTFT p50 and p90, ITL
@@ -63,7 +67,7 @@ from node_agent.model import default_model_dir
 from node_agent.settings import NodeSettings
 from prefill_nodes import engine_args as prefill_engine_args
 from profiling.fit import fit_step_model, nnls
-from profiling.measure import Sweep, first_tokens, measure
+from profiling.measure import Sweep, first_tokens, measure, neighbour_slowdown
 from replay import Mode, PlannedRequest, ReplaySettings, Result, plan, run, summarize, to_table, write_results
 from replay.results import Summary
 from router.policies import CacheAware
@@ -154,16 +158,22 @@ def batched_tokens(role: Role, max_model_len: int) -> int:
     return VLLM_CPU_SERVER_BATCHED_TOKENS
 
 
+THIS_HOST = "bench-host"
+"""The one host of a benchmark's cluster: its simulated twin's nodes share it (``NodeSpec.host``)."""
+
+
 def sim_specs(nodes: Sequence[LiveNodeView], max_model_len: int) -> list[NodeSpec]:
     """The simulated fleet of a real one: same roles in the same order (ties in routing go by node id,
-    which sorts the same way), KV blocks and block size as each engine reported them."""
+    which sorts the same way), KV blocks and block size as each engine reported them, all on one host."""
     if not nodes:
         raise ConfigError("the router lists no node")
     out = []
     for n in nodes:
         if n.num_kv_blocks < 2 or n.block_size <= 0:
             raise ConfigError(f"node {n.node_id} has not reported its KV cache ({n.num_kv_blocks} blocks)")
-        out.append(NodeSpec(n.role, n.num_kv_blocks, n.block_size, batched_tokens(n.role, max_model_len)))
+        out.append(
+            NodeSpec(n.role, n.num_kv_blocks, n.block_size, batched_tokens(n.role, max_model_len), host=THIS_HOST)
+        )
     return out
 
 
@@ -356,20 +366,19 @@ varies little between two requests."""
 async def profile_arm(
     arm: Arm, nodes: Sequence[LiveNodeView], router_url: str, model: str, cfg: SimBenchConfig, seed: int, say: Say
 ) -> tuple[Profile, dict[str, Any]]:
-    """The configuration's profile, measured on it: a step model per node kind (every engine of the
-    configuration measured at once, since that is how they run in the replay: both busy on the shared
-    host), the router's overhead, and for P/D the handover against prompt tokens."""
+    """The configuration's profile, measured on it: a step model per node kind (each engine alone), how
+    much a busy neighbour on the host slows a step, the router's overhead, and for P/D the handover
+    against prompt tokens."""
     auth = engine_auth_headers(loopback_only=True)
     base = StepModel(kv_bytes_per_token=kv_bytes_per_token(default_model_dir(), cfg.dtype))
-    say(f"{arm.name}: profiling {', '.join(n.node_id for n in nodes)} at once")
-    measured = await asyncio.gather(
-        *(
-            measure(
+    measured = []
+    for k, n in enumerate(nodes):
+        say(f"{arm.name}: profiling {n.node_id} (the other engines idle)")
+        measured.append(
+            await measure(
                 n.url, model, cfg.sweep, seed=seed + k, headers=auth, progress=lambda m, n=n: say(f"  {n.node_id}: {m}")
             )
-            for k, n in enumerate(nodes)
         )
-    )
     models: dict[Role, StepModel] = {}
     raw: dict[str, Any] = {}
     for role in dict.fromkeys(n.role for n in nodes):
@@ -400,6 +409,15 @@ async def profile_arm(
     vocab = cfg.sweep.vocab
     # the engine that serves a request the router sends whole: the decode node in a P/D cluster
     local = next(n for n in nodes if n.role is (Role.DECODE if arm.prefill else Role.BOTH))
+    others = [n.url for n in nodes if n is not local]
+    if others:
+        say(f"{arm.name}: {local.node_id} alone and beside busy neighbours")
+        slow = await neighbour_slowdown(
+            local.url, others, model, seed=seed + 200, headers=auth, vocab=vocab, progress=lambda m: say(f"  {m}")
+        )
+        models = {r: replace(m, shared_slowdown=slow.factor) for r, m in models.items()}
+        raw["neighbours"] = {**asdict(slow), "decode": slow.decode, "prefill": slow.prefill, "factor": slow.factor}
+        say(f"{arm.name}: a busy neighbour slows a decode step {slow.decode:.2f}x, a prefill {slow.prefill:.2f}x")
     prefill = next((n for n in nodes if n.role is Role.PREFILL), None)
     pairs: dict[str, list[float]] = {"direct": [], "routed": [], "direct_prefill": [], "pd": []}
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:

@@ -21,10 +21,13 @@
   token of every stream, so the streams' gap that ends with its first token is one step of both (a
   colocated node's steps in a replay are mostly of this kind: a prompt chunk beside running decodes).
 
-The engine behind ``url`` may be a node or a router in front of nodes; on a shared machine, measure with
-every engine of the configuration running (they share the cores), since the profile must describe the
-nodes as they will run. Behind a router, a batch of streams may be spread over several nodes, so a
-decode point is one node's step only when ``url`` is that node's engine (``headers``: its API key).
+The engine behind ``url`` may be a node or a router in front of nodes; on a shared machine, measure each
+engine with the others idle, then ``neighbour_slowdown``: engines pinned to cores of their own still
+share the memory bus and caches, and a sweep run on every engine at once gives each point a neighbour
+of random busyness (measured 2026-12-04: decode points of one batch and context 66 and 150 ms), where
+the simulator knows when a neighbour computes and slows the steps beside it. Behind a router, a batch of
+streams may be spread over several nodes, so a decode point is one node's step only when ``url`` is that
+node's engine (``headers``: its API key).
 
 ``first_tokens`` times fresh prompts alone (``max_tokens=1``) at given lengths, with any headers (a
 forced route): ``tandem bench sim`` compares such times through the router and straight to an
@@ -324,3 +327,91 @@ async def _decode_batch(
         if got is not None:
             mixed.append(MixedPoint(s.tokens, b, ctx + got[1], got[0], kv(got[1]) + s.tokens))
     return point, mixed
+
+
+BUSY_PROMPT, BUSY_TOKENS = 512, 16
+"""What the neighbours run while ``neighbour_slowdown`` probes: back-to-back fresh prompts of this many
+tokens with answers of this many, a replay node's mix of prefill and decode steps."""
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """A node's steps alone and beside busy neighbours on its host (``neighbour_slowdown``)."""
+
+    decode_alone_s: list[float]
+    decode_busy_s: list[float]
+    prefill_alone_s: list[float]
+    prefill_busy_s: list[float]
+
+    @property
+    def decode(self) -> float:
+        return float(np.median(self.decode_busy_s) / np.median(self.decode_alone_s))
+
+    @property
+    def prefill(self) -> float:
+        return float(np.median(self.prefill_busy_s) / np.median(self.prefill_alone_s))
+
+    @property
+    def factor(self) -> float:
+        """One step multiplier for both kinds of step (their geometric mean): the step model's
+        ``shared_slowdown``."""
+        return float(np.sqrt(self.decode * self.prefill))
+
+
+async def neighbour_slowdown(
+    url: str,
+    neighbours: list[str],
+    model: str,
+    *,
+    seed: int = 0,
+    headers: dict[str, str] | None = None,
+    batch: int = 8,
+    context: int = 1024,
+    prefill_tokens: int = 768,
+    rounds: int = 1,
+    vocab: tuple[int, int] = (1000, 30000),
+    progress: Callable[[str], None] = print,
+) -> Slowdown:
+    """How much slower ``url``'s engine steps while the engines at ``neighbours`` (same host) compute: a
+    decode batch's median gap and a fresh prompt's time to first token, alone and beside neighbours
+    kept busy (``BUSY_PROMPT``), in the order alone, busy, busy, alone (``rounds`` times), so a
+    drift of the host cancels. Measure the profile's points with the neighbours idle, then this."""
+    rng = random.Random(seed)
+    hdrs = headers or {}
+    sweep = Sweep(mixed_prefill=(), decode_tokens=24, vocab=vocab)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(*vocab) for _ in range(n)]
+
+    out: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+
+        async def keep_busy(other: str, stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                await _one(client, other, model, fresh(BUSY_PROMPT), BUSY_TOKENS, hdrs)
+
+        async def probe(busy: bool) -> None:
+            stop = asyncio.Event()
+            loads = [asyncio.ensure_future(keep_busy(o, stop)) for o in neighbours] if busy else []
+            try:
+                prefix = fresh(context)
+                await _one(client, url, model, prefix, 1, hdrs)
+                prompts = [prefix + fresh(DECODE_TAIL) for _ in range(batch)]
+                point, _ = await _decode_batch(client, url, model, hdrs, sweep, prompts, context, (), fresh)
+                got = await first_tokens(client, url, model, (prefill_tokens,), 3, rng, vocab, hdrs)
+            finally:
+                stop.set()
+                await asyncio.gather(*loads)
+            out[busy][0].append(point.seconds)
+            out[busy][1].append(float(np.median([p.seconds for p in got])))
+            progress(
+                f"{'beside busy neighbours' if busy else 'alone'}: decode step {point.seconds * 1e3:.0f} ms, "
+                f"{prefill_tokens}-token prefill {out[busy][1][-1] * 1e3:.0f} ms"
+            )
+
+        for _ in range(rounds):
+            for busy in (False, True):
+                await probe(busy)
+            for busy in (True, False):
+                await probe(busy)
+    return Slowdown(out[False][0], out[True][0], out[False][1], out[True][1])

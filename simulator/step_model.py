@@ -66,6 +66,11 @@ class StepModel:
     the decode leg, the pull's fixed cost)."""
     transfer_bytes_per_s: float = 2e9
     """KV transfer bandwidth."""
+    shared_slowdown: float = 1.0
+    """How many times longer a step takes while another node of the same host is mid-step (nodes
+    whose ``NodeSpec.host`` is the same): engines pinned to cores of their own still share the
+    memory bus and caches, and a decode step, which reads every weight once, runs slower beside a
+    busy neighbour. ``tandem bench sim`` measured about 1.5-2x on a 2-core host. 1.0: nothing shared."""
     source: str = "PLACEHOLDER (not measured)"
     """Where the coefficients come from (a profile's description, or PLACEHOLDER)."""
 
@@ -87,6 +92,11 @@ class StepModel:
             + self.decode_s_per_seq * decode_batch
             + self.decode_s_per_ctx_token * context_tokens
         )
+
+    def slowdown(self, busy_neighbours: int) -> float:
+        """A step's time multiplier with ``busy_neighbours`` other nodes of its host mid-step (linear in
+        them: only one neighbour has been measured)."""
+        return 1.0 + (self.shared_slowdown - 1.0) * busy_neighbours
 
     def transfer_s(self, tokens: int) -> float:
         return self.transfer_base_s + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s

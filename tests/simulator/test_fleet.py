@@ -165,3 +165,39 @@ def test_a_step_that_prefills_beside_running_decodes_costs_what_the_step_model_s
     assert 0 < made_before < decoding.output_tokens  # it really was decoding beside the prompt
     ctx = decoding.prompt_tokens + made_before
     assert ends[k] - ends[k - 1] == pytest.approx(step.step_s(300, 1, ctx, 0.0, 300 * 300 / 2))
+
+
+def _two_alone(b_arrival: float) -> Trace:
+    cols = empty_columns()
+    for rid, at in (("a", 0.0), ("b", b_arrival)):
+        add_row(
+            cols,
+            request_id=rid,
+            session_id=None,
+            parent_request_id=None,
+            turn=0,
+            arrival_s=at,
+            input_tokens=100,
+            output_tokens=1,
+            block_hashes=chain_segments([(rid, 100)], 16),
+        )
+    return make_trace(cols, TraceMeta(16, "test", ""))
+
+
+@pytest.mark.parametrize("host", [None, "h"], ids=["own-machines", "one-host"])
+def test_a_neighbour_mid_step_slows_a_step_from_the_moment_it_starts_and_no_longer(host):
+    # a: one 0.15 s step from 0; b arrives at 0.05 on the other node (a's node has a request in flight).
+    # On one host at half speed each while both compute: by 0.05 a has 0.10 s of work left, which takes
+    # 0.20 s beside b (ends 0.25); b did 0.10 s of its 0.15 by then and finishes the rest alone (0.30).
+    step = StepModel(base_s=0.05, prefill_s_per_token=0.001, decode_s_per_seq=0.0, shared_slowdown=2.0)
+    sim = FleetSim([NodeSpec(Role.BOTH, host=host), NodeSpec(Role.BOTH, host=host)], CacheAware, step=step)
+    done = {r.request_id: r for r in sim.run(_two_alone(0.05))}
+    assert done["a"].decision.decode.node_id != done["b"].decision.decode.node_id
+    if host is None:
+        assert (done["a"].first_token_s, done["b"].first_token_s) == pytest.approx((0.15, 0.20))
+    else:
+        assert (done["a"].first_token_s, done["b"].first_token_s) == pytest.approx((0.25, 0.30))
+    # a neighbour that is idle again costs nothing: b alone after both finished takes its 0.15 s
+    again = FleetSim([NodeSpec(Role.BOTH, host=host)] * 2, CacheAware, step=step)
+    later = {r.request_id: r for r in again.run(_two_alone(1.0))}
+    assert later["b"].first_token_s == pytest.approx(1.15)
