@@ -51,9 +51,10 @@ DECODE_TAIL = 16
 """Fresh tokens after the shared prefix in each decode stream's prompt (its own, so no two are equal)."""
 DECODE_WARM = 3
 """Tokens every stream has made before gaps count as decode steps (the batch's prompts all done)."""
-MIXED_START = 10
+MIXED_START = 16
 """Tokens every stream has made when the first mixed prompt goes in (gaps from DECODE_WARM to here are
-the pure decode point)."""
+the pure decode point: 13 steps, so that a host's slow episode of a few steps moves their median little;
+7 steps, until 2026-12-04, sometimes fell wholly in one, ``profiling.fit.SLOW_EPISODE``)."""
 MIXED_SPACING = 4
 """Tokens every stream makes after one mixed prompt's answer before the next goes in."""
 

@@ -146,3 +146,18 @@ def test_one_slow_repeat_of_three_does_not_move_the_fit():
     dec = [DecodePoint(b, c, true.step_s(0, b, b * c)) for b in (1, 4, 8) for c in (256, 1024)]
     got, _ = fit_step_model(pre, dec)
     assert got.prefill_s_per_token == pytest.approx(true.prefill_s_per_token, rel=1e-6)
+
+
+def test_a_decode_point_timed_in_a_slow_episode_is_left_out_and_a_fast_one_is_kept():
+    true = StepModel(base_s=0.065, prefill_s_per_token=2.5e-3, decode_s_per_seq=1.5e-3, decode_s_per_kv_token=6e-9)
+    pre = [PrefillPoint(n, true.step_s(n, 0)) for n in (64, 256, 768, 1536) for _ in range(3)]
+    dec = [DecodePoint(b, c, true.step_s(0, b, 0, kv_tokens=c)) for b in (1, 4, 8, 16) for c in (256, 1024, 2304)]
+    # the host's slow mode (~160 ms for a ~70 ms step) over every one-stream point, as on 2026-12-04
+    for i in (0, 1, 2):
+        dec[i] = DecodePoint(1, dec[i].context_tokens, 2.3 * dec[i].seconds)
+    dec[5] = DecodePoint(dec[5].batch, dec[5].context_tokens, 0.9 * dec[5].seconds)  # below the fit: kept
+    got, err = fit_step_model(pre, dec)
+    # within 5% at one stream and at sixteen (the slow points kept, 23% over and 8% under)
+    for b, kv in ((1, 256), (4, 1024), (16, 2304)):
+        assert got.step_s(0, b, 0, kv_tokens=kv) == pytest.approx(true.step_s(0, b, 0, kv_tokens=kv), rel=0.05)
+    assert err > 0.01  # the fast point stayed in (only slower-than-fit points go)
