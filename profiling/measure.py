@@ -55,6 +55,13 @@ MIXED_START = 16
 """Tokens every stream has made when the first mixed prompt goes in (gaps from DECODE_WARM to here are
 the pure decode point: 13 steps, so that a host's slow episode of a few steps moves their median little;
 7 steps, until 2026-12-04, sometimes fell wholly in one, ``profiling.fit.SLOW_EPISODE``)."""
+FAST_STEPS = 25
+"""A decode point is this percentile of its gaps, not their median: on the 2-core VM of 2026-12-04 an
+engine's steps run at one of two speeds (~70 or ~160 ms for one stream), and right after a sweep's
+prefills the slow one can hold most of a 13-step window (a 40-token stream's gaps: 159, 153, 57, 162,
+160, 158, 158, 62, 69, 161, ...), while a replay's median step is a fast one (one stream: 67-72 ms in
+every replay). The quarter-quantile reads the fast steps when a window holds some; a window wholly
+slow is left out by the fit (``profiling.fit.SLOW_EPISODE``)."""
 MIXED_SPACING = 4
 """Tokens every stream makes after one mixed prompt's answer before the next goes in."""
 
@@ -321,7 +328,7 @@ async def _decode_batch(
         return shared + b * (ctx - shared + made)
 
     made = (DECODE_WARM + (MIXED_START if sent else sweep.decode_tokens)) / 2
-    point = DecodePoint(b, ctx + made, float(np.median(gaps)), kv(made))
+    point = DecodePoint(b, ctx + made, float(np.percentile(gaps, FAST_STEPS)), kv(made))
     mixed = []
     for s in sent:
         got = mixed_gap(streams, s.first)
