@@ -12,9 +12,9 @@ One run (one process; fresh engines for every configuration, so no cache survive
      engine (a router would spread a batch of streams over nodes), one engine at a time with the
      others idle, one step model per node kind from its nodes' points; then how much slower a step
      runs while another engine of the host computes (``profiling.measure.neighbour_slowdown``: alone
-     and beside busy neighbours; recorded, see ``profile_arm``); measuring every engine at once
+     and beside busy neighbours; recorded, see ``profile_arm``). Measuring every engine at once
      instead, as this benchmark did until 2026-12-04, folded a neighbour of random busyness into every
-     point: one decode point 66 ms, its neighbour 150 ms); then what the router adds (16-token prompts
+     point (one decode point 66 ms, its neighbour 150 ms). Then what the router adds (16-token prompts
      through it and straight to the engine, interleaved, so that prefill noise does not swamp it),
      added to every kind's ``request_overhead_s``; for P/D the handover: a P/D request's first token less the same
      prompt's first token straight from the prefill engine (pairs in turn, at 16 tokens and at the
