@@ -135,20 +135,7 @@ def test_a_prompt_longer_than_the_token_budget_is_prefilled_in_chunks():
 def test_a_step_that_prefills_beside_running_decodes_costs_what_the_step_model_says():
     # one request decodes for a while; a second arrives and is prefilled in a step beside it: that step
     # lasts the model's price of both together (the mixed points of a profile measure exactly that)
-    cols = empty_columns()
-    for rid, arrival, n_in, n_out in (("decoding", 0.0, 64, 40), ("arriving", 0.5, 300, 2)):
-        add_row(
-            cols,
-            request_id=rid,
-            session_id=None,
-            parent_request_id=None,
-            turn=0,
-            arrival_s=arrival,
-            input_tokens=n_in,
-            output_tokens=n_out,
-            block_hashes=chain_segments([(rid, n_in)], 16),
-        )
-    trace = make_trace(cols, TraceMeta(16, "test", ""))
+    trace = _unrelated((("decoding", 0.0, 64, 40), ("arriving", 0.5, 300, 2)))
     step = StepModel(
         base_s=0.02,
         prefill_s_per_token=1e-4,
@@ -167,21 +154,26 @@ def test_a_step_that_prefills_beside_running_decodes_costs_what_the_step_model_s
     assert ends[k] - ends[k - 1] == pytest.approx(step.step_s(300, 1, ctx, 0.0, 300 * 300 / 2))
 
 
-def _two_alone(b_arrival: float) -> Trace:
+def _unrelated(requests: tuple[tuple[str, float, int, int], ...]) -> Trace:
+    """(request id, arrival, input tokens, output tokens) with nothing shared, no sessions."""
     cols = empty_columns()
-    for rid, at in (("a", 0.0), ("b", b_arrival)):
+    for rid, arrival, n_in, n_out in requests:
         add_row(
             cols,
             request_id=rid,
             session_id=None,
             parent_request_id=None,
             turn=0,
-            arrival_s=at,
-            input_tokens=100,
-            output_tokens=1,
-            block_hashes=chain_segments([(rid, 100)], 16),
+            arrival_s=arrival,
+            input_tokens=n_in,
+            output_tokens=n_out,
+            block_hashes=chain_segments([(rid, n_in)], 16),
         )
     return make_trace(cols, TraceMeta(16, "test", ""))
+
+
+def _two_alone(b_arrival: float) -> Trace:
+    return _unrelated((("a", 0.0, 100, 1), ("b", b_arrival, 100, 1)))
 
 
 @pytest.mark.parametrize("host", [None, "h"], ids=["own-machines", "one-host"])
