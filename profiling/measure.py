@@ -12,9 +12,9 @@
   prefix plus ``DECODE_TAIL`` fresh tokens, ``decode_tokens`` tokens each (``ignore_eos``). The prefix
   is shared so that 16 streams at 2.4k context fit a small KV cache and cost seconds, not minutes, of
   prefill (16 fresh 2.4k prompts would be 38k tokens: over a minute on one core here); attention still
-  reads every stream's context. The median gap between tokens once every stream has made
-  ``DECODE_WARM`` tokens (all prompts prefilled), until the first mixed prompt is sent, is one decode
-  step at that batch and context. ``unshared`` adds a few batches of distinct fresh prompts (each
+  reads every stream's context. The quarter-quantile of the gaps between tokens (``FAST_STEPS``) once
+  every stream has made ``DECODE_WARM`` tokens (all prompts prefilled), until the first mixed prompt is
+  sent, is one decode step at that batch and context. ``unshared`` adds a few batches of distinct fresh prompts (each
   stream its own context), which read ``batch`` times the KV that a shared prefix is read once for.
 - mixed: while that batch decodes, a fresh prompt of each of ``mixed_prefill`` tokens (``max_tokens=1``)
   is sent in, one at a time, ``MIXED_SPACING`` tokens apart; the step that computes it also makes a
@@ -24,8 +24,9 @@
 The engine behind ``url`` may be a node or a router in front of nodes; on a shared machine, measure each
 engine with the others idle, then ``neighbour_slowdown``: engines pinned to cores of their own still
 share the memory bus and caches, and a sweep run on every engine at once gives each point a neighbour
-of random busyness (measured 2026-12-04: decode points of one batch and context 66 and 150 ms), where
-the simulator knows when a neighbour computes and slows the steps beside it. Behind a router, a batch of
+of random busyness, where the simulator knows when a neighbour computes (``StepModel.shared_slowdown``).
+On the host of 2026-12-04 a neighbour cost little (1.08-1.65x a decode step, 0.94-1.04x a prefill, in
+the noise) and most of the spread was the engine's own two step speeds (``FAST_STEPS``). Behind a router, a batch of
 streams may be spread over several nodes, so a decode point is one node's step only when ``url`` is that
 node's engine (``headers``: its API key).
 
@@ -381,9 +382,9 @@ async def neighbour_slowdown(
     progress: Callable[[str], None] = print,
 ) -> Slowdown:
     """How much slower ``url``'s engine steps while the engines at ``neighbours`` (same host) compute: a
-    decode batch's median gap and a fresh prompt's time to first token, alone and beside neighbours
-    kept busy (``BUSY_PROMPT``), in the order alone, busy, busy, alone (``rounds`` times), so a
-    drift of the host cancels. Measure the profile's points with the neighbours idle, then this."""
+    decode batch's step (``_decode_batch``'s point) and a fresh prompt's time to first token, alone and
+    beside neighbours kept busy (``BUSY_PROMPT``), in the order alone, busy, busy, alone (``rounds``
+    times), so a drift of the host cancels. Measure the profile's points with the neighbours idle, then this."""
     rng = random.Random(seed)
     hdrs = headers or {}
     sweep = Sweep(mixed_prefill=(), decode_tokens=24, vocab=vocab)

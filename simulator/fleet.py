@@ -56,10 +56,8 @@ Shared hosts: nodes with the same ``NodeSpec.host`` share a machine (two engines
 each pinned to a core, but one memory bus and one last-level cache). While another node of its host is
 mid-step, a step progresses ``StepModel.shared_slowdown`` times slower, processor sharing: a node that
 starts or stops computing changes the speed of its neighbours' running steps from that moment on,
-their end events move (the old ones go stale, ``SimNode.end_seq``). Measured on the 2-core host of
-2026-12-04: a decode step alone ~65-75 ms, beside a neighbour's prefill up to ~150 ms; a profile
-measured with both engines busy at once and replayed as if every step had a busy neighbour put the
-colocated replay's ITL p50 at 134 ms against a real 99 ms.
+their end events move (the old ones go stale, ``SimNode.end_seq``). Nodes without a host (the
+planner's fleets) have no neighbours and pay nothing for this.
 
 Preemption: when no running request can get a block, the newest gives its blocks back and waits at
 the head of the queue (as vLLM does; the recomputation it costs there is not charged here).
@@ -595,11 +593,16 @@ class FleetSim:
         kv = (pool.num_blocks - 1 - pool.free_blocks) * pool.block_size if decoding else 0
         node.work_left = node.step.step_s(prefill_tokens, decoding, ctx, ctx_pairs, new_pairs, kv)
         node.mark = self.now
-        node.speed = 1.0 / node.step.slowdown(sum(m.busy for m in node.neighbours))
+        node.speed = self._speed(node)
         node.end_seq = self._seq
         heapq.heappush(self._events, (self.now + node.work_left / node.speed, self._seq, _STEP, node))
         if not was_busy:
             self._neighbours_changed(node)
+
+    @staticmethod
+    def _speed(node: SimNode) -> float:
+        """Share of its lone speed ``node``'s step runs at with its host's other nodes as busy as now."""
+        return 1.0 / node.step.slowdown(sum(m.busy for m in node.neighbours))
 
     def _neighbours_changed(self, node: SimNode) -> None:
         """``node`` started or stopped computing: its host's running steps change speed from now on
@@ -609,7 +612,7 @@ class FleetSim:
                 continue
             m.work_left -= (self.now - m.mark) * m.speed
             m.mark = self.now
-            m.speed = 1.0 / m.step.slowdown(sum(x.busy for x in m.neighbours))
+            m.speed = self._speed(m)
             self._seq += 1
             m.end_seq = self._seq
             heapq.heappush(self._events, (self.now + max(m.work_left, 0.0) / m.speed, self._seq, _STEP, m))
