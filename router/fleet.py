@@ -5,6 +5,14 @@ The registry is re-read every ``refresh_s``, as a job of the router's one period
 from the next read, so it leaves routing within one registry TTL plus one refresh. If Redis is briefly
 unreachable the last good view is kept (a router that cannot see the registry still serves).
 
+Catching up. A request for a model no node in the view serves waits for a registry read that started
+after it arrived before it is refused (``catch_up``): a node that registered since the last read (one
+that just started, or seen by another replica of the router first) serves its first request at once,
+from every replica, not after a refresh period. Reads are single-flight (a periodic and a catching-up
+read never overlap; callers join the one under way) and start at most once per ``catch_up_s``, so a
+flood of requests for unknown models costs at most one registry read per ``catch_up_s`` (and each such
+request waits at most that long plus one read for its 404).
+
 Failures. A leg that cannot reach its node (refused, reset, timed out: ``UpstreamError`` that is no
 engine answer) marks the node down at once (``mark_down``): it leaves routing for ``down_s`` without
 waiting for its registry entry to lapse, and comes back when that passes (the next request probes it)
@@ -23,6 +31,7 @@ and release their slot), so in-flight counts are left to them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -56,8 +65,14 @@ class Fleet:
         refresh_s: float = 0.5,
         on_refresh: Callable[[list[LiveNode]], Awaitable[None]] | None = None,
         down_s: float = 5.0,
+        catch_up_s: float = 0.1,
     ) -> None:
         self._registry = registry
+        self._catch_up_s = catch_up_s
+        self._reading: asyncio.Future[None] | None = None
+        """The registry read under way, which every caller of ``refresh`` joins."""
+        self._read_started = -float("inf")
+        """monotonic time the last (or current) read started."""
         self._down_s = down_s
         self._down: dict[str, float] = {}
         """node id -> monotonic time until which it is left out of routing."""
@@ -86,6 +101,32 @@ class Fleet:
             await self._own_loop.stop()
 
     async def refresh(self) -> None:
+        """Read the registry (or join the read under way) and update the view."""
+        if self._reading is None:
+            self._read_started = time.monotonic()
+            self._reading = reading = asyncio.ensure_future(self._read())
+            reading.add_done_callback(self._read_done)
+        # Shielded: a caller that leaves (a client gone) leaves the read to finish for the others.
+        await asyncio.shield(self._reading)
+
+    async def catch_up(self) -> None:
+        """Return once a registry read that started after this call has ended (see the module's
+        docstring): for a request whose model no node in the view serves."""
+        asked = time.monotonic()
+        while self._read_started < asked:
+            if self._reading is None and (wait := self._read_started + self._catch_up_s - time.monotonic()) > 0:
+                await asyncio.sleep(wait)  # the rate limit: at most one read per catch_up_s
+                continue
+            await self._refresh_round()  # starts a read, or joins (and then outlives) an older one
+        if self._reading is not None:
+            await self._refresh_round()  # the read that started after the call is still under way
+
+    def _read_done(self, reading: asyncio.Future[None]) -> None:
+        self._reading = None
+        if not reading.cancelled():
+            reading.exception()  # retrieved here too: every caller may have left
+
+    async def _read(self) -> None:
         try:
             self._nodes = await self._registry.live_nodes()
             self.model_names = frozenset(n.info.model for n in self._nodes)

@@ -359,6 +359,9 @@ class Orchestrator:
         of the policy; a pinned request never moves to another node or model."""
         req.check_supported()
         resolution = self.models.resolve(req.model, self.fleet.serves)
+        if resolution.served not in self.fleet.model_names:  # a node may have registered since the last read
+            await self.fleet.catch_up()
+            resolution = self.models.resolve(req.model, self.fleet.serves)
         note_resolution(trace, resolution)
         try:
             return await self._plan_on(resolution.served, kind, req, trace, prefer, charge, cache_salt, background, pin)
