@@ -817,6 +817,8 @@ class Orchestrator:
                 await leg.pair.prefill_ended()  # the retry goes to the prefill node: its prompt cached
             stream, attempt = await self._open_once(retry, trace)
         stack.push_async_exit(attempt)
+        # vLLM sends a stream's first event with its first token: the prompt's work is done.
+        self.policy.on_prefilled(leg.decision)
         return stream
 
     async def _open_once(self, leg: Leg, trace: RequestTrace) -> tuple[SseStream, AsyncExitStack]:

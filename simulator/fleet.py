@@ -32,7 +32,8 @@ The parts:
   (as ``router.fleet.Fleet.track``: on the prefill node during the prefill leg, on the decode node
   until the answer ends); the pool choice is ``Orchestrator._select``'s (P/D when both pools
   exist, else colocated, else decode: ``select_pools``, checked equal to the real one by a test);
-  ``on_complete`` is called when the request ends. The prefix lookup (``SimLookup``) reads a
+  ``on_prefilled`` is called at the first token (the router calls it when a stream's first event
+  arrives) and ``on_complete`` when the request ends. The prefix lookup (``SimLookup``) reads a
   fleet-wide map of which node holds which key, kept by the pools as they store and evict, a
   prompt's blocks entering it at the end of the step that computed them (vLLM publishes its KV events
   after a step: a request routed while a shared prefix is still being computed does not see it there,
@@ -654,6 +655,11 @@ class FleetSim:
             w.first_step = s
             if r.first_token_s is None:
                 r.first_token_s = self.now
+                d = r.decision
+                assert d is not None
+                self.policy.on_prefilled(d)  # as the router does when a stream's first event arrives
+                if self.record:
+                    self.log.append(("prefilled", d))
             w.finish_step = w.base + r.output_tokens - 1
             if w.finish_step <= s:
                 node.running[w.seq] = w

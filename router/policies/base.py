@@ -3,8 +3,11 @@
 A policy receives the request's routing view and the live candidates of each role, and returns a
 ``Decision``: the nodes, a reason code (``ReasonCode``) with the figures its rule compared
 (``threshold``, ``load``), and a sentence for people (``reason``, display only: the lake, the
-report and ``usage.tandem`` group and filter by the code). The router calls ``on_complete`` when the
-request ends so that policies keeping their own state (round-robin cursors, in-flight counts) can settle it.
+report and ``usage.tandem`` group and filter by the code). The router calls ``on_prefilled`` when a
+streamed answer's first token reaches it (the node that prefilled has no prompt work left for it) and
+``on_complete`` when the request ends, whatever happened before (a request that fails or is answered
+whole gets ``on_complete`` alone), so that policies keeping their own state (round-robin cursors,
+in-flight counts, queued prompt tokens) can settle it.
 """
 
 from __future__ import annotations
@@ -114,4 +117,10 @@ class RoutingPolicy(Protocol):
         """Pick a node pair. ``prefill`` may be empty (colocated mode); ``decode`` is never empty."""
         ...
 
-    def on_complete(self, decision: Decision) -> None: ...
+    def on_prefilled(self, decision: Decision) -> None:
+        """The decision's first token reached the router (at most once, before ``on_complete``)."""
+        ...
+
+    def on_complete(self, decision: Decision) -> None:
+        """The decision's request ended (exactly once per decision the router acted on)."""
+        ...

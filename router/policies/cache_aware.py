@@ -9,9 +9,13 @@ Per candidate n (block size bs = n's block size, P = prompt tokens):
     cached(n) = min(matched_blocks(n), (P - 1) // bs) * bs
                 (vLLM never reuses a prompt's last token, so a whole-prompt match reuses one block less)
     load(n)   = requests this router has in flight on n + requests n's engine reports waiting
-    queued(n) = uncached prompt tokens this router sent to n and not yet settled (released by
-                ``on_complete``, i.e. at the request's end: an over-estimate for long decodes)
-                + n.waiting * waiting_request_tokens (other routers' queue, from heartbeats)
+    queued(n) = uncached prompt tokens this router sent to n and not yet prefilled (released by
+                ``on_prefilled`` when a streamed answer's first token arrives, else by ``on_complete``
+                at the request's end) + n.waiting * waiting_request_tokens (other routers' queue,
+                from heartbeats). Released at the end, as until 2026-12-04, a node that decodes long
+                answers looked busy with prompt work it had done: the queue then followed when answers
+                ended, tens of milliseconds decided the node, and the router piled first turns
+                onto the other node (five within 3 s in a replay, TTFT 4-5 s).
 
 Decode node (chosen first):
     1. session affinity (``session_affinity``): the session's previous decode node, if still a
@@ -95,6 +99,11 @@ class CacheAware:
         self.index = index
         self.config = config or CacheAwareConfig()
         self._queued: dict[str, int] = {}
+        self._unsettled: dict[int, tuple[str, int]] = {}
+        """id(decision.extra) -> (node, tokens) a decision still counts in that node's queue. Keyed by
+        the ``extra`` dict: the one object every copy of a decision (``dataclasses.replace``) shares,
+        alive until the router calls ``on_complete``; settled tokens go back to the node they were
+        added to, even when the prefill moved (a forced P/D)."""
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
     # --- pieces ---------------------------------------------------------------------------------
@@ -231,6 +240,7 @@ class CacheAware:
             "uncached_tokens": float(uncached),
             "queued_tokens": float(uncached),
         }
+        self._unsettled[id(extra)] = (prefiller.node_id, uncached)
         return Decision(
             decode=d,
             prefill=p,
@@ -243,9 +253,19 @@ class CacheAware:
             extra=extra,
         )
 
+    def on_prefilled(self, decision: Decision) -> None:
+        self._settle(decision)
+
     def on_complete(self, decision: Decision) -> None:
-        node = (decision.prefill or decision.decode).node_id
-        left = self._queued.get(node, 0) - int(decision.extra.get("queued_tokens", 0))
+        self._settle(decision)
+
+    def _settle(self, decision: Decision) -> None:
+        """Take the decision's prompt tokens off its node's queue, once."""
+        entry = self._unsettled.pop(id(decision.extra), None)
+        if entry is None:
+            return
+        node, tokens = entry
+        left = self._queued.get(node, 0) - tokens
         if left > 0:
             self._queued[node] = left
         else:

@@ -32,5 +32,8 @@ class LeastLoaded:
             load=float(chosen.inflight + chosen.node.load.waiting),
         )
 
+    def on_prefilled(self, decision: Decision) -> None:
+        return None
+
     def on_complete(self, decision: Decision) -> None:
         return None

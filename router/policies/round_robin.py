@@ -36,5 +36,8 @@ class RoundRobin:
             reason="round robin",
         )
 
+    def on_prefilled(self, decision: Decision) -> None:
+        return None
+
     def on_complete(self, decision: Decision) -> None:
         return None

@@ -56,6 +56,8 @@ def _replay_through_real_router(sim: FleetSim) -> list[tuple[Decision, Decision]
             real = orch._select(rr, pools, None)
             real_of[id(decision)] = real
             pairs.append((decision, real))
+        elif kind == "prefilled":
+            orch.policy.on_prefilled(real_of[id(item)])
         else:
             orch.policy.on_complete(real_of[id(item)])
     return pairs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from contracts.registry import Role
 from router.kv_index import BlockHasher, FleetIndex
@@ -72,6 +73,37 @@ def test_own_queue_is_tracked_and_released() -> None:
     policy.on_complete(second)
     third = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
     assert third.prefill is not None and third.prefill.node_id == "p1"
+
+
+def test_the_queue_is_released_at_the_first_token_once() -> None:
+    """A prompt's tokens leave its node's queue when its first token arrives (its prefill is done),
+    not when its answer ends; ``on_complete`` afterwards releases nothing more."""
+    fleet = _fleet({"p1": PROMPT[:160]})
+    policy = CacheAware(fleet)
+    first = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
+    assert first.prefill is not None and first.prefill.node_id == "p1"
+    second = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
+    assert second.prefill is not None and second.prefill.node_id == "p0"
+    policy.on_prefilled(first)  # p1's prompt work is done while its answer streams on
+    policy.on_prefilled(first)  # a repeat settles nothing twice
+    policy.on_complete(first)
+    # p0 still has 2,000 tokens queued (second's prefill is under way): p1, with its prefix, wins
+    third = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
+    assert third.prefill is not None and third.prefill.node_id == "p1"
+    assert third.reason.startswith("cache: p1") and "queue 0" in third.reason
+
+
+def test_a_forced_p_d_copy_of_a_decision_settles_where_its_tokens_were_queued() -> None:
+    """The router's forced P/D (``dataclasses.replace`` with another prefill node) and its decode
+    retry are copies of the decision: they settle the tokens on the node they were added to."""
+    policy = CacheAware(_fleet({}), CacheAwareConfig(local_prefill_max_tokens=4096))
+    local = policy.select(_req(PROMPT), [cand("p0")], DECODE)
+    assert local.prefill is None  # d0 prefills locally: 2,000 tokens queued on d0
+    forced = replace(local, prefill=cand("p0"), code=ReasonCode.FORCED_PD)
+    policy.on_complete(forced)
+    # colocated, nothing cached: the emptier queue wins; d0's 2,000 tokens are gone (ties: node id)
+    again = policy.select(_req(PROMPT), [], [cand("d0", Role.BOTH), cand("d1", Role.BOTH)])
+    assert again.decode.node_id == "d0" and "queue 0" in again.reason, again.reason
 
 
 def test_load_guard_falls_back_to_least_loaded() -> None:
