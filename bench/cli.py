@@ -438,7 +438,7 @@ def bench_sim(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG and a folder of raw files are written beside it.")] = (
         Path("results/bench-sim.json")
     ),
-    sessions: Annotated[int, typer.Option(help="Agent sessions in the synthetic trace.")] = 30,
+    sessions: Annotated[int | None, typer.Option(help="Agent sessions in the synthetic trace (default: 45).")] = None,
     session_rate: Annotated[float, typer.Option(help="Session arrivals per second.")] = 0.5,
     seed: Annotated[
         int | None, typer.Option(help="Trace seed (default: from the clock, so no earlier run's cache can hit).")
@@ -466,7 +466,7 @@ def bench_sim(
     router, each started fresh, profiled where it stands (a step model per node kind, the router's
     overhead, the P/D handover), replayed closed loop, stopped; then the SIMULATED run of the same trace
     on the same nodes with that profile. Errors per metric (TTFT p50/p90, ITL p50, throughput relative;
-    hit rate absolute) and whether the simulator ranks the two as they measured. ~10-15 min on 2 cores."""
+    hit rate absolute) and whether the simulator ranks the two as they measured. 30-40 min on 2 cores."""
     from bench.sim import SimBenchConfig, resimulate, run_sim_bench
 
     def say(message: str) -> None:
@@ -477,7 +477,7 @@ def bench_sim(
             doc = resimulate(from_json, out, say)
         else:
             cfg = SimBenchConfig(
-                sessions=sessions,
+                **({"sessions": sessions} if sessions is not None else {}),  # the one default: the config's
                 seed=seed,
                 session_rate=session_rate,
                 dtype=dtype,
