@@ -14,20 +14,12 @@ import uuid
 from pathlib import Path
 
 import httpx
-import redis.asyncio as aioredis
 
 from bench.standin_engine import ServerThread, StandInEngine
-from contracts.registry import NodeInfo, NodeRegistry, Role
+from contracts.registry import NodeInfo, Role
 from node_agent.model import default_model_dir
 from tests.support.helpers import in_process_router, wait_for
-from tests.support.standin_cluster import REDIS_URL
-
-
-async def _registry(node: NodeInfo, *, register: bool) -> None:
-    client = aioredis.from_url(REDIS_URL)
-    reg = NodeRegistry(client, ttl_s=600)
-    await (reg.register(node) if register else reg.deregister(node.node_id))
-    await client.aclose()
+from tests.support.standin_cluster import REDIS_URL, deregister_nodes, register_nodes
 
 
 async def test_the_queue_is_released_at_the_first_event_while_the_answer_streams_on(tmp_path: Path) -> None:
@@ -44,7 +36,7 @@ async def test_the_queue_is_released_at_the_first_event_while_the_answer_streams
             kv_connector="none",
             model_path=str(default_model_dir()),
         )
-        await _registry(node, register=True)
+        await register_nodes([node])
         app, server, url = in_process_router(REDIS_URL, tmp_path, f"test-{model}:", tokenize="always", telemetry=False)
         policy = app.state.orchestrator.policy
 
@@ -82,4 +74,4 @@ async def test_the_queue_is_released_at_the_first_event_while_the_answer_streams
         finally:
             engine.open_gate()
             server.__exit__(None, None, None)
-            await _registry(node, register=False)
+            await deregister_nodes([node.node_id])

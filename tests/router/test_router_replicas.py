@@ -19,13 +19,11 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import redis.asyncio as aioredis
 
 from bench.standin_engine import ServerThread, StandInEngine, free_port
-from contracts.registry import NodeInfo, NodeRegistry, Role
+from contracts.registry import NodeInfo, Role
 from node_agent.model import default_model_dir
-
-REDIS_URL = "redis://127.0.0.1:6379/7"
+from tests.support.standin_cluster import REDIS_URL, deregister_nodes, register_nodes
 
 
 def _listening(pid: int, port: int) -> bool:
@@ -34,13 +32,6 @@ def _listening(pid: int, port: int) -> bool:
     except psutil.NoSuchProcess:
         return False
     return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)
-
-
-async def _registry(node: NodeInfo, *, register: bool) -> None:
-    client = aioredis.from_url(REDIS_URL)
-    reg = NodeRegistry(client, ttl_s=600)
-    await (reg.register(node) if register else reg.deregister(node.node_id))
-    await client.aclose()
 
 
 @pytest.fixture
@@ -58,7 +49,7 @@ def replicas(tmp_path: Path) -> Iterator[tuple[str, str, list[subprocess.Popen[b
             kv_connector="none",
             model_path=str(default_model_dir()),
         )
-        asyncio.run(_registry(node, register=True))
+        asyncio.run(register_nodes([node]))
         port = free_port()
         env = {**os.environ, "TANDEM_SQLITE_PATH": str(tmp_path / "keys.db"), "TANDEM_ROUTER_TELEMETRY": "false"}
         cmd = [sys.executable, "-m", "tandem", "router", "--port", str(port), "--reuse-port", "--redis-url", REDIS_URL]
@@ -75,7 +66,7 @@ def replicas(tmp_path: Path) -> Iterator[tuple[str, str, list[subprocess.Popen[b
                 if p.poll() is None:
                     p.terminate()
                     p.wait(30)
-            asyncio.run(_registry(node, register=False))
+            asyncio.run(deregister_nodes([node.node_id]))
 
 
 def _ask(url: str, model: str) -> httpx.Response:

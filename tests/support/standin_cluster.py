@@ -53,7 +53,8 @@ class StandInCluster:
         return {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": 8, **kw}
 
 
-async def _register(nodes: list[NodeInfo]) -> None:
+async def register_nodes(nodes: list[NodeInfo]) -> None:
+    """Register ``nodes`` in the stand-in clusters' registry (``REDIS_URL``) with a 10-minute TTL."""
     r = aioredis.Redis.from_url(REDIS_URL)
     try:
         reg = NodeRegistry(r, ttl_s=600)
@@ -63,7 +64,7 @@ async def _register(nodes: list[NodeInfo]) -> None:
         await r.aclose()
 
 
-async def _deregister(node_ids: list[str]) -> None:
+async def deregister_nodes(node_ids: list[str]) -> None:
     r = aioredis.Redis.from_url(REDIS_URL)
     try:
         reg = NodeRegistry(r)
@@ -127,8 +128,8 @@ async def standin_cluster(
             for name, role in [*roles.items(), *(dead or {}).items()]
         ]
         stack.push_async_callback(delete_prefix, REDIS_URL, prefix)
-        stack.push_async_callback(_deregister, list(node_ids.values()))
-        await _register(nodes)
+        stack.push_async_callback(deregister_nodes, list(node_ids.values()))
+        await register_nodes(nodes)
         router_settings = RouterSettings(
             redis_url=REDIS_URL,
             registry_refresh_s=60,
