@@ -33,7 +33,9 @@ One run (one process; fresh engines for every configuration, so no cache survive
    p50 and throughput against the real replay's, and the absolute error of the hit rate;
    ``plan_matches_real`` is 1 when the simulator ranks the configurations as they measured (by TTFT
    p90, the planner's deciding figure). The RESULT line reports, per metric, the worse of the
-   configurations.
+   configurations. Beside them, per configuration, how many requests the simulated router sent where
+   the real one did (``routes_agree``: the real routes from the cluster's lake, ``real_routes``): the
+   figure that explains a TTFT miss, since an early timing difference moves later decisions.
 
 Written: ``--out`` JSON (every figure per configuration: real, simulated, errors, the profile and the
 measurements it came from, the nodes, the outside load per phase and per second), a PNG beside it
@@ -199,10 +201,66 @@ def simulate(
                 "prompt_tokens": r.prompt_tokens,
                 "mode": "disaggregated" if r.decision and r.decision.prefill else "local",
                 "decode_node": r.decision.decode.node_id if r.decision else None,
+                "route": route_name(
+                    r.decision.prefill.node_id if r.decision.prefill else None, r.decision.decode.node_id
+                )
+                if r.decision
+                else None,
                 "reason": r.decision.code.value if r.decision else None,
             }
         )
     return sim, sim_summarize(sim, reqs), rows
+
+
+# --- where each request went, real against simulated -------------------------------------------------
+def route_name(prefill: str | None, decode: str) -> str:
+    """A request's route: ``decode`` alone (it prefilled itself) or ``prefill->decode``."""
+    return f"{prefill}->{decode}" if prefill else decode
+
+
+def real_routes(
+    lake: Path, session_prefix: str, nodes: Sequence[LiveNodeView], replay: Sequence[Mapping[str, Any]]
+) -> dict[str, str]:
+    """Where the real router sent each replayed request, from the cluster's lake (its ``requests``
+    rows: ``prefill_node``, ``decode_node``), by the replay's request id, in the simulator's node names
+    (``sim_specs`` keeps the nodes' order; node i is ``{role}-{i}``). The lake knows the router's request
+    ids, not the trace's: a session's rows (``session_prefix`` + the trace's session) are matched to the
+    replay's requests of that session in the order they were sent (closed loop: one at a time). A
+    session whose rows the lake does not hold in full is left out."""
+    from telemetry.query import query
+
+    names = {n.node_id: f"{n.role.value}-{i}" for i, n in enumerate(nodes)}
+    rows = query(lake, "SELECT session_id, t_arrival, prefill_node, decode_node FROM requests").to_pylist()
+    lake_rows: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(rows, key=lambda r: r["t_arrival"]):
+        sid = r["session_id"] or ""
+        if sid.startswith(session_prefix):
+            lake_rows.setdefault(sid.removeprefix(session_prefix), []).append(r)
+    sent: dict[str, list[str]] = {}
+    for r in sorted(replay, key=lambda r: r["sent_s"] if r["sent_s"] is not None else float("inf")):
+        if r["session_id"] is not None:
+            sent.setdefault(r["session_id"], []).append(r["request_id"])
+    out = {}
+    for sid, ids in sent.items():
+        got = lake_rows.get(sid, [])
+        if len(got) != len(ids):
+            continue
+        for rid, r in zip(ids, got, strict=True):
+            out[rid] = route_name(names.get(r["prefill_node"]), names.get(r["decode_node"], r["decode_node"]))
+    return out
+
+
+def routes_agree(real: Mapping[str, str], sim_rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """How many requests the simulated router sent where the real one did (of those the lake matched):
+    a timing difference early in a run can move later decisions, and with them TTFT."""
+    matched = [r for r in sim_rows if r["request_id"] in real]
+    agree = sum(real[r["request_id"]] == r["route"] for r in matched)
+    return {
+        "requests": len(sim_rows),
+        "matched": len(matched),
+        "agree": agree,
+        "share": round(agree / len(matched), 3) if matched else None,
+    }
 
 
 # --- settings ---------------------------------------------------------------------------------------
@@ -558,6 +616,7 @@ def run_arm(arm: Arm, cfg: SimBenchConfig, trace: Trace, seed: int, files: Path,
         cluster.stop()
     table = to_table(results)
     write_results(table, files / f"{arm.name}-replay.parquet", {"trace": trace.meta.source, "url": cluster.url})
+    routes = real_routes(cluster.lake, settings.session_prefix or "", nodes, table.to_pylist())
     real = summarize(table)
     if real.ok < real.requests:
         failed = [r["error"] for r in table.to_pylist() if r["status"] != "ok"]
@@ -573,6 +632,7 @@ def run_arm(arm: Arm, cfg: SimBenchConfig, trace: Trace, seed: int, files: Path,
         ],
         "measurements": raw,
         "host_load": load,
+        "real_routes": routes,
     }
 
 
@@ -591,6 +651,8 @@ def compare(arms: dict[str, dict[str, Any]], trace: Trace, files: Path, heartbea
         a["sim"] = asdict(s)
         a["sim_requests"] = rows
         a["errors"] = asdict(errors(a["real"], a["sim"]))
+        if "real_routes" in a:
+            a["routes_agree"] = routes_agree(a["real_routes"], rows)
     per = {name: Errors(**a["errors"]) for name, a in arms.items()}
     matches = plan_matches_real({n: a["real"] for n, a in arms.items()}, {n: a["sim"] for n, a in arms.items()})
     return {"plan_matches_real": matches, "result": result_line(per, matches)}
@@ -613,6 +675,12 @@ def render(arms: Mapping[str, Mapping[str, Any]]) -> str:
             f"{'':>10} error     TTFT p50 {e['ttft_p50']:.3f}  p90 {e['ttft_p90']:.3f}  ITL p50 {e['itl_p50']:.3f}  "
             f"tput {e['tput']:.3f}  hit {e['hit']:.3f}"
         )
+        agree = a.get("routes_agree")
+        if agree and agree["matched"]:
+            lines.append(
+                f"{'':>10} routes    {agree['agree']}/{agree['matched']} requests routed as in the real run"
+                f" ({agree['requests'] - agree['matched']} not matched in the lake)"
+            )
     return "\n".join(lines)
 
 
@@ -725,8 +793,11 @@ __all__ = [
     "compare",
     "errors",
     "plan_matches_real",
+    "real_routes",
     "result_line",
     "resimulate",
+    "route_name",
+    "routes_agree",
     "run_sim_bench",
     "sim_specs",
     "simulate",

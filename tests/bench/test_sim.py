@@ -112,6 +112,63 @@ def test_the_simulated_half_of_a_recorded_run(tmp_path):
     assert out["plan_matches_real"] is True
     assert out["result"].startswith("RESULT ttft_p50_err=") and out["result"].endswith("plan_matches_real=1")
     assert "SIMULATED" in render(arms)
+    # a record without the real routes (runs before 2026-12-04) gets no agreement figure; the simulated
+    # rows name each route as the real ones do
+    assert "routes_agree" not in arms["pd"] and {r["route"] for r in arms["colocated"]["sim_requests"]} <= {
+        "both-0",
+        "both-1",
+    }
     # the local-prefill rule of the real policy sends some later turns whole to the decode node
     modes = {r["mode"] for r in arms["pd"]["sim_requests"]}
     assert "disaggregated" in modes
+
+
+def test_the_real_routes_come_from_the_lake_in_the_simulators_node_names(tmp_path):
+    """The lake's rows of a session, in arrival order, are the replay's requests of that session in the
+    order sent; node ids become the simulator's names (node i of the list is ``{role}-{i}``); a session
+    the lake holds only in part is left out, and so is another run's."""
+    import datetime as dt
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bench.sim import real_routes, routes_agree
+    from telemetry.schemas import SCHEMAS
+
+    t = dt.datetime(2026, 12, 4, 9, 0, tzinfo=dt.UTC)
+    rows = [  # (session, seconds after t, prefill node, decode node); written out of order
+        ("run-a-s0", 5.0, None, "decode-1-19720"),
+        ("run-a-s0", 0.0, "prefill-0-19710", "decode-1-19720"),
+        ("run-a-s1", 1.0, None, "decode-1-19720"),  # its second turn never reached the lake
+        ("run-b-s0", 2.0, None, "decode-1-19720"),  # another run's session of the same name
+    ]
+    fields = [SCHEMAS["requests"].field(n) for n in ("session_id", "t_arrival", "prefill_node", "decode_node")]
+    table = pa.table(
+        [
+            pa.array([r[0] for r in rows], fields[0].type),
+            pa.array([t + dt.timedelta(seconds=r[1]) for r in rows], fields[1].type),
+            pa.array([r[2] for r in rows], fields[2].type),
+            pa.array([r[3] for r in rows], fields[3].type),
+        ],
+        schema=pa.schema(fields),
+    )
+    part = tmp_path / "lake" / "requests" / "date=2026-12-04" / "hour=9"
+    part.mkdir(parents=True)
+    pq.write_table(table, part / "part-1.parquet")
+    nodes = [_node("decode-1-19720", Role.DECODE), _node("prefill-0-19710", Role.PREFILL)]
+    replay = [
+        {"request_id": "s0-t1", "session_id": "s0", "sent_s": 5.0},
+        {"request_id": "s0-t0", "session_id": "s0", "sent_s": 0.0},
+        {"request_id": "s1-t0", "session_id": "s1", "sent_s": 1.0},
+        {"request_id": "s1-t1", "session_id": "s1", "sent_s": 3.0},
+    ]
+    routes = real_routes(tmp_path / "lake", "run-a-", nodes, replay)
+    assert routes == {"s0-t0": "prefill-1->decode-0", "s0-t1": "decode-0"}
+
+    sim_rows = [
+        {"request_id": "s0-t0", "route": "prefill-1->decode-0"},
+        {"request_id": "s0-t1", "route": "prefill-1->decode-0"},  # the simulated router disaggregated it
+        {"request_id": "s1-t0", "route": "decode-0"},
+        {"request_id": "s1-t1", "route": "decode-0"},
+    ]
+    assert routes_agree(routes, sim_rows) == {"requests": 4, "matched": 2, "agree": 1, "share": 0.5}
