@@ -246,7 +246,8 @@ def real_routes(
         if len(got) != len(ids):
             continue
         for rid, r in zip(ids, got, strict=True):
-            out[rid] = route_name(names.get(r["prefill_node"]), names.get(r["decode_node"], r["decode_node"]))
+            prefill = r["prefill_node"] and names.get(r["prefill_node"], r["prefill_node"])
+            out[rid] = route_name(prefill, names.get(r["decode_node"], r["decode_node"]))
     return out
 
 

@@ -417,11 +417,11 @@ class Orchestrator:
         )
         decision = self._select(rr, pools, prefer) if pin is None else self._pinned(model, pin)
         trace.routed = time.time()
-        note_decision(trace, decision)
-        self._hit_breakdown(rr, decision, trace, pools)
-        self._retain(body, decision, trace)
         hold, prefill_slot = AsyncExitStack(), AsyncExitStack()
-        try:
+        try:  # from here on the policy counts the decision: whatever fails settles it
+            note_decision(trace, decision)
+            self._hit_breakdown(rr, decision, trace, pools)
+            self._retain(body, decision, trace)
             await hold.enter_async_context(self._slot(decision.decode, trace))
             await prefill_slot.enter_async_context(self._slot(decision.prefill, trace))
             leg = await self._legs(kind, body, decision, trace, prefill_slot, background, rr, pools)
