@@ -20,6 +20,7 @@ Two tables, each between marker comments in its file and rewritten in place:
 from __future__ import annotations
 
 import ast
+import dataclasses
 import enum
 import importlib
 import inspect
@@ -77,6 +78,14 @@ class Setting:
     default: str
     readers: tuple[str, ...]
     doc: str
+    choices: tuple[str, ...] = ()
+    """The values an enum or ``Literal`` field takes (shown where the docstring does not name them)."""
+
+    def described(self, doc: str) -> str:
+        """``doc`` followed by the choices its text leaves out."""
+        if not self.choices or all(f"`{c}`" in doc for c in self.choices):
+            return doc
+        return f"{doc} (one of {', '.join(f'`{c}`' for c in self.choices)})".lstrip()
 
 
 def settings_classes(root: Path = ROOT) -> list[type[BaseSettings]]:
@@ -212,9 +221,11 @@ def collect(classes: list[type[BaseSettings]] | None = None) -> list[Setting]:
         for setting in _walk(cls, prefix, delimiter, classes):
             seen = rows.get(setting.env)
             if seen is None:
-                rows[setting.env] = Setting(setting.env, setting.default, (reader,), setting.doc)
+                rows[setting.env] = dataclasses.replace(setting, readers=(reader,))
             elif reader not in seen.readers:
-                rows[setting.env] = Setting(seen.env, seen.default, (*seen.readers, reader), seen.doc or setting.doc)
+                rows[setting.env] = dataclasses.replace(
+                    seen, readers=(*seen.readers, reader), doc=seen.doc or setting.doc
+                )
     return [rows[k] for k in sorted(rows)]
 
 
@@ -232,11 +243,8 @@ def _walk(
             continue
         alias = info.validation_alias if isinstance(info.validation_alias, str) else info.alias
         env = (alias or f"{prefix}{name}").upper()
-        doc = info.description or docs.get(name, "") or _type_doc(info.annotation)
-        choices = _choices(info.annotation)
-        if choices and not all(f"`{c}`" in doc or f"``{c}``" in doc for c in choices):
-            doc = f"{doc} (one of {', '.join(f'`{c}`' for c in choices)})".lstrip()
-        out.append(Setting(env, format_default(info), (), doc))
+        doc = (info.description or docs.get(name, "") or _type_doc(info.annotation)).replace("``", "`")
+        out.append(Setting(env, format_default(info), (), doc, tuple(_choices(info.annotation))))
     return out
 
 
@@ -245,11 +253,16 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("``", "`").replace("|", "\\|")
 
 
-def _first_sentence(doc: str, limit: int = 160) -> str:
+def _first_sentence(doc: str, limit: int = 150) -> str:
+    """The docstring's first sentence; a long one up to its first clause (before a colon, a semicolon or
+    a parenthesis)."""
     flat = " ".join(doc.split())
     match = re.search(r"[.](\s+(?=[A-Z`(])|$)", flat)
     sentence = flat[: match.start() + 1] if match else flat
-    return sentence if len(sentence) <= limit else sentence[: limit - 1].rsplit(" ", 1)[0] + " …"
+    if len(sentence) <= limit:
+        return sentence
+    cuts = [i for i in (sentence.find(mark, 20) for mark in (": ", "; ", " (")) if i > 0]
+    return sentence[: min(cuts)] + "." if cuts else sentence[: limit - 1].rsplit(" ", 1)[0] + " …"
 
 
 def _reader_label(reader: str) -> str:
@@ -260,7 +273,7 @@ def full_table(settings: list[Setting]) -> str:
     lines = ["| variable | default | read by | meaning |", "|---|---|---|---|"]
     for s in settings:
         readers = ", ".join(_reader_label(r) for r in s.readers)
-        lines.append(f"| `{s.env}` | {s.default} | {readers} | {_cell(s.doc) or '(no docstring)'} |")
+        lines.append(f"| `{s.env}` | {s.default} | {readers} | {_cell(s.described(s.doc)) or '(no docstring)'} |")
     return "\n".join(lines)
 
 
@@ -274,7 +287,7 @@ def short_table(settings: list[Setting], names: tuple[str, ...] = README_SETTING
     lines = ["| variable | default | meaning |", "|---|---|---|"]
     for name in names:
         s = by_env[name]
-        lines.append(f"| `{s.env}` | {s.default} | {_cell(_first_sentence(s.doc))} |")
+        lines.append(f"| `{s.env}` | {s.default} | {_cell(s.described(_first_sentence(s.doc)))} |")
     return "\n".join(lines)
 
 
