@@ -317,15 +317,18 @@ def settings_cmd(
     if not (write or check):
         typer.echo(full_table(collect()))
         return
-    stale = [path for path, text in targets().items() if path.read_text(encoding="utf-8") != text]
+    generated = targets()
+    stale = [path for path, text in generated.items() if path.read_text(encoding="utf-8") != text]
+    names = ", ".join(str(p.relative_to(ROOT)) for p in stale or generated)
     if write:
-        for path, text in targets().items():
-            path.write_text(text, encoding="utf-8")
         for path in stale:
-            typer.echo(f"rewrote {path.relative_to(ROOT)}")
+            path.write_text(generated[path], encoding="utf-8")
+        typer.echo(f"rewrote {names}" if stale else f"up to date: {names}")
     elif stale:
-        typer.echo("stale: " + ", ".join(str(p.relative_to(ROOT)) for p in stale), err=True)
+        typer.echo(f"stale: {names}", err=True)
         raise typer.Exit(1)
+    else:
+        typer.echo(f"up to date: {names}")
 
 
 if __name__ == "__main__":

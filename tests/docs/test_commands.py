@@ -41,6 +41,8 @@ DOC_MODEL = "SmolLM2-135M-Instruct"
 RUN: frozenset[str] = frozenset(
     {
         "tandem lake questions",
+        "tandem settings",
+        "tandem settings --check",
         "tandem telemetry schema requests",
         "tandem trace synth agentic --sessions 50 --seed 1 --out synth.parquet",
         "tandem trace stats synth.parquet --block-size 512",
@@ -49,6 +51,7 @@ RUN: frozenset[str] = frozenset(
 """Cheap commands, run as written (in a scratch folder)."""
 
 EXPENSIVE: dict[str, str] = {
+    "tandem settings --write": "rewrites the repository's own files",
     "make up": "installs everything and starts engines",
     "make test": "the whole suite",
     "make install TARGET=gpu VENV=.venv-gpu": "a GPU host's install",
