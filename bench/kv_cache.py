@@ -15,7 +15,7 @@ ceiling does not count.)
 
 Four colocated nodes (``nodes``) share the host, as engines on a GPU host's GPUs do: with two, cache-
 aware routing keeps most of a repository's sessions on one node, and the bigger cache ties the tier
-(2026-12-03, 2 nodes, 2 repositories of 6 sessions: 0.904 against 0.903, both 0.98 of the ceiling).
+(measured with 2 nodes, 2 repositories of 6 sessions: 0.904 against 0.903, both 0.98 of the ceiling).
 
 Arms, each on ``nodes`` fresh colocated nodes behind one router (cache_aware), fresh content per arm (a
 salt in the shared system prompt, so no arm warms another), in this order:

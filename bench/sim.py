@@ -13,7 +13,7 @@ One run (one process; fresh engines for every configuration, so no cache survive
      others idle, one step model per node kind from its nodes' points; then how much slower a step
      runs while another engine of the host computes (``profiling.measure.neighbour_slowdown``: alone
      and beside busy neighbours; recorded, see ``profile_arm``). Measuring every engine at once
-     instead, as this benchmark did until 2026-12-04, folded a neighbour of random busyness into every
+     instead, as this benchmark once did, folded a neighbour of random busyness into every
      point (one decode point 66 ms, its neighbour 150 ms). Then what the router adds (16-token prompts
      through it and straight to the engine, interleaved, so that prefill noise does not swamp it),
      added to every kind's ``request_overhead_s``; for P/D the handover: a P/D request's first token less the same
@@ -270,7 +270,7 @@ class SimBenchConfig:
     """Everything one ``tandem bench sim`` run needs (one object per process)."""
 
     sessions: int = 45
-    """Agent sessions in the trace (30 until 2026-12-04: ~110 requests, so that a configuration's TTFT
+    """Agent sessions in the trace (at 30, ~110 requests, a configuration's TTFT
     p90 rested on its 11 slowest and moved 20% between runs of the same code)."""
     seed: int | None = None
     """Trace seed; None: one from the clock, so no engine cache of an earlier run holds its prefixes."""
@@ -478,7 +478,7 @@ async def profile_arm(
         slow = await neighbour_slowdown(
             local.url, others, model, seed=seed + 200, headers=auth, vocab=vocab, progress=lambda m: say(f"  {m}")
         )
-        # Recorded, not applied: three runs of 2026-12-04 measured a decode step 1.11, 1.65 and 1.08x and
+        # Recorded, not applied: three runs on a 2-core host measured a decode step 1.11, 1.65 and 1.08x and
         # a prefill 0.94-1.04x slower beside a busy neighbour, within this host's step noise (one decode
         # batch swings 2x on its own), and the 1.31x of the second run, applied, put the 1P+1D replay's
         # simulated ITL p50 at 174 ms against a real 116 (153 ms with 1.0). The simulator's processor
@@ -513,7 +513,7 @@ async def profile_arm(
             # node pulls each layer while the prefill computes the next, so the pull's own time
             # (tandem_kv_transfer_seconds, kept in the record) spans the prefill and says nothing of
             # what the transfer adds after it. Taken for the transfer, it charged every simulated P/D
-            # request its prefill twice (the run of 2026-12-02 04:25: P/D TTFT p90 1.04 off).
+            # request its prefill twice (in one recorded run: P/D TTFT p90 1.04 off).
             pull_s0, pulls_n0 = await _pulls(client, local.url, 0, 0)
             extra: dict[int, list[float]] = {
                 TINY_TOKENS: [q - s for q, s in zip(pairs["pd"], pairs["direct_prefill"], strict=True)]

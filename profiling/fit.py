@@ -121,7 +121,7 @@ def _group_medians(points: list[PrefillPoint]) -> list[PrefillPoint]:
 SLOW_EPISODE = 0.3
 """A point this much slower than the fit of the others is left out (``SLOW_ROUNDS`` times at most): on
 a shared 2-core VM an engine's steps run at one of two speeds, ~70 ms or ~160 ms for the same decode
-step, in episodes of one to dozens of steps (measured 2026-12-04, one engine, its neighbour idle: a
+step, in episodes of one to dozens of steps (measured there, one engine, its neighbour idle: a
 40-token stream's gaps 72, 73, 75, 159, 77, ...; another's median 160 ms), so a decode point timed over
 a few steps sometimes lands wholly in a slow episode. The noise only ever adds time, so only points
 above the fit go; a replay's median step is a fast one (67-69 ms at one stream in both configurations'

@@ -25,7 +25,7 @@ The engine behind ``url`` may be a node or a router in front of nodes; on a shar
 engine with the others idle, then ``neighbour_slowdown``: engines pinned to cores of their own still
 share the memory bus and caches, and a sweep run on every engine at once gives each point a neighbour
 of random busyness, where the simulator knows when a neighbour computes (``StepModel.shared_slowdown``).
-On the host of 2026-12-04 a neighbour cost little (1.08-1.65x a decode step, 0.94-1.04x a prefill, in
+On a shared 2-core VM a neighbour cost little (1.08-1.65x a decode step, 0.94-1.04x a prefill, in
 the noise) and most of the spread was the engine's own two step speeds (``FAST_STEPS``). Behind a router, a batch of
 streams may be spread over several nodes, so a decode point is one node's step only when ``url`` is that
 node's engine (``headers``: its API key).
@@ -55,9 +55,9 @@ DECODE_WARM = 3
 MIXED_START = 16
 """Tokens every stream has made when the first mixed prompt goes in (gaps from DECODE_WARM to here are
 the pure decode point: 13 steps, so that a host's slow episode of a few steps moves their median little;
-7 steps, until 2026-12-04, sometimes fell wholly in one, ``profiling.fit.SLOW_EPISODE``)."""
+7 steps, as points once had, sometimes fell wholly in one, ``profiling.fit.SLOW_EPISODE``)."""
 FAST_STEPS = 25
-"""A decode point is this percentile of its gaps, not their median: on the 2-core VM of 2026-12-04 an
+"""A decode point is this percentile of its gaps, not their median: on a shared 2-core VM an
 engine's steps run at one of two speeds (~70 or ~160 ms for one stream), and right after a sweep's
 prefills the slow one can hold most of a 13-step window (a 40-token stream's gaps: 159, 153, 57, 162,
 160, 158, 158, 62, 69, 161, ...), while a replay's median step is a fast one (one stream: 67-72 ms in

@@ -37,7 +37,7 @@ The parts:
   fleet-wide map of which node holds which key, kept by the pools as they store and evict, a
   prompt's blocks entering it at the end of the step that computed them (vLLM publishes its KV events
   after a step: a request routed while a shared prefix is still being computed does not see it there,
-  and in a real run of 2026-12-02 the router sent such a request to the other node): what the
+  and in a recorded real run the router sent such a request to the other node): what the
   router's ``FleetIndex`` would hold with every KV event applied (a test feeds the real index the
   simulator's events and gets the same decisions).
 - Keys: a trace's chained hashes regrouped to the nodes' block size (``simulator.keys``);

@@ -71,7 +71,7 @@ class StepModel:
     whose ``NodeSpec.host`` is the same): engines pinned to cores of their own still share the
     memory bus and caches, and a decode step, which reads every weight once, runs slower beside a
     busy neighbour. ``profiling.measure.neighbour_slowdown`` measured 1.08-1.65x a decode step and
-    0.94-1.04x a prefill on the 2-core host of 2026-12-04, within its noise, so ``tandem bench sim``
+    0.94-1.04x a prefill on a shared 2-core host, within its noise, so ``tandem bench sim``
     keeps 1.0 (nothing shared) there."""
     source: str = "PLACEHOLDER (not measured)"
     """Where the coefficients come from (a profile's description, or PLACEHOLDER)."""

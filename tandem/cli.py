@@ -14,6 +14,7 @@ from profiling.cli import profile_cmd
 from replay.cli import replay
 from router.admission.cli import keys_app
 from router.cli import router
+from tandem.settings_doc import settings_cmd
 from telemetry.cli import lake_app, telemetry_app
 from traces.cli import trace_app
 
@@ -24,6 +25,7 @@ app.command()(up)
 app.command()(replay)
 app.command("plan")(plan_cmd)
 app.command("profile")(profile_cmd)
+app.command("settings")(settings_cmd)
 app.add_typer(model_app, name="model")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(bench_app, name="bench")

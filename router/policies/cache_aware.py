@@ -12,7 +12,7 @@ Per candidate n (block size bs = n's block size, P = prompt tokens):
     queued(n) = uncached prompt tokens this router sent to n and not yet prefilled (released by
                 ``on_prefilled`` when a streamed answer's first token arrives, else by ``on_complete``
                 at the request's end) + n.waiting * waiting_request_tokens (other routers' queue,
-                from heartbeats). Released at the end, as until 2026-12-04, a node that decodes long
+                from heartbeats). Released at the end (as it once was), a node that decodes long
                 answers looked busy with prompt work it had done: the queue then followed when answers
                 ended, tens of milliseconds decided the node, and the router piled first turns
                 onto the other node (five within 3 s in a replay, TTFT 4-5 s).
