@@ -255,6 +255,9 @@ def bench_fleet(
     concurrency: Annotated[int, typer.Option(min=1, help="Agent sessions in flight at once.")] = 4,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 24,
     host_tier: Annotated[str, typer.Option(help="Host tier size of the tandem_tier arm.")] = "2GiB",
+    routers: Annotated[
+        int | None, typer.Option(min=1, help="Router replicas of the Tandem arms (default: tandem up's).")
+    ] = None,
     port_base: Annotated[int, typer.Option(help="First engine port (engine i: +10*i; routers +50, +51).")] = 19700,
     redis_url: Annotated[
         str | None,
@@ -279,6 +282,7 @@ def bench_fleet(
         concurrency=concurrency,
         max_tokens=max_tokens,
         host_tier=host_tier,
+        routers=routers,
         port_base=port_base,
         redis_url=redis_url or _redis_url(db=12),
     )

@@ -102,6 +102,8 @@ class FleetBenchConfig:
     host_tier: str = "2GiB"
     """The tier arm's host tier size."""
     kv_cache_gib: int = 1
+    routers: int | None = None
+    """Router replicas of the Tandem arms; None: ``tandem up``'s default for this host."""
     model: str | None = None
     port_base: int = 19700
     """Engines use port_base + 10 * i, routers port_base + 50 (vllm-router's metrics + 51)."""
@@ -348,6 +350,7 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
         node_base_port=cfg.port_base,
         redis_url=cfg.redis_url,
         kv_cache_gib=cfg.kv_cache_gib,
+        routers=cfg.routers,
         workdir=cfg.workdir / f"cluster-{tag}",
         router_env=(("TANDEM_DATABASE_URL", f"sqlite:///{(cfg.workdir / f'router-{tag}.db').resolve()}"),),
         host_tier=cfg.host_tier if arm == "tandem_tier" else None,

@@ -160,7 +160,13 @@ class ClusterSpec:
     node_env: tuple[tuple[str, str], ...] = ()
     """Environment of every node process on top of this one's (``TANDEM_NODE_*`` settings)."""
     host_tier: str | None = None
-    """Size of a host tier every node shares (``2GiB``; ``tandem tier serve``); None: no host tier."""
+    """Size of a host tier every node shares (``2GiB``; ``tandem tier serve``); None: no host tier.
+    Off by default, with ``peer_kv``, by measurement: they pay only when the sessions' shared contexts
+    outgrow the engines' own KV caches, or a node must load a prefix another computed. On a 2-core host,
+    two one-core nodes with 1 GiB of KV each, agent sessions over three repositories of ~1.5k shared
+    tokens (``tandem bench fleet``, 2 rounds): the same hit with both on (0.821), 16.7 sessions per
+    minute against 20.6 and client ITL p50 69 ms against 50 ms (the connector a peer-fetching node runs
+    costs every engine step). Turn them on when the working set exceeds the nodes' KV caches."""
     tier_env: tuple[tuple[str, str], ...] = ()
     """Environment of the host tier's process on top of this one's (``TANDEM_TIER_*`` settings)."""
     keep_host_tier: bool = False
@@ -206,10 +212,11 @@ SMALL_HOST_CORES = 2
 def default_routers() -> int:
     """One router replica on a host of ``SMALL_HOST_CORES`` or fewer, two elsewhere. On a small host every
     core computes for an engine, and a second replica is one more process taking turns on them (its
-    registry refresh, its KV-event subscriptions, its share of the streams) and about 0.7 GB; measured
-    on a 2-core host, agent sessions over two one-core nodes: 107 s with one replica against 114 s
-    with two, TTFT p99 13.5 s against 17.0 s. A replica restarts within seconds when it dies
-    (``supervise``); on larger hosts the second one keeps serving meanwhile."""
+    registry refresh, its KV-event subscriptions, its share of the streams) and about 0.7 GB. Measured
+    on a 2-core host with warmed replicas (``tandem bench fleet --arm tandem --rounds 1 --routers R``,
+    two one-core nodes, runs alternating 2, 1, 2, 1): one replica 21.5 and 23.3 sessions per minute,
+    TTFT p99 2.1 and 1.9 s; two replicas 19.4 and 21.3, TTFT p99 3.1 and 2.0 s. A replica restarts
+    within seconds when it dies (``supervise``); on larger hosts the second one keeps serving meanwhile."""
     return 1 if len(_cores()) <= SMALL_HOST_CORES else 2
 
 
