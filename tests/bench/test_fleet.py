@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -17,7 +18,8 @@ from bench.fleet import (
     summarize,
     targets,
 )
-from bench.loadgen import RequestResult, SentRequest
+from bench.loadgen import RequestResult, SentRequest, SessionScript, run_sessions
+from bench.standin_engine import ServerThread, StandInEngine
 from contracts.registry import Role
 from kv_transfer import ENGINE_HOOKS
 from node_agent.settings import NodeSettings
@@ -109,3 +111,24 @@ def test_a_plain_engine_runs_the_nodes_command_environment_without_tandems_hooks
     assert str(ENGINE_HOOKS) not in env["PYTHONPATH"].split(":")
     assert "TANDEM_ENGINE_SPIN_MS" not in env and "TANDEM_NIXL_PROGRESS_THREAD" not in env
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+@pytest.mark.parametrize("max_sessions", [1, 2])
+def test_an_agent_pool_runs_at_most_its_size_of_sessions_at_once(max_sessions: int) -> None:
+    """All sessions arrive at once; each starts only when a slot is free, and its wait counts as late."""
+    engine = StandInEngine(stream_tokens=3)
+    scripts = [
+        SessionScript(session_id=f"s{i}", start_s=0.0, turns=[[{"role": "user", "content": f"t{i}"}]] * 2, think_s=[0])
+        for i in range(4)
+    ]
+    with ServerThread(engine.app) as url:
+        sent = asyncio.run(run_sessions(url, "m", scripts, 3, max_sessions=max_sessions))
+    assert all(s.result.ok for s in sent) and len(sent) == 8
+    spans = {}
+    for s in sent:
+        lo, hi = spans.get(s.session_id, (math.inf, -math.inf))
+        spans[s.session_id] = (min(lo, s.sent_s), max(hi, s.sent_s + s.result.e2e_s))
+    # at no session's start were more than max_sessions sessions running (itself included)
+    for start, _ in spans.values():
+        assert sum(lo <= start < hi for lo, hi in spans.values()) <= max_sessions
+    assert sum(s.late_s > 0 for s in sent) >= len(scripts) - max_sessions
