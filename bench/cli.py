@@ -239,6 +239,60 @@ def bench_routing(
     print("RESULT " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
 
 
+@bench_app.command("fleet")
+def bench_fleet(
+    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
+        "results/bench-fleet.json"
+    ),
+    nodes: Annotated[int, typer.Option(min=1, help="Colocated nodes (engines) of every arm.")] = 2,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds; each alternates the arm order, new content.")] = 2,
+    arm: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Arms (repeatable; default: tandem, tandem_tier, vllm_router_cache_aware, vllm_router_round_robin)."
+        ),
+    ] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Agent sessions in flight at once.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 24,
+    host_tier: Annotated[str, typer.Option(help="Host tier size of the tandem_tier arm.")] = "2GiB",
+    routers: Annotated[
+        int | None, typer.Option(min=1, help="Router replicas of the Tandem arms (default: tandem up's).")
+    ] = None,
+    port_base: Annotated[int, typer.Option(help="First engine port (engine i: +10*i; routers +50, +51).")] = 19700,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Registry Redis of the Tandem arms (default: $TANDEM_REDIS_URL, database 12)."),
+    ] = None,
+) -> None:
+    """Tandem (defaults; with host tier + peer fetch) against vllm-router (cache_aware, round_robin) on N
+    fresh engines per arm: multi-turn agent sessions with shared repository contexts and tool pauses.
+    Per arm: hit, TTFT, client and engine ITL, E2E, sessions per minute, non-engine CPU; issue 37's
+    targets printed as held or missed. ~20 min on 2 cores."""
+    from bench.fleet import ARMS, FleetBenchConfig, result_line, run_fleet_bench
+
+    arms = tuple(arm or ARMS)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        console.print(f"[red]error:[/red] unknown arm {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+        raise typer.Exit(2)
+    cfg = FleetBenchConfig(
+        nodes=nodes,
+        rounds=rounds,
+        arms=arms,
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        host_tier=host_tier,
+        routers=routers,
+        port_base=port_base,
+        redis_url=redis_url or _redis_url(db=12),
+    )
+    with clean_errors():
+        result = run_fleet_bench(out, cfg)
+    for name, t in result["targets"].items():
+        print(f"{'held  ' if t['held'] else 'MISSED'} {name}: {t['value']} (bound {t['bound']})", flush=True)
+    print(result_line(result), flush=True)
+
+
 @bench_app.command("kv-cache")
 def bench_kv_cache(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(

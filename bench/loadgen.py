@@ -199,15 +199,23 @@ async def run_sessions(
     max_tokens: int,
     headers: Mapping[str, str] | None = None,
     on_done: Callable[[SentRequest], None] | None = None,
+    max_sessions: int | None = None,
 ) -> list[SentRequest]:
     """Replay ``sessions`` against ``base_url`` (POST /v1/chat/completions, SSE). Each request carries
-    ``x-session-id``. Returns every request in the order it was sent."""
+    ``x-session-id``. With ``max_sessions``, at most that many sessions run at once (as an agent pool
+    of that size): a session that arrives while all are busy starts when one ends, and its lateness
+    counts that wait. Returns every request in the order it was sent."""
+    slots = asyncio.Semaphore(max_sessions or len(sessions) or 1)
     url = f"{base_url}/v1/chat/completions"
     sent: list[SentRequest] = []
     t0 = time.perf_counter()
 
     async def session(client: httpx.AsyncClient, s: SessionScript) -> None:
         await asyncio.sleep(max(0.0, s.start_s - (time.perf_counter() - t0)))
+        async with slots:
+            await turns(client, s)
+
+    async def turns(client: httpx.AsyncClient, s: SessionScript) -> None:
         late = max(0.0, time.perf_counter() - t0 - s.start_s)
         for i, messages in enumerate(s.turns):
             body = {

@@ -55,13 +55,13 @@ def up(
     ] = None,
     port: Annotated[int, typer.Option(help="Router port.")] = 8000,
     routers: Annotated[
-        int,
+        int | None,
         typer.Option(
             min=1,
-            help="Router replicas sharing the port (SO_REUSEPORT): if one dies the other keeps serving while it "
-            "restarts. Each holds about 0.7 GB.",
+            help="Router replicas sharing the port (SO_REUSEPORT): if one dies another keeps serving while it "
+            "restarts. Each holds about 0.7 GB. Default: 1 on a host of 2 cores or fewer, else 2.",
         ),
-    ] = 2,
+    ] = None,
     node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 8100,
     redis_url: Annotated[
         str | None,

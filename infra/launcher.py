@@ -1,5 +1,5 @@
 """``tandem up``: a whole cluster on this machine (Redis if needed, N prefill, M decode, K colocated
-nodes, two router replicas sharing one port, the lake writer) as child processes, kept up, stopped
+nodes, router replicas sharing one port, the lake writer) as child processes, kept up, stopped
 together on Ctrl-C / SIGTERM.
 
 Also the fixture behind the end-to-end tests and benchmarks, which need the same real processes.
@@ -160,7 +160,13 @@ class ClusterSpec:
     node_env: tuple[tuple[str, str], ...] = ()
     """Environment of every node process on top of this one's (``TANDEM_NODE_*`` settings)."""
     host_tier: str | None = None
-    """Size of a host tier every node shares (``2GiB``; ``tandem tier serve``); None: no host tier."""
+    """Size of a host tier every node shares (``2GiB``; ``tandem tier serve``); None: no host tier.
+    Off by default, with ``peer_kv``, by measurement: they pay only when the sessions' shared contexts
+    outgrow the engines' own KV caches, or a node must load a prefix another computed. On a 2-core host,
+    two one-core nodes with 1 GiB of KV each, agent sessions over three repositories of ~1.5k shared
+    tokens (``tandem bench fleet``, 2 rounds): the same hit with both on (0.821), 16.7 sessions per
+    minute against 20.6 and client ITL p50 69 ms against 50 ms (the connector a peer-fetching node runs
+    costs every engine step). Turn them on when the working set exceeds the nodes' KV caches."""
     tier_env: tuple[tuple[str, str], ...] = ()
     """Environment of the host tier's process on top of this one's (``TANDEM_TIER_*`` settings)."""
     keep_host_tier: bool = False
@@ -169,9 +175,19 @@ class ClusterSpec:
     peer_kv: bool = False
     """Colocated nodes run our connector, so each loads a prefix another holds instead of computing it
     (``NodeSettings.peer_kv``; the router's ``peer_fetch``)."""
-    routers: int = 2
+    routers: int | None = None
     """Router replicas sharing router_port (SO_REUSEPORT): one that dies, or restarts, leaves the other
-    serving. The first is named ``router``, the others ``router-1``..."""
+    serving. The first is named ``router``, the others ``router-1``... None: ``default_routers()``."""
+
+    @property
+    def router_count(self) -> int:
+        return self.routers if self.routers is not None else default_routers()
+
+    @property
+    def model_paths(self) -> list[str]:
+        """The model folders the nodes register, which every router warms before it serves."""
+        paths = [m.path for m in self.models] if self.models else [self.model]
+        return [str(Path(p).expanduser()) if p else str(default_model_dir()) for p in paths]
 
     @property
     def roles(self) -> list[Role]:
@@ -187,6 +203,21 @@ class ClusterSpec:
         if len(set(names)) != len(names):
             raise ConfigError(f"served model names must differ: {', '.join(names)}")
         return [(role, m) for m in self.models for role in self.roles]
+
+
+SMALL_HOST_CORES = 2
+"""Hosts of this many cores or fewer run one router replica by default (``default_routers``)."""
+
+
+def default_routers() -> int:
+    """One router replica on a host of ``SMALL_HOST_CORES`` or fewer, two elsewhere. On a small host every
+    core computes for an engine, and a second replica is one more process taking turns on them (its
+    registry refresh, its KV-event subscriptions, its share of the streams) and about 0.7 GB. Measured
+    on a 2-core host with warmed replicas (``tandem bench fleet --arm tandem --rounds 1 --routers R``,
+    two one-core nodes, runs alternating 2, 1, 2, 1): one replica 21.5 and 23.3 sessions per minute,
+    TTFT p99 2.1 and 1.9 s; two replicas 19.4 and 21.3, TTFT p99 3.1 and 2.0 s. A replica restarts
+    within seconds when it dies (``supervise``); on larger hosts the second one keeps serving meanwhile."""
+    return 1 if len(_cores()) <= SMALL_HOST_CORES else 2
 
 
 def _cores() -> list[int]:
@@ -314,11 +345,12 @@ class Cluster:
                 args += ["--engine-arg", extra]
             both_slot += role is Role.BOTH
             self._spawn(node_id, args, dict(spec.node_env))
-        if spec.routers < 1:
+        routers = spec.router_count
+        if routers < 1:
             raise ConfigError("a cluster needs at least one router")
-        for i in range(spec.routers):
+        for i in range(routers):
             self.add_router(
-                spec.router_port, spec.policy, name="router" if i == 0 else f"router-{i}", reuse_port=spec.routers > 1
+                spec.router_port, spec.policy, name="router" if i == 0 else f"router-{i}", reuse_port=routers > 1
             )
         # The slow path never takes CPU from the fast path: the writer runs SCHED_IDLE on any core
         # (every core belongs to an engine here), only where an engine would leave it idle.
@@ -387,6 +419,8 @@ class Cluster:
             "TANDEM_SQLITE_PATH": str(self.spec.workdir / "tandem.db"),
             # Its own journal, kept across its restarts: a restarted replica sends what the dead one had not.
             "TANDEM_ROUTER_TELEMETRY_JOURNAL_DIR": str((self.spec.workdir / "journal" / name).resolve()),
+            # Each replica loads and exercises the tokenizer before it listens: READY means every one is warm.
+            "TANDEM_ROUTER_WARM_MODELS": json.dumps(self.spec.model_paths),
             **({"TANDEM_ROUTER_MODELS": str(self.spec.models_file.resolve())} if self.spec.models_file else {}),
             **dict(self.spec.router_env),
             **(env or {}),

@@ -240,12 +240,15 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             tracer=spans.get_tracer("tandem.router") if spans is not None else None,
             rates=peers.rates if peers is not None else None,
         )
+        tokenizer = PromptTokenizer(render_timeout_s=settings.template_render_timeout_s)
+        # Warm before serving: uvicorn listens only after the lifespan has started.
+        await tokenizer.warm([*settings.warm_models, *(n.info.model_path or "" for n in fleet.nodes)])
         app.state.orchestrator = Orchestrator(
             settings,
             fleet,
             client,
             policy,
-            PromptTokenizer(render_timeout_s=settings.template_render_timeout_s),
+            tokenizer,
             metrics,
             index,
             slots=admission.controller,

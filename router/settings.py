@@ -44,6 +44,10 @@ class RouterSettings(BaseSettings):
     """Models file (TOML, ``router.model_table``): aliases, a fallback per served model, canary weights
     between served names behind one public name. None (the default): every request's ``model`` is a
     served name, routed as it is. Read once at start-up; a bad file stops the router (``ConfigError``)."""
+    warm_models: list[str] = Field(default_factory=list)
+    """Model folders whose tokenizer the router loads, and renders a chat with, before it serves
+    (``PromptTokenizer.warm``), beside those of the nodes registered when it starts; ``tandem up``
+    names its nodes' models. A router on another host than the folders skips them."""
     registry_refresh_s: float = 1.0
     """How often the live-node view is re-read from Redis. Nodes heartbeat their load every 2 s, so a
     faster refresh buys no fresher loads, only idle CPU taken from the engines on a shared host."""

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from contracts.errors import ConfigError
@@ -129,3 +131,24 @@ def test_the_host_tier_emits_its_lake_rows_where_the_lake_writer_reads(
     started = _started(monkeypatch, spec)
     assert started["host-tier"][1]["TANDEM_TIER_TELEMETRY_REDIS_URL"] == "redis://127.0.0.1:1/4"
     assert _flag(started["lake-writer"][0], "--redis-url") == "redis://127.0.0.1:1/4"
+
+
+@pytest.mark.parametrize(("cores", "replicas"), [([0], 1), ([0, 1], 1), ([0, 1, 2, 3], 2)])
+def test_a_small_host_runs_one_router_replica_by_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, cores: list[int], replicas: int
+) -> None:
+    spec = launcher.ClusterSpec(both=2, model="/m/x", redis_url="redis://127.0.0.1:1/0", workdir=tmp_path)
+    started = _started(monkeypatch, spec)
+    monkeypatch.setattr(launcher, "_cores", lambda: cores)  # _started pins two cores while starting
+    assert spec.router_count == replicas
+    assert [n for n in started if n.startswith("router")] == ["router"]  # two cores while starting
+    assert launcher.ClusterSpec(routers=3).router_count == 3  # as told
+
+
+def test_every_router_replica_warms_the_models_the_nodes_serve(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    spec = launcher.ClusterSpec(both=2, model="/m/x", redis_url="redis://127.0.0.1:1/0", routers=2, workdir=tmp_path)
+    started = _started(monkeypatch, spec)
+    for name in ("router", "router-1"):
+        assert json.loads(started[name][1]["TANDEM_ROUTER_WARM_MODELS"]) == ["/m/x"]
+    default = launcher.ClusterSpec(both=1, workdir=tmp_path).model_paths
+    assert default == [str(launcher.default_model_dir())]
