@@ -213,7 +213,8 @@ def new_response_id() -> str:
 def _usage(u: Usage) -> dict[str, Any]:
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        # cache_write_tokens: the engine caches every prefix it computes on its own; no explicit writes are made.
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
