@@ -267,7 +267,7 @@ class MessagesStreamEncoder:
 
     def start(self, prompt_tokens: int = 0, cached_tokens: int = 0) -> list[dict[str, Any]]:
         """``message_start``; the router passes the prompt tokens it counted, where it has them."""
-        message = {
+        message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",

@@ -11,6 +11,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from router.codecs import responses
 from router.codecs.internal import (
     Error,
+    Event,
     Finish,
     RequestError,
     TextDelta,
@@ -122,7 +123,7 @@ def _run(events: list) -> list[dict]:
 
 
 def test_stream_text_then_tool_call_in_the_documented_order() -> None:
-    events = [
+    events: list[Event] = [
         TextDelta("I will "),
         TextDelta("run ls."),
         ToolCallStart(0, "call_9", "shell"),
@@ -191,7 +192,6 @@ def test_error_mid_stream_fails_the_response_and_ends_the_stream() -> None:
     final = Response.model_validate(out[-1]["response"])
     assert final.status == "failed" and final.error is not None
     assert (final.error.code, final.error.message) == ("rate_limit_exceeded", "no decode node free")
-    built = responses.build_response(
-        responses.decode_request(_codex_turn()), collect([TextDelta("x"), Error("upstream", "boom")])
-    )
+    failed: list[Event] = [TextDelta("x"), Error("upstream", "boom")]
+    built = responses.build_response(responses.decode_request(_codex_turn()), collect(failed))
     assert built["status"] == "failed" and built["error"]["code"] == "server_error"
