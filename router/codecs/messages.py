@@ -19,6 +19,7 @@ The stream, as ``MessagesStreamEncoder`` emits it (``index`` counts content bloc
         content_block_stop
     message_delta                      (stop_reason end_turn | max_tokens | tool_use | stop_sequence; usage)
     message_stop
+  ping                                 (``ping()``: a keep-alive the edge may send between any two events)
   or, on an Error at any point (open blocks are not closed, as Anthropic's own stream does):
     error                              {"type": "error", "error": {"type": ..., "message": ...}}
 
@@ -278,6 +279,11 @@ class MessagesStreamEncoder:
             "usage": _usage(Usage(prompt_tokens, cached_tokens, 0)),
         }
         return [{"type": "message_start", "message": message}]
+
+    @staticmethod
+    def ping() -> dict[str, Any]:
+        """A keep-alive event, as Anthropic sends while a turn is slow to start."""
+        return {"type": "ping"}
 
     def _close(self) -> list[dict[str, Any]]:
         if not self._open:

@@ -215,6 +215,7 @@ def test_error_mid_stream_is_anthropics_error_event_and_ends_the_stream() -> Non
     assert [e["type"] for e in out] == ["message_start", "content_block_start", "content_block_delta", "error"]
     assert out[-1] == {"type": "error", "error": {"type": "overloaded_error", "message": "no decode node free"}}
     ErrorResponse.model_validate({**out[-1], "request_id": None})
+    assert messages.sse(messages.MessagesStreamEncoder.ping()) == b'event: ping\ndata: {"type":"ping"}\n\n'
     frame = messages.sse(out[-1]).decode()
     assert json.loads(frame.split("data: ", 1)[1]) == out[-1]
     failed: list[Event] = [TextDelta("x"), Error("upstream", "boom")]
