@@ -66,11 +66,18 @@ def test_chat_line_weights_only_the_answer_of_its_turn() -> None:
 
 def test_pairs_per_context_chosen_by_rating() -> None:
     other = [{"role": "user", "content": "something else"}]
-    rated = [ex("a", rating=1, at=1), ex("b", rating=-1, at=2), ex("c", rating=1, at=3), ex("d", rating=1, context=other)]
+    rated = [
+        ex("a", rating=1, at=1),
+        ex("b", rating=-1, at=2),
+        ex("c", rating=1, at=3),
+        ex("d", rating=1, context=other),
+    ]
     recs = [(e, formats.record(e)) for e in rated]
     got = formats.pairs(recs, PairRule.ALL)
     # a-b and b-c differ; a-c tie; d has no partner
-    assert sorted((p[1]["metadata"]["chosen"]["request_id"], p[1]["metadata"]["rejected"]["request_id"]) for p in got) == [
+    assert sorted(
+        (p[1]["metadata"]["chosen"]["request_id"], p[1]["metadata"]["rejected"]["request_id"]) for p in got
+    ) == [
         ("a", "b"),
         ("c", "b"),
     ]
