@@ -247,14 +247,28 @@ def _print_result(result: pa.Table, fmt: str, limit: int) -> None:
 def report(
     out: Annotated[Path, typer.Option("--out", help="Folder for index.html and the PNG plots.")],
     lake: LakeDir = None,
+    exports: Annotated[
+        bool,
+        typer.Option(
+            "--exports/--no-exports",
+            help="Add the exports' view (rows per export and tenant, feedback coverage, what was filtered), "
+            "read from the session store (TANDEM_DATABASE_URL / TANDEM_SQLITE_PATH).",
+        ),
+    ] = True,
 ) -> None:
-    """Render an HTML report: hit-rate breakdown, TTFT/ITL, P/D decisions, KV transfers."""
+    """Render an HTML report: hit-rate breakdown, TTFT/ITL, P/D decisions, KV transfers, exports."""
     from telemetry.report import SECTIONS, render_report
 
     lake = existing_lake(lake)
+    view = None
+    if exports:
+        from telemetry.export import ExportSettings
+        from telemetry.export.view import export_view
+
+        view = export_view(ExportSettings())
     with Progress(console=_console, transient=True) as progress:
         task = progress.add_task("rendering", total=len(SECTIONS))
-        rep = render_report(lake, out, on_step=lambda name: progress.advance(task))
+        rep = render_report(lake, out, on_step=lambda name: progress.advance(task), exports=view)
     if rep.empty:
         _console.print(f"the lake at {lake} holds no request records; wrote an empty report to {rep.index}")
     else:

@@ -222,3 +222,23 @@ def test_cli_consent_and_export(sqlite_store: Store, tmp_path: Path, monkeypatch
     assert bad.exit_code == 2
     no_out = runner.invoke(lake_app, ["export"])
     assert no_out.exit_code == 1 and "--out" in no_out.output
+
+
+def test_report_shows_each_export_its_tenants_coverage_and_filtered(sqlite_store: Store, tmp_path: Path) -> None:
+    from telemetry.export.view import export_view
+    from telemetry.report import render_report
+
+    fill(sqlite_store)
+    sqlite_store.lake_rows("requests", [{"request_id": "r1", "status": "ok", "decode_node": "d0", "prompt_tokens": 9}])
+    sqlite_store.lake_rows("feedback", [{"response_id": "r3", "request_id": "r3", "tenant_id": "acme", "rating": 1}])
+    run_export(spec(sqlite_store, tmp_path / "o"), settings(sqlite_store))
+    view = export_view(settings(sqlite_store))
+    [line] = view.exports
+    assert (line.name, line.rows, line.per_tenant, line.filtered) == ("train", 4, {"acme": 4}, {"no_consent": 1})
+    assert line.feedback_coverage == 0.25
+    rep = render_report(sqlite_store.lake, tmp_path / "report", exports=view)
+    page = rep.index.read_text()
+    assert "<h2>exports</h2>" in page and "acme 4" in page and "no_consent 1" in page and "25.0%" in page
+    assert "initech (denied)" in page
+    missing = export_view(ExportSettings(database_url=f"sqlite:///{tmp_path}/none.db"))
+    assert missing.exports == [] and missing.error
