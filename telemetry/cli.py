@@ -310,7 +310,7 @@ def questions(
 
 
 def _instant(value: str | None) -> float | None:
-    """``--since`` / ``--until``: ISO 8601 (``2026-12-05T09:00:00Z``; no zone means UTC) or Unix seconds."""
+    """``--since`` / ``--until``: ISO 8601 (``YYYY-MM-DDTHH:MM:SSZ``; no zone means UTC) or Unix seconds."""
     if value is None:
         return None
     try:
@@ -386,12 +386,12 @@ def export_cmd(
     verb = "would export" if dry_run else "exported"
     where = "" if dry_run else f" in {len(result.parts)} parts to {out}"
     filtered = ", ".join(f"{k} {v}" for k, v in sorted(result.filtered.items())) or "none"
-    _console.print(
-        f"{name}: {verb} {result.rows} {fmt} rows{where}; {result.candidates} candidates, filtered: {filtered}",
-        soft_wrap=True,
-    )
+    line = f"{name}: {verb} {result.rows} {fmt} rows{where}; {result.candidates} candidates, filtered: {filtered}"
     if as_json:
+        _console.print(line, soft_wrap=True, markup=False)
         typer.echo(json.dumps({"name": name, "format": fmt, "dry_run": dry_run, "uris": result.parts, **summary}))
+    else:
+        typer.echo(line)
 
 
 @lake_app.command("consent")

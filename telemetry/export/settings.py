@@ -25,6 +25,7 @@ class ExportSettings(BaseSettings):
     database_url: str | None = Field(default=None, validation_alias="TANDEM_DATABASE_URL")
     """``postgresql://user@host:port/db`` (optionally ``?schema=name``); None → SQLite at ``sqlite_path``."""
     sqlite_path: Path = Field(default=Path(".tandem/tandem.db"), validation_alias="TANDEM_SQLITE_PATH")
+    """The embedded session store (SQLite) when no database URL is given: where ``tandem up`` keeps it."""
     redact: str | None = None
     """The redaction hook, ``module:function``: called with each example (``{"messages": [...],
     "metadata": {...}}``, the chat shape) before anything is written; returns the example to write (it
@@ -38,9 +39,11 @@ class ExportSettings(BaseSettings):
     """Endpoint of an S3-API server for ``s3://`` destinations (MinIO, moto, a region's endpoint);
     None: AWS's own, found the way botocore finds it."""
     s3_region: str | None = None
+    """Region the S3 client signs for (``us-east-1`` suits most S3-API servers); None: botocore's default."""
     s3_access_key_id: str | None = None
     """None: credentials from botocore's usual chain (``AWS_*`` variables, profiles, instance roles)."""
     s3_secret_access_key: str | None = None
+    """The secret of ``s3_access_key_id``; keep it in a secret store's environment, not in a file."""
     fault_kill_after_parts: int = Field(default=0, ge=0)
     """Fault injection for tests: after this many parts are durable, the export SIGKILLs itself before
     committing the last one's watermark (the window a crash is most likely to hurt). 0: never."""
