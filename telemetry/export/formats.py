@@ -31,6 +31,7 @@ import io
 import json
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -55,6 +56,14 @@ class Format(enum.StrEnum):
 class PairRule(enum.StrEnum):
     ALL = "all"
     EXTREMES = "extremes"
+
+
+@dataclass(frozen=True, slots=True)
+class Rated:
+    example: Example
+    record: Record
+    rating: int
+    at: float
 
 
 def metadata(ex: Example) -> dict[str, Any]:
@@ -93,38 +102,36 @@ def chat_line(rec: Record) -> dict[str, Any]:
 def pairs(rated: Sequence[tuple[Example, Record]], rule: PairRule) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """Preference pairs of rated answers to one context, each with its position (the later of the two
     feedback times, then the chosen and rejected request ids)."""
-    groups: dict[tuple[str, str], list[tuple[Example, Record]]] = defaultdict(list)
+    groups: dict[tuple[str, str], list[Rated]] = defaultdict(list)
     for ex, rec in rated:
         if ex.feedback is None or ex.feedback.rating is None or ex.response is None:
             continue
-        groups[(ex.tenant_id, json.dumps(ex.context, sort_keys=True))].append((ex, rec))
+        key = (ex.tenant_id, json.dumps(ex.context, sort_keys=True))
+        groups[key].append(Rated(ex, rec, ex.feedback.rating, ex.feedback.at))
     out: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
     for members in groups.values():
-        members.sort(key=lambda m: (m[0].created_at, m[0].request_id))
+        members.sort(key=lambda m: (m.example.created_at, m.example.request_id))
         if rule is PairRule.EXTREMES:
-            best = max(members, key=lambda m: m[0].feedback.rating)  # type: ignore[union-attr]
-            worst = min(members, key=lambda m: m[0].feedback.rating)  # type: ignore[union-attr]
-            candidates = [(best, worst)]
+            candidates = [(max(members, key=lambda m: m.rating), min(members, key=lambda m: m.rating))]
         else:
             candidates = [(a, b) for i, a in enumerate(members) for b in members[i + 1 :]]
         for a, b in candidates:
-            ra, rb = a[0].feedback.rating, b[0].feedback.rating  # type: ignore[union-attr]
-            if ra == rb:
+            if a.rating == b.rating:
                 continue
-            chosen, rejected = (a, b) if ra > rb else (b, a)  # type: ignore[operator]
-            at = max(chosen[0].feedback.at, rejected[0].feedback.at)  # type: ignore[union-attr]
+            chosen, rejected = (a, b) if a.rating > b.rating else (b, a)
             line = {
-                "input": {"messages": chosen[1]["messages"][:-1]},
-                "preferred_output": chosen[1]["messages"][-1:],
-                "non_preferred_output": rejected[1]["messages"][-1:],
+                "input": {"messages": chosen.record["messages"][:-1]},
+                "preferred_output": chosen.record["messages"][-1:],
+                "non_preferred_output": rejected.record["messages"][-1:],
                 "metadata": {
-                    "tenant_id": chosen[0].tenant_id,
-                    "model": chosen[0].model,
-                    "chosen": chosen[1]["metadata"],
-                    "rejected": rejected[1]["metadata"],
+                    "tenant_id": chosen.example.tenant_id,
+                    "model": chosen.example.model,
+                    "chosen": chosen.record["metadata"],
+                    "rejected": rejected.record["metadata"],
                 },
             }
-            out.append(((at, chosen[0].request_id, rejected[0].request_id), line))
+            position = (max(chosen.at, rejected.at), chosen.example.request_id, rejected.example.request_id)
+            out.append((position, line))
     return out
 
 

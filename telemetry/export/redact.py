@@ -35,14 +35,15 @@ def load_hook(spec: str | None) -> Hook | None:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"redaction hook {spec!r}: cannot import {module_name}: {exc}") from exc
-    fn = module
+    fn: Any = module
     for part in attr.split("."):
-        fn = getattr(fn, part, None)  # type: ignore[assignment]
+        fn = getattr(fn, part, None)
         if fn is None:
             raise ConfigError(f"redaction hook {spec!r}: {module_name} has no {attr}")
     if not callable(fn):
         raise ConfigError(f"redaction hook {spec!r} is not callable")
-    return fn  # type: ignore[return-value]
+    hook: Hook = fn
+    return hook
 
 
 def apply(hook: Hook | None, record: Record) -> Record | None:
