@@ -7,11 +7,14 @@
 
 Rows newer than ``settle_s`` wait for the next run, so a turn or a feedback row still on its way (the
 session writer's queue, the lake writer's batches) cannot land behind a watermark that has passed it. A
-dry run reads and counts the same way and writes nothing, not even its tables.
+dry run reads and counts the same way and writes nothing, not even its tables. A run that wrote parts
+ends by rewriting ``_<name>.manifest.json`` beside them: the committed parts (derived from the database,
+which stays the authority).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -125,8 +128,20 @@ def _run(
         wm = wmk.commit(db, wm, uri, len(batch), batch[0][0], batch[-1][0])
         result.parts.append(uri)
     result.watermark = wm
+    if result.parts:
+        sink.write(f"_{spec.name}.manifest.json", _manifest(db, spec.name))
     wmk.record_run(db, spec.name, started, spec.fmt, False, result.rows, result.summary())
     return result
+
+
+def _manifest(db: ExportDb, name: str) -> bytes:
+    """The committed parts of ``name``, for readers of the destination: a part not listed is one a killed
+    run left uncommitted, which the next run replaces."""
+    listed = [
+        {"seq": p.seq, "uri": p.uri, "rows": p.rows, "first": list(p.first), "last": list(p.last)}
+        for p in wmk.parts(db, name)
+    ]
+    return json.dumps({"name": name, "parts": listed}, indent=1).encode()
 
 
 def _turn_lines(

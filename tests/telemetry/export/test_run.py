@@ -87,6 +87,12 @@ def test_consenting_turns_exported_once_then_only_what_is_new(store: Store, tmp_
     manifest = wmk.parts(store.db, "train")
     assert [(p.seq, p.rows) for p in manifest] == [(0, 2), (1, 2), (2, 1)]
     assert manifest[-1].last[-1] == "r6"
+    listed = json.loads((out / "_train.manifest.json").read_text())
+    assert [(p["seq"], p["rows"], Path(p["uri"]).name) for p in listed["parts"]] == [
+        (0, 2, "train-000000.jsonl"),
+        (1, 2, "train-000001.jsonl"),
+        (2, 1, "train-000002.jsonl"),
+    ]
 
 
 def test_killed_run_resumes_without_duplicates(sqlite_store: Store, tmp_path: Path) -> None:
