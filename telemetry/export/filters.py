@@ -7,6 +7,7 @@ summary and ``tandem lake report``):
     tenant       ``--tenant`` names others
     model        ``--model`` names others (the served model that answered)
     time         the turn ended before ``--since`` (``--until`` bounds the read itself)
+    empty        the turn has no answer to learn from (no text and no tool call)
     failed       the lake says the request ended ``error`` or ``cancelled``, and ``--include-failed`` was
                  not given; with it such a turn is kept and its metadata says ``failed: true``
     feedback     ``--feedback rated|unrated`` or ``--min-rating`` / ``--max-rating`` refuse it
@@ -53,6 +54,8 @@ class Filters:
             return "model"
         if self.since is not None and ex.created_at < self.since:
             return "time"
+        if not ex.response or not (ex.response.get("content") or ex.response.get("tool_calls")):
+            return "empty"
         if ex.status in FAILED_STATUSES and not self.include_failed:
             return "failed"
         rating = ex.feedback.rating if ex.feedback else None

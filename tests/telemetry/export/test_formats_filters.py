@@ -117,6 +117,8 @@ def test_jsonl_is_one_object_per_line() -> None:
         (Filters(tenants=frozenset({"u"})), ex("r"), "tenant"),
         (Filters(models=frozenset({"other"})), ex("r"), "model"),
         (Filters(since=5.0), ex("r", at=1.0), "time"),
+        (Filters(), ex("r", response=None), "empty"),
+        (Filters(), ex("r", response={"role": "assistant"}), "empty"),
         (Filters(), ex("r", lake={"status": "cancelled"}), "failed"),
         (Filters(), ex("r", lake={"status": "error"}), "failed"),
         (Filters(feedback=FeedbackFilter.RATED), ex("r"), "feedback"),
