@@ -34,7 +34,7 @@ from telemetry.export.filters import Filters, apply
 from telemetry.export.formats import Format, PairRule
 from telemetry.export.settings import ExportSettings
 from telemetry.export.sink import Sink
-from telemetry.export.source import build_examples, join_lake, rated_request_ids, sessions_of_turns
+from telemetry.export.source import build_examples, join_lake, nth_turn_end, rated_request_ids, sessions_of_turns
 from telemetry.export.source import sessions_with_turns_between as turns_between
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -111,7 +111,7 @@ def _run(
     if spec.fmt is Format.PREFERENCE_JSONL:
         lines = _pair_lines(db, spec, wm, until, consented, hook, result)
     else:
-        lines = _turn_lines(db, spec, wm, until, consented, hook, result)
+        lines = _turn_lines(db, spec, settings, wm, until, consented, hook, result)
     lines.sort(key=lambda line: line[0])
     result.rows = len(lines)
     if spec.dry_run or spec.out is None:
@@ -147,6 +147,7 @@ def _manifest(db: ExportDb, name: str) -> bytes:
 def _turn_lines(
     db: ExportDb,
     spec: ExportSpec,
+    settings: ExportSettings,
     wm: wmk.Watermark,
     until: float,
     consented: frozenset[str],
@@ -154,6 +155,8 @@ def _turn_lines(
     result: ExportResult,
 ) -> list[Line]:
     after = float(wm.position[0]) if wm.position else 0.0
+    if settings.run_max_turns:
+        until = min(until, nth_turn_end(db, after, until, settings.run_max_turns) or until)
     examples = [e for e in build_examples(turns_between(db, after, until)) if wm.passes(e.position)]
     examples = join_lake(examples, spec.lake)
     result.candidates = len(examples)

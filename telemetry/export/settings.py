@@ -35,6 +35,10 @@ class ExportSettings(BaseSettings):
     writer may still be delivering rows that end before them, and the watermark never moves back."""
     batch_rows: int = Field(default=1000, ge=1)
     """Rows per part file; the watermark advances after each part is durable."""
+    run_max_turns: int = Field(default=0, ge=0)
+    """Turns one chat or Parquet run reads past its watermark at most (turns ending at the same instant
+    as the last are read with it), so a first export of a large store runs in bounded memory: each run
+    takes the next slice. 0: no bound."""
     s3_endpoint_url: str | None = None
     """Endpoint of an S3-API server for ``s3://`` destinations (MinIO, moto, a region's endpoint);
     None: AWS's own, found the way botocore finds it."""

@@ -115,6 +115,20 @@ def sessions_with_turns_between(db: ExportDb, after: float, until: float) -> lis
     return _rows(db.fetch(sql + _ORDER, after, until))
 
 
+def nth_turn_end(db: ExportDb, after: float, until: float, n: int) -> float | None:
+    """The end time of the ``n``-th turn (from 1) ending in ``(after, until]``; None if there are fewer."""
+    if not db.has_table("tandem_turns"):
+        return None
+    rows = db.fetch(
+        "SELECT created_at FROM tandem_turns WHERE created_at > $1 AND created_at <= $2 "
+        "ORDER BY created_at LIMIT 1 OFFSET $3",
+        after,
+        until,
+        n - 1,
+    )
+    return float(rows[0][0]) if rows else None
+
+
 def sessions_of_turns(db: ExportDb, turn_ids: Iterable[str]) -> list[TurnRow]:
     """Every turn of the sessions that hold one of ``turn_ids``."""
     ids = sorted(set(turn_ids))

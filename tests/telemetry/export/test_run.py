@@ -283,3 +283,13 @@ def test_s3_destination_through_moto_server(sqlite_store: Store, tmp_path: Path)
         assert json.loads(fs.cat_file("exports/run/_s3.manifest.json"))["parts"][1]["rows"] == 1
     finally:
         server.stop()
+
+
+def test_bounded_runs_take_the_next_slice_each(store: Store, tmp_path: Path) -> None:
+    fill(store)
+    out = tmp_path / "o"
+    got = [run_export(spec(store, out), settings(store, run_max_turns=2)).rows for _ in range(4)]
+    # turns r1..r5 in time order, r5 without consent: slices r1-r2, r3-r4, r5 (filtered), nothing
+    assert got == [2, 2, 0, 0]
+    assert [x["metadata"]["request_id"] for x in lines(out)] == ["r1", "r2", "r3", "r4"]
+    assert lines(out)[2]["messages"][0] == {"role": "user", "content": "Open README.md"}  # context from slice 1
