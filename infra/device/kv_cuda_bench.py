@@ -132,8 +132,11 @@ def _measure(
             times.append(res)
         sums[transport] = decode("sums", local) == want
         pull_s = _median([t["pull_s"] for t in times])
-        pulls[transport] = {"gbps": _gbps(nbytes, pull_s), "pull_ms": round(pull_s * 1e3, 3),
-                            "h2d_ms": round(_median([t["h2d_s"] for t in times]) * 1e3, 3)}
+        pulls[transport] = {
+            "gbps": _gbps(nbytes, pull_s),
+            "pull_ms": round(pull_s * 1e3, 3),
+            "h2d_ms": round(_median([t["h2d_s"] for t in times]) * 1e3, 3),
+        }
         pulls[transport]["fixed_ms"] = _fixed(prefill, decode, transport, ep, args.fixed_repeats)
     out["pulls"] = pulls
     best = min(pulls, key=lambda t: pulls[t]["pull_ms"])
@@ -155,8 +158,16 @@ def _fixed(prefill: Side, decode: Side, transport: str, ep: str, repeats: int) -
     return round(_median(times) * 1e3, 3)
 
 
-def _layerwise(prefill: Side, decode: Side, transport: str, ep: str, remote: list[int], local: list[int],
-               layer_ms: float, repeats: int) -> dict[str, Any]:
+def _layerwise(
+    prefill: Side,
+    decode: Side,
+    transport: str,
+    ep: str,
+    remote: list[int],
+    local: list[int],
+    layer_ms: float,
+    repeats: int,
+) -> dict[str, Any]:
     """Exposed ms (end of the prefill's compute to every block in the decode cache) of a whole-prompt
     pull and of a layer-wise one; medians of ``repeats``."""
     whole, layered = [], []
@@ -174,8 +185,13 @@ def _layerwise(prefill: Side, decode: Side, transport: str, ep: str, remote: lis
             raise RuntimeError(f"layer-wise pull failed: {res['reason']}")
         layered.append(max(0.0, res["end"] - end) * 1e3)
     w, lw = _median(whole), _median(layered)
-    return {"transport": transport, "layer_ms": round(layer_ms, 3), "whole_exposed_ms": round(w, 3),
-            "layerwise_exposed_ms": round(lw, 3), "ratio": round(lw / w, 3) if w > 0 else None}
+    return {
+        "transport": transport,
+        "layer_ms": round(layer_ms, 3),
+        "whole_exposed_ms": round(w, 3),
+        "layerwise_exposed_ms": round(lw, 3),
+        "ratio": round(lw / w, 3) if w > 0 else None,
+    }
 
 
 def verdicts(shape_result: dict[str, Any], device: str) -> dict[str, str]:
@@ -183,8 +199,11 @@ def verdicts(shape_result: dict[str, Any], device: str) -> dict[str, str]:
     c = shape_result["ceiling_gbps"]
     gpu_only = "skipped: needs a GPU (on CPU the copies are host memcpy; rehearsal only)"
     out: dict[str, str] = {}
-    for name, got, ceiling in (("d2h", shape_result["d2h_gbps"], c["d2h"]), ("h2d", shape_result["h2d_gbps"], c["h2d"]),
-                               ("ipc", shape_result["ipc_gbps"], c["d2d"])):
+    for name, got, ceiling in (
+        ("d2h", shape_result["d2h_gbps"], c["d2h"]),
+        ("h2d", shape_result["h2d_gbps"], c["h2d"]),
+        ("ipc", shape_result["ipc_gbps"], c["d2d"]),
+    ):
         ok = got >= THRESHOLD * ceiling
         out[name] = gpu_only if device == "cpu" else ("pass" if ok else "fail") + f" ({got} vs {ceiling} GB/s)"
     ratio = shape_result["layerwise"]["ratio"]

@@ -84,18 +84,18 @@ class CudaBackend:
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA backend asked for, but torch sees no CUDA device")
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        self.stream: Any = torch.cuda.Stream(device=self.device)
+        self.stream: Any = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def engine_mark(self) -> Event:
-        event: Any = torch.cuda.Event()
+        event: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
         return event  # type: ignore[no-any-return]
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Event | None) -> Event:
-        done: Any = torch.cuda.Event()
+        done: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)  # a GPU-side wait: the host thread never blocks here

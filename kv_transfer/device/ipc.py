@@ -21,8 +21,8 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing as tmp
 
-from kv_transfer.device.backend import Backend, Event
 from kv_transfer import wire
+from kv_transfer.device.backend import Backend, Event
 from kv_transfer.device.staging import DeviceKV
 
 
@@ -32,9 +32,9 @@ def export_parts(kv: DeviceKV) -> list[bytes]:
     handles = []
     for p in kv.parts:
         if p.device.type == "cpu":
-            if not p.is_shared():
+            if not p.is_shared():  # type: ignore[no-untyped-call]
                 raise ValueError("a CPU cache must be in shared memory to be exported")
-            tmp.set_sharing_strategy("file_system")
+            tmp.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
         handles.append(bytes(ForkingPickler.dumps(p)))
     return handles
 
@@ -55,7 +55,10 @@ def pull_ipc(
     """Queue the device-to-device copy of the peer's ``remote_ids`` into our ``local_ids``."""
     if len(remote_ids) != len(local_ids):
         raise ValueError("remote and local block lists differ in length")
-    if len(src_parts) != len(dst.parts) or any(s.shape[1] != d.shape[1] for s, d in zip(src_parts, dst.parts, strict=True)):
+    same = len(src_parts) == len(dst.parts) and all(
+        s.shape[1] == d.shape[1] for s, d in zip(src_parts, dst.parts, strict=True)
+    )
+    if not same:
         raise ValueError("peer cache layout differs from ours")
     parts = dst.map.parts_of(range(dst.num_layers) if layers is None else layers)
     pairs = []

@@ -32,6 +32,9 @@ import torch
 from kv_transfer.device.backend import Backend, CpuBackend, Event, backend_of
 from kv_transfer.layout import KVLayout, checksum
 
+Pair = tuple[torch.Tensor, torch.Tensor]
+"""(destination, source) of one copy."""
+
 
 @dataclass(frozen=True)
 class PartMap:
@@ -101,8 +104,8 @@ class DeviceKV:
     def block_part_nbytes(self) -> int:
         return int(self.parts[0].shape[1])
 
-    def _pairs(self, out: bool, parts: list[int], runs: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        pairs = []
+    def _pairs(self, out: bool, parts: list[int], runs: list[tuple[int, int]]) -> list[Pair]:
+        pairs: list[Pair] = []
         for p in parts:
             for start, count in runs:
                 dev, host = self.parts[p][start : start + count], self.staging[p][start : start + count]

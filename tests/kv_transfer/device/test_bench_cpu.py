@@ -13,8 +13,24 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_rehearsal_runs_every_arm_and_reports_json(tmp_path: Path) -> None:
     out = tmp_path / "kv.json"
-    cmd = [sys.executable, str(ROOT / "infra/device/kv_cuda_bench.py"), "--device", "cpu", "--tokens", "64",
-           "--shapes", "smollm", "--repeats", "1", "--fixed-repeats", "1", "--port", "28710", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "infra/device/kv_cuda_bench.py"),
+        "--device",
+        "cpu",
+        "--tokens",
+        "64",
+        "--shapes",
+        "smollm",
+        "--repeats",
+        "1",
+        "--fixed-repeats",
+        "1",
+        "--port",
+        "28710",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]

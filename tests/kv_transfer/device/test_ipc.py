@@ -16,8 +16,11 @@ BLOCKS = 10
 def _kv(fill: bool) -> DeviceKV:
     caches = []
     for i in range(2):
-        t = torch.arange(2 * BLOCKS * 32, dtype=torch.int32).reshape(2, BLOCKS, 32) * (i + 1) if fill else \
-            torch.zeros(2, BLOCKS, 32, dtype=torch.int32)
+        t = (
+            torch.arange(2 * BLOCKS * 32, dtype=torch.int32).reshape(2, BLOCKS, 32) * (i + 1)
+            if fill
+            else torch.zeros(2, BLOCKS, 32, dtype=torch.int32)
+        )
         caches.append(t.share_memory_())
     return DeviceKV(caches, BLOCKS, mirror=True)
 
