@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r["verdicts"] = verdicts(r, args.device)
         result["shapes"][shape.name] = r
         args.port += 1
+        print(f"{shape.name}: {json.dumps(r['verdicts'])}", flush=True)
+        if args.out:  # kept after each shape: a run cut short still leaves what it measured
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
     result["seconds"] = round(time.perf_counter() - started, 1)
     text = json.dumps(result, indent=2)
     if args.out:

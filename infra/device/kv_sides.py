@@ -152,8 +152,10 @@ def _prefill_cmd(kv: DeviceKV, server: Any, cycles: float, cmd: str, args: list[
         tid, ids, layer_ms = args
         for _ in range(kv.num_layers):
             compute(kv, layer_ms, cycles)
+        if kv.backend.name == "cuda":
+            torch.cuda.current_stream().synchronize()  # the bench's end of compute, not the connector's
+        end = time.time()  # exposed from here: the staging copy is part of what a whole pull adds
         kv.stage_out(ids).synchronize()
-        end = time.time()
         server.offer(tid, ids, time.time() + 60)
         return end
     if cmd == "layerwise":
