@@ -45,12 +45,14 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from contracts.cluster import DEFAULT_CLUSTER, key
 from contracts.errors import StoreError, VersionMismatch
 
 log = logging.getLogger("tandem.registry")
 
 REGISTRY_SCHEMA_VERSION = 3
 NODES_SET = "tandem:nodes"
+"""The default cluster's node set (``nodes_set`` names any cluster's)."""
 STATUS_TTL_S = 3600.0
 """How long a node's status record outlives its last update (an unhealthy node stays visible)."""
 
@@ -70,20 +72,25 @@ gone). Every router reads it every ``registry_refresh_s``; as SMEMBERS then MGET
 trips, most of an idle router's CPU (redis-py's client costs more per command than the command)."""
 
 
-def node_key(node_id: str) -> str:
-    return f"tandem:node:{node_id}"
+def nodes_set(cluster: str = DEFAULT_CLUSTER) -> str:
+    """The set of a cluster's registered node ids (``tandem:nodes`` for ``default``)."""
+    return key(cluster, "nodes")
 
 
-def load_key(node_id: str) -> str:
-    return f"tandem:load:{node_id}"
+def node_key(node_id: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    return key(cluster, "node", node_id)
 
 
-def epoch_key(node_id: str) -> str:
-    return f"tandem:epoch:{node_id}"
+def load_key(node_id: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    return key(cluster, "load", node_id)
 
 
-def status_key(node_id: str) -> str:
-    return f"tandem:nodestatus:{node_id}"
+def epoch_key(node_id: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    return key(cluster, "epoch", node_id)
+
+
+def status_key(node_id: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    return key(cluster, "nodestatus", node_id)
 
 
 class Role(enum.StrEnum):
@@ -198,8 +205,12 @@ _encoder = msgspec.msgpack.Encoder()
 class NodeRegistry:
     """Async access to the registry; one per process, sharing the process's Redis client."""
 
-    def __init__(self, redis: aioredis.Redis, *, ttl_s: float = 15.0) -> None:
+    def __init__(self, redis: aioredis.Redis, *, ttl_s: float = 15.0, cluster: str = DEFAULT_CLUSTER) -> None:
         self._redis = redis
+        self.cluster = cluster
+        """Every key this registry reads or writes is under this cluster's prefix (``contracts.cluster``):
+        a router sees only its own cluster's nodes."""
+        self._set = nodes_set(cluster)
         self.ttl_ms = int(ttl_s * 1000)
         self.skipped: Counter[str] = Counter()
         """Entries left out of ``live_nodes`` / ``statuses`` since start, by reason (``version``,
@@ -234,9 +245,9 @@ class NodeRegistry:
         so a node that was dropped after a Redis restart or a long pause comes back by itself."""
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(node_key(info.node_id), _encoder.encode(info), px=self.ttl_ms)
-                pipe.set(load_key(info.node_id), _encoder.encode(load), px=self.ttl_ms)
-                pipe.sadd(NODES_SET, info.node_id)
+                pipe.set(node_key(info.node_id, self.cluster), _encoder.encode(info), px=self.ttl_ms)
+                pipe.set(load_key(info.node_id, self.cluster), _encoder.encode(load), px=self.ttl_ms)
+                pipe.sadd(self._set, info.node_id)
                 await pipe.execute()
         except RedisError as exc:
             raise StoreError(f"registry write for node {info.node_id} failed: {exc}") from exc
@@ -244,8 +255,8 @@ class NodeRegistry:
     async def deregister(self, node_id: str) -> None:
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(node_key(node_id), load_key(node_id))
-                pipe.srem(NODES_SET, node_id)
+                pipe.delete(node_key(node_id, self.cluster), load_key(node_id, self.cluster))
+                pipe.srem(self._set, node_id)
                 await pipe.execute()
         except RedisError as exc:
             raise StoreError(f"registry delete for node {node_id} failed: {exc}") from exc
@@ -253,27 +264,27 @@ class NodeRegistry:
     async def next_epoch(self, node_id: str) -> int:
         """A new incarnation number for ``node_id``: 1, 2, ... across agent and engine restarts."""
         try:
-            return int(await self._redis.incr(epoch_key(node_id)))
+            return int(await self._redis.incr(epoch_key(node_id, self.cluster)))
         except RedisError as exc:
             raise StoreError(f"epoch counter for node {node_id} unavailable: {exc}") from exc
 
     async def set_status(self, status: NodeStatus) -> None:
         try:
-            await self._redis.set(status_key(status.node_id), _encoder.encode(status), px=int(STATUS_TTL_S * 1000))
+            await self._redis.set(status_key(status.node_id, self.cluster), _encoder.encode(status), px=int(STATUS_TTL_S * 1000))
         except RedisError as exc:
             raise StoreError(f"status write for node {status.node_id} failed: {exc}") from exc
 
     async def statuses(self) -> list[NodeStatus]:
         """Every node status record (live, restarting, or gave up within STATUS_TTL_S), by node id."""
         try:
-            keys = [k async for k in self._redis.scan_iter(match=status_key("*"), count=500)]
+            keys = [k async for k in self._redis.scan_iter(match=status_key("*", self.cluster), count=500)]
             raw = cast("list[bytes | None]", await self._redis.mget(keys) if keys else [])
         except RedisError as exc:
             raise StoreError(f"node status read failed: {exc}") from exc
         found = [
             st
             for k, r in zip(keys, raw, strict=True)
-            if r is not None and (st := self._decode(_id_of(k, "status"), r, _status_decoder)) is not None
+            if r is not None and (st := self._decode(_id_of(k, status_key("", self.cluster)), r, _status_decoder)) is not None
         ]
         return sorted(found, key=lambda st: st.node_id)
 
@@ -281,7 +292,7 @@ class NodeRegistry:
         """Every node whose heartbeat has not lapsed; prunes lapsed ids from the set."""
         try:
             flat = cast(
-                "list[bytes | None]", await self._live_nodes(keys=[NODES_SET], args=[node_key(""), load_key("")])
+                "list[bytes | None]", await self._live_nodes(keys=[self._set], args=[node_key("", self.cluster), load_key("", self.cluster)])
             )
         except RedisError as exc:
             raise StoreError(f"registry read failed: {exc}") from exc
@@ -301,12 +312,12 @@ class NodeRegistry:
                 live.append(LiveNode(info=info, load=load))
         if lapsed:
             try:
-                await self._redis.srem(NODES_SET, *lapsed)
+                await self._redis.srem(self._set, *lapsed)
             except RedisError:
                 pass  # pruning is housekeeping; the next reader retries it
         return live
 
 
-def _id_of(key: bytes | str, kind: str) -> str:
-    text = key.decode() if isinstance(key, bytes) else key
-    return text.removeprefix(f"tandem:node{kind}:")
+def _id_of(raw: bytes | str, key_prefix: str) -> str:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return text.removeprefix(key_prefix)

@@ -298,7 +298,7 @@ async def run_node(settings: NodeSettings, *, ready: asyncio.Event | None = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     redis = aioredis.from_url(settings.redis_url)
-    registry = NodeRegistry(redis, ttl_s=settings.registry_ttl_s)
+    registry = NodeRegistry(redis, ttl_s=settings.registry_ttl_s, cluster=settings.cluster)
 
     def on_healthy(engine: Engine) -> None:
         if settings.cores is not None and engine.pid is not None:

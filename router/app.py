@@ -208,7 +208,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         subscribers = KVEventSubscribers(
             index, on_event=activity.observe if activity else None, curve_client=_kv_events_curve_client
         )
-        fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
+        fleet = Fleet(NodeRegistry(redis, cluster=settings.cluster), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
         responses = ResponseIndex(redis)
         admission = await AdmissionContext.create(settings.admission or AdmissionSettings(redis_url=settings.redis_url))
         if admission.settings.auth == "required" and not await _any_key(admission):
