@@ -20,6 +20,7 @@ own runtime directory.
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 CLUSTER_ENV = "TANDEM_CLUSTER"
@@ -31,7 +32,7 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 """Lower-case letters, digits and dashes, at most 40: safe in a Redis key, a file name and a Helm
 release name alike, with no ``:`` or ``/`` that could reach into another cluster's keys or paths."""
 
-RUNTIME_ROOT = Path("/tmp/tandem")
+RUNTIME_ROOT = Path(tempfile.gettempdir()) / "tandem"
 
 
 def validate(name: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Literal
@@ -12,7 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, runtime_dir
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from contracts.registry import Role
 from kv_transfer import ConnectorKind
@@ -227,7 +226,7 @@ class NodeSettings(BaseSettings):
 
     @property
     def _ipc_dir(self) -> Path:
-        return Path(tempfile.gettempdir()) / "tandem"
+        return runtime_dir(self.cluster)
 
     @property
     def kv_events_relayed(self) -> bool:

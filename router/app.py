@@ -39,6 +39,7 @@ from contracts.errors import (
     NotFound,
     PermissionDenied,
 )
+from contracts.cluster import key as cluster_key
 from contracts.registry import LiveNode, NodeRegistry, Role
 from kv_transfer.auth import curve_keys, engine_auth_headers, load_cluster_secret
 from router.accounting import Accounting
@@ -199,6 +200,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             emitter = Emitter(
                 EmitterConfig(
                     redis_url=settings.telemetry_redis_url or settings.redis_url,
+                    stream_prefix=cluster_key(settings.cluster, "telemetry"),
                     source=f"router-{settings.port}",
                     journal_dir=settings.telemetry_journal_dir,
                 ),
@@ -418,7 +420,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
                     else None,
                 }
             )
-        return {"object": "cluster", "policy": settings.policy, "nodes": nodes}
+        return {"object": "cluster", "cluster": settings.cluster, "policy": settings.policy, "nodes": nodes}
 
     @app.get(
         "/metrics",
