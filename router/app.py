@@ -40,6 +40,7 @@ from contracts.errors import (
     PermissionDenied,
 )
 from contracts.cluster import key as cluster_key
+from contracts.cluster import prefix as cluster_prefix
 from contracts.registry import LiveNode, NodeRegistry, Role
 from kv_transfer.auth import curve_keys, engine_auth_headers, load_cluster_secret
 from router.accounting import Accounting
@@ -211,8 +212,8 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             index, on_event=activity.observe if activity else None, curve_client=_kv_events_curve_client
         )
         fleet = Fleet(NodeRegistry(redis, cluster=settings.cluster), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
-        responses = ResponseIndex(redis)
-        admission = await AdmissionContext.create(settings.admission or AdmissionSettings(redis_url=settings.redis_url))
+        responses = ResponseIndex(redis, cluster_prefix(settings.cluster))
+        admission = await AdmissionContext.create(settings.admission or AdmissionSettings(redis_url=settings.redis_url, cluster=settings.cluster))
         if admission.settings.auth == "required" and not await _any_key(admission):
             await admission.close()
             raise ConfigError(
