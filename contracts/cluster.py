@@ -28,7 +28,8 @@ DEFAULT_CLUSTER = "default"
 DEFAULT_ROUTER_PORT = 8000
 """The router port whose cluster is ``default`` (``RouterSettings.port``'s default)."""
 
-_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
+_NAME = re.compile(NAME_PATTERN)
 """Lower-case letters, digits and dashes, at most 40: safe in a Redis key, a file name and a Helm
 release name alike, with no ``:`` or ``/`` that could reach into another cluster's keys or paths."""
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import ByteSize, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, suffix
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, NAME_PATTERN, suffix
 from host_tier.layout import BlockLayout
 
 DEFAULT_DIR = Path("/dev/shm")
@@ -47,7 +47,7 @@ class TierSettings(BaseSettings):
     telemetry_interval_s: float = Field(default=10.0, gt=0.0)
     """Seconds one ``host_tier`` row covers."""
 
-    cluster: str = Field(default=DEFAULT_CLUSTER, validation_alias=CLUSTER_ENV)
+    cluster: str = Field(default=DEFAULT_CLUSTER, validation_alias=CLUSTER_ENV, pattern=NAME_PATTERN)
     """The cluster this tier serves (``TANDEM_CLUSTER``): its file is named after it as well as the model,
     so two clusters of one model on a host never share a tier (``contracts.cluster``)."""
 

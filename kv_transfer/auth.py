@@ -46,6 +46,7 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, suffix
 from contracts.errors import ConfigError
 
 SECRET_ENV = "TANDEM_CLUSTER_SECRET"
@@ -56,7 +57,8 @@ MIN_SECRET_CHARS = 32
 
 def default_secret_path() -> Path:
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "tandem" / "cluster-secret"
+    # one default secret per cluster name (contracts.cluster): clusters of one user never share it
+    return Path(state) / "tandem" / f"cluster-secret{suffix(os.environ.get(CLUSTER_ENV) or DEFAULT_CLUSTER)}"
 
 
 def load_cluster_secret(*, secret_file: str | Path | None = None, loopback_only: bool) -> bytes:

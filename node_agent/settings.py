@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, runtime_dir
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, NAME_PATTERN, runtime_dir
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from contracts.registry import Role
 from kv_transfer import ConnectorKind
@@ -51,7 +51,7 @@ class NodeSettings(BaseSettings):
     server (tandem connector) or NIXL side channel."""
     node_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
     redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=REDIS_URL_ENV)
-    cluster: str = Field(default=DEFAULT_CLUSTER, validation_alias=CLUSTER_ENV)
+    cluster: str = Field(default=DEFAULT_CLUSTER, validation_alias=CLUSTER_ENV, pattern=NAME_PATTERN)
     """Name of the cluster this process belongs to (``TANDEM_CLUSTER``, set by ``tandem up --cluster``):
     every Redis key and host path it uses is under it (``contracts.cluster``)."""
     connector: ConnectorKind = ConnectorKind.TANDEM

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Info, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
@@ -181,6 +181,9 @@ class RouterApp(FastAPI):
 def create_app(settings: RouterSettings | None = None) -> FastAPI:
     settings = settings or RouterSettings()
     metrics = RouterMetrics()
+    Info("tandem_cluster", "The cluster this router serves (contracts.cluster).", registry=metrics.registry).info(
+        {"cluster": settings.cluster}
+    )
     # The fleet KV index exists whatever the policy: every request gets its hit-rate breakdown.
     index = FleetIndex()
     policy = make_policy(settings.policy, index)

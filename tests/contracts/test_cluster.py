@@ -54,3 +54,38 @@ async def test_registries_of_two_clusters_see_only_their_nodes() -> None:
         await ra.deregister(f"na-{tag}")
         await rb.deregister(f"nb-{tag}")
         await client.aclose()
+
+
+def test_default_secret_is_one_per_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kv_transfer.auth import default_secret_path
+
+    monkeypatch.delenv(cluster.CLUSTER_ENV, raising=False)
+    unnamed = default_secret_path()
+    monkeypatch.setenv(cluster.CLUSTER_ENV, "default")
+    assert default_secret_path() == unnamed  # an upgraded single cluster keeps its secret
+    monkeypatch.setenv(cluster.CLUSTER_ENV, "a")
+    a = default_secret_path()
+    monkeypatch.setenv(cluster.CLUSTER_ENV, "b")
+    assert len({unnamed, a, default_secret_path()}) == 3
+
+
+def test_settings_refuse_a_bad_cluster_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from router.settings import RouterSettings
+
+    monkeypatch.setenv(cluster.CLUSTER_ENV, "a:b")
+    with pytest.raises(ValidationError):
+        RouterSettings()
+    monkeypatch.setenv(cluster.CLUSTER_ENV, "staging")
+    assert RouterSettings().cluster == "staging"
+
+
+def test_router_metrics_name_the_cluster() -> None:
+    from prometheus_client import generate_latest
+
+    from router.app import create_app
+    from router.settings import RouterSettings
+
+    app = create_app(RouterSettings(cluster="staging"))
+    assert b'tandem_cluster_info{cluster="staging"} 1.0' in generate_latest(app.state.metrics.registry)
