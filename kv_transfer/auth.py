@@ -48,6 +48,7 @@ from zmq.utils import z85
 
 from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, suffix
 from contracts.errors import ConfigError
+from contracts.registry import set_local_secret
 
 SECRET_ENV = "TANDEM_CLUSTER_SECRET"
 SECRET_FILE_ENV = "TANDEM_CLUSTER_SECRET_FILE"
@@ -189,3 +190,6 @@ def peer_credentials(frame: zmq.Frame) -> PeerCredentials | None:
     if len(parts) != 4 or parts[0] != "localhost" or not all(p.isdigit() for p in parts[1:]):
         return None
     return PeerCredentials(int(parts[1]), int(parts[2]), int(parts[3]))
+
+
+set_local_secret(lambda: load_cluster_secret(loopback_only=True))  # registry entries this process writes prove it
