@@ -270,7 +270,9 @@ class NodeRegistry:
 
     async def set_status(self, status: NodeStatus) -> None:
         try:
-            await self._redis.set(status_key(status.node_id, self.cluster), _encoder.encode(status), px=int(STATUS_TTL_S * 1000))
+            await self._redis.set(
+                status_key(status.node_id, self.cluster), _encoder.encode(status), px=int(STATUS_TTL_S * 1000)
+            )
         except RedisError as exc:
             raise StoreError(f"status write for node {status.node_id} failed: {exc}") from exc
 
@@ -284,7 +286,8 @@ class NodeRegistry:
         found = [
             st
             for k, r in zip(keys, raw, strict=True)
-            if r is not None and (st := self._decode(_id_of(k, status_key("", self.cluster)), r, _status_decoder)) is not None
+            if r is not None
+            and (st := self._decode(_id_of(k, status_key("", self.cluster)), r, _status_decoder)) is not None
         ]
         return sorted(found, key=lambda st: st.node_id)
 
@@ -292,7 +295,8 @@ class NodeRegistry:
         """Every node whose heartbeat has not lapsed; prunes lapsed ids from the set."""
         try:
             flat = cast(
-                "list[bytes | None]", await self._live_nodes(keys=[self._set], args=[node_key("", self.cluster), load_key("", self.cluster)])
+                "list[bytes | None]",
+                await self._live_nodes(keys=[self._set], args=[node_key("", self.cluster), load_key("", self.cluster)]),
             )
         except RedisError as exc:
             raise StoreError(f"registry read failed: {exc}") from exc

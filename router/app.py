@@ -34,13 +34,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, Info, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
+from contracts.cluster import key as cluster_key
+from contracts.cluster import prefix as cluster_prefix
 from contracts.errors import (
     ConfigError,
     NotFound,
     PermissionDenied,
 )
-from contracts.cluster import key as cluster_key
-from contracts.cluster import prefix as cluster_prefix
 from contracts.registry import LiveNode, NodeRegistry, Role
 from kv_transfer.auth import curve_keys, engine_auth_headers, load_cluster_secret
 from router.accounting import Accounting
@@ -214,9 +214,15 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         subscribers = KVEventSubscribers(
             index, on_event=activity.observe if activity else None, curve_client=_kv_events_curve_client
         )
-        fleet = Fleet(NodeRegistry(redis, cluster=settings.cluster), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
+        fleet = Fleet(
+            NodeRegistry(redis, cluster=settings.cluster),
+            refresh_s=settings.registry_refresh_s,
+            on_refresh=subscribers.sync,
+        )
         responses = ResponseIndex(redis, cluster_prefix(settings.cluster))
-        admission = await AdmissionContext.create(settings.admission or AdmissionSettings(redis_url=settings.redis_url, cluster=settings.cluster))
+        admission = await AdmissionContext.create(
+            settings.admission or AdmissionSettings(redis_url=settings.redis_url, cluster=settings.cluster)
+        )
         if admission.settings.auth == "required" and not await _any_key(admission):
             await admission.close()
             raise ConfigError(
