@@ -12,9 +12,9 @@ import typer
 from rich.console import Console
 
 from contracts.cli import clean_errors, console, interrupt
-from contracts.config import lake_dir
 from contracts.cluster import CLUSTER_ENV, DEFAULT_ROUTER_PORT, default_for_port
 from contracts.cluster import key as cluster_key
+from contracts.config import lake_dir
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError, TandemError
 from kv_transfer import ConnectorKind
@@ -56,9 +56,10 @@ def up(
         ),
     ] = None,
     port: Annotated[int, typer.Option(help="Router port.")] = 8000,
-    cluster: Annotated[
+    cluster_name: Annotated[
         str | None,
         typer.Option(
+            "--cluster",
             envvar=CLUSTER_ENV,
             help="Cluster name: every Redis key and host file of this cluster is under it, so clusters sharing "
             "a host and a Redis stay apart. Default: derived from --port, `default` on 8000 (which keeps the "
@@ -143,7 +144,7 @@ def up(
         models=served,
         models_file=models,
         router_port=port,
-        cluster=cluster,
+        cluster=cluster_name,
         routers=routers,
         node_base_port=node_base_port,
         redis_url=redis_url,

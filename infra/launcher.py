@@ -40,10 +40,10 @@ import httpx
 import psutil
 import redis
 
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, default_for_port, key, runtime_dir, validate
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.models_file import check_models, read_models_file
-from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, default_for_port, key, runtime_dir, validate
 from contracts.registry import Role, node_key, nodes_set
 from host_tier.settings import TierSettings, layout_from_model
 from infra.redis_server import reachable, start_embedded

@@ -35,7 +35,13 @@ def test_default_cluster_keeps_unprefixed_keys_and_paths() -> None:
 
 def _info(node_id: str) -> NodeInfo:
     return NodeInfo(
-        node_id=node_id, role=Role.BOTH, model="m", url="http://127.0.0.1:1", block_size=16, max_model_len=64, kv_connector="none"
+        node_id=node_id,
+        role=Role.BOTH,
+        model="m",
+        url="http://127.0.0.1:1",
+        block_size=16,
+        max_model_len=64,
+        kv_connector="none",
     )
 
 
