@@ -27,6 +27,11 @@ node with our connector, which a router names in a layer-wise decode leg before 
 answered (empty in a v2 entry: that node's pairs go sequentially), and ``host_tier_events_endpoint`` /
 ``host_tier_replay_endpoint`` (default None: no host tier).
 
+Proof. The keys of one cluster are its own (``contracts.cluster``), but any client of the Redis can write
+under any cluster's prefix. So each entry carries ``proof``, an HMAC keyed by the cluster secret bound to
+the cluster name (``registry_proof_key``); a router leaves out an entry that does not verify, and a node
+with another cluster's secret (a different default secret per cluster name on loopback) is refused.
+
 Readers check each entry (``NodeRegistry.live_nodes``): an entry of a newer schema than the reader's
 (``VersionMismatch``, naming both) or one that does not decode is skipped, counted in
 ``NodeRegistry.skipped`` and logged once per node and reason; every other node is still listed, so one
@@ -36,21 +41,27 @@ bad entry never blinds a router to the fleet. Upgrade readers (routers) before w
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
+import hmac
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TypeVar, cast
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from contracts.cluster import DEFAULT_CLUSTER, key
 from contracts.errors import StoreError, VersionMismatch
 
 log = logging.getLogger("tandem.registry")
 
 REGISTRY_SCHEMA_VERSION = 3
 NODES_SET = "tandem:nodes"
+"""The default cluster's node set (``nodes_set`` names any cluster's)."""
 STATUS_TTL_S = 3600.0
 """How long a node's status record outlives its last update (an unhealthy node stays visible)."""
 
@@ -70,20 +81,25 @@ gone). Every router reads it every ``registry_refresh_s``; as SMEMBERS then MGET
 trips, most of an idle router's CPU (redis-py's client costs more per command than the command)."""
 
 
-def node_key(node_id: str) -> str:
-    return f"tandem:node:{node_id}"
+def nodes_set(cluster: str = DEFAULT_CLUSTER) -> str:
+    """The set of a cluster's registered node ids (``tandem:nodes`` for ``default``)."""
+    return key(cluster, "nodes")
 
 
-def load_key(node_id: str) -> str:
-    return f"tandem:load:{node_id}"
+def node_key(node_id: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    return key(cluster, "node", node_id)
 
 
-def epoch_key(node_id: str) -> str:
-    return f"tandem:epoch:{node_id}"
+def load_key(node_id: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    return key(cluster, "load", node_id)
 
 
-def status_key(node_id: str) -> str:
-    return f"tandem:nodestatus:{node_id}"
+def epoch_key(node_id: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    return key(cluster, "epoch", node_id)
+
+
+def status_key(node_id: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    return key(cluster, "nodestatus", node_id)
 
 
 class Role(enum.StrEnum):
@@ -133,6 +149,10 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_host_id: str = ""
     """The node's host (``kv_transfer.settings.host_id``): a decode node on the same one may pull over
     ``shm``. Empty with ``kv_endpoints``."""
+    proof: str = ""
+    """HMAC proving that the node holds its cluster's secret (``registration_proof``): a reader given a
+    proof key leaves out an entry without a valid one. Readers that predate it ignore it (msgspec drops
+    unknown fields), so it needs no new schema version."""
     schema_version: int = REGISTRY_SCHEMA_VERSION
 
 
@@ -177,6 +197,48 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     updated_at: float = 0.0
 
 
+def registry_proof_key(secret: bytes, cluster: str) -> bytes:
+    """The key a cluster's nodes prove their registration with: the cluster secret bound to the
+    cluster's name, so a node holding another cluster's secret proves nothing here."""
+    return hmac.new(secret, b"tandem registry v1:" + cluster.encode(), hashlib.sha256).digest()
+
+
+def registration_proof(info: NodeInfo, key: bytes) -> str:
+    """HMAC of what a router trusts a registration for: the id, incarnation and every address it would
+    send a request or KV block to."""
+    covered = _proof_encoder.encode(
+        [
+            info.node_id,
+            info.epoch,
+            info.role.value,
+            info.url,
+            sorted(info.kv_endpoints.items()),
+            info.kv_events_endpoint,
+            info.kv_replay_endpoint,
+        ]
+    )
+    return hmac.new(key, covered, hashlib.sha256).hexdigest()
+
+
+_proof_encoder = msgspec.json.Encoder()
+
+
+_local_secret: Callable[[], bytes] | None = None
+
+
+def set_local_secret(load: Callable[[], bytes]) -> None:
+    """Name how this process reads its loopback cluster secret (``kv_transfer.auth`` does, on import):
+    contracts import nothing of the project, so a writer given no proof key signs through this."""
+    global _local_secret
+    _local_secret = load
+
+
+@functools.cache
+def _local_proof_key(cluster: str) -> bytes | None:
+    """The proof key of a writer given none: this process's loopback secret, if it can read one."""
+    return None if _local_secret is None else registry_proof_key(_local_secret(), cluster)
+
+
 class LiveNode(msgspec.Struct, frozen=True, kw_only=True):
     info: NodeInfo
     load: NodeLoad
@@ -198,8 +260,23 @@ _encoder = msgspec.msgpack.Encoder()
 class NodeRegistry:
     """Async access to the registry; one per process, sharing the process's Redis client."""
 
-    def __init__(self, redis: aioredis.Redis, *, ttl_s: float = 15.0) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        ttl_s: float = 15.0,
+        cluster: str = DEFAULT_CLUSTER,
+        proof_key: bytes | None = None,
+    ) -> None:
         self._redis = redis
+        self._proof_key = proof_key
+        """``registry_proof_key`` of the cluster: a reader leaves out an entry whose proof does not verify
+        (reason ``unproven``), a writer signs its entry with it. None: a reader checks nothing, a writer
+        signs with this process's loopback secret (``_local_proof_key``)."""
+        self.cluster = cluster
+        """Every key this registry reads or writes is under this cluster's prefix (``contracts.cluster``):
+        a router sees only its own cluster's nodes."""
+        self._set = nodes_set(cluster)
         self.ttl_ms = int(ttl_s * 1000)
         self.skipped: Counter[str] = Counter()
         """Entries left out of ``live_nodes`` / ``statuses`` since start, by reason (``version``,
@@ -234,9 +311,11 @@ class NodeRegistry:
         so a node that was dropped after a Redis restart or a long pause comes back by itself."""
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(node_key(info.node_id), _encoder.encode(info), px=self.ttl_ms)
-                pipe.set(load_key(info.node_id), _encoder.encode(load), px=self.ttl_ms)
-                pipe.sadd(NODES_SET, info.node_id)
+                if (key_ := self._proof_key or _local_proof_key(self.cluster)) is not None:
+                    info = msgspec.structs.replace(info, proof=registration_proof(info, key_))
+                pipe.set(node_key(info.node_id, self.cluster), _encoder.encode(info), px=self.ttl_ms)
+                pipe.set(load_key(info.node_id, self.cluster), _encoder.encode(load), px=self.ttl_ms)
+                pipe.sadd(self._set, info.node_id)
                 await pipe.execute()
         except RedisError as exc:
             raise StoreError(f"registry write for node {info.node_id} failed: {exc}") from exc
@@ -244,8 +323,8 @@ class NodeRegistry:
     async def deregister(self, node_id: str) -> None:
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(node_key(node_id), load_key(node_id))
-                pipe.srem(NODES_SET, node_id)
+                pipe.delete(node_key(node_id, self.cluster), load_key(node_id, self.cluster))
+                pipe.srem(self._set, node_id)
                 await pipe.execute()
         except RedisError as exc:
             raise StoreError(f"registry delete for node {node_id} failed: {exc}") from exc
@@ -253,35 +332,44 @@ class NodeRegistry:
     async def next_epoch(self, node_id: str) -> int:
         """A new incarnation number for ``node_id``: 1, 2, ... across agent and engine restarts."""
         try:
-            return int(await self._redis.incr(epoch_key(node_id)))
+            return int(await self._redis.incr(epoch_key(node_id, self.cluster)))
         except RedisError as exc:
             raise StoreError(f"epoch counter for node {node_id} unavailable: {exc}") from exc
 
     async def set_status(self, status: NodeStatus) -> None:
         try:
-            await self._redis.set(status_key(status.node_id), _encoder.encode(status), px=int(STATUS_TTL_S * 1000))
+            await self._redis.set(
+                status_key(status.node_id, self.cluster), _encoder.encode(status), px=int(STATUS_TTL_S * 1000)
+            )
         except RedisError as exc:
             raise StoreError(f"status write for node {status.node_id} failed: {exc}") from exc
 
     async def statuses(self) -> list[NodeStatus]:
         """Every node status record (live, restarting, or gave up within STATUS_TTL_S), by node id."""
         try:
-            keys = [k async for k in self._redis.scan_iter(match=status_key("*"), count=500)]
+            keys = [k async for k in self._redis.scan_iter(match=status_key("*", self.cluster), count=500)]
             raw = cast("list[bytes | None]", await self._redis.mget(keys) if keys else [])
         except RedisError as exc:
             raise StoreError(f"node status read failed: {exc}") from exc
         found = [
             st
             for k, r in zip(keys, raw, strict=True)
-            if r is not None and (st := self._decode(_id_of(k, "status"), r, _status_decoder)) is not None
+            if r is not None
+            and (st := self._decode(_id_of(k, status_key("", self.cluster)), r, _status_decoder)) is not None
         ]
         return sorted(found, key=lambda st: st.node_id)
+
+    def _proven(self, info: NodeInfo) -> bool:
+        if self._proof_key is None:
+            return True
+        return hmac.compare_digest(info.proof, registration_proof(info, self._proof_key))
 
     async def live_nodes(self) -> list[LiveNode]:
         """Every node whose heartbeat has not lapsed; prunes lapsed ids from the set."""
         try:
             flat = cast(
-                "list[bytes | None]", await self._live_nodes(keys=[NODES_SET], args=[node_key(""), load_key("")])
+                "list[bytes | None]",
+                await self._live_nodes(keys=[self._set], args=[node_key("", self.cluster), load_key("", self.cluster)]),
             )
         except RedisError as exc:
             raise StoreError(f"registry read failed: {exc}") from exc
@@ -297,16 +385,21 @@ class NodeRegistry:
                 continue
             info = self._decode(node_id, info_raw, _info_decoder)
             load = self._decode(node_id, load_raw, _load_decoder) if load_raw is not None else NodeLoad()
+            if info is not None and not self._proven(info):
+                self._skip(node_id, "unproven", "its registration does not prove this cluster's secret")
+                continue
+            if info is not None and info.proof:
+                info = msgspec.structs.replace(info, proof="")  # checked; what a node wrote, as it wrote it
             if info is not None and load is not None:
                 live.append(LiveNode(info=info, load=load))
         if lapsed:
             try:
-                await self._redis.srem(NODES_SET, *lapsed)
+                await self._redis.srem(self._set, *lapsed)
             except RedisError:
                 pass  # pruning is housekeeping; the next reader retries it
         return live
 
 
-def _id_of(key: bytes | str, kind: str) -> str:
-    text = key.decode() if isinstance(key, bytes) else key
-    return text.removeprefix(f"tandem:node{kind}:")
+def _id_of(raw: bytes | str, key_prefix: str) -> str:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return text.removeprefix(key_prefix)

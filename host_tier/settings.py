@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import ByteSize, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, NAME_PATTERN, suffix
 from host_tier.layout import BlockLayout
 
 DEFAULT_DIR = Path("/dev/shm")
@@ -17,7 +18,9 @@ DEFAULT_DIR = Path("/dev/shm")
 class TierSettings(BaseSettings):
     """Every field can also come from the environment as ``TANDEM_TIER_<FIELD>``."""
 
-    model_config = SettingsConfigDict(env_prefix="TANDEM_TIER_", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_TIER_", frozen=True, validate_by_name=True, validate_by_alias=True
+    )
 
     size: ByteSize = Field(default=ByteSize(1 << 30))
     """Bytes of block data the tier may hold (``2GiB``, ``512MB``): the bound, fixed at start."""
@@ -44,8 +47,12 @@ class TierSettings(BaseSettings):
     telemetry_interval_s: float = Field(default=10.0, gt=0.0)
     """Seconds one ``host_tier`` row covers."""
 
+    cluster: str = Field(default=DEFAULT_CLUSTER, validation_alias=CLUSTER_ENV, pattern=NAME_PATTERN)
+    """The cluster this tier serves (``TANDEM_CLUSTER``): its file is named after it as well as the model,
+    so two clusters of one model on a host never share a tier (``contracts.cluster``)."""
+
     def path_for(self, layout: BlockLayout) -> Path:
-        return self.dir / f"tandem-tier-{layout.fingerprint().hex()[:16]}"
+        return self.dir / f"tandem-tier{suffix(self.cluster)}-{layout.fingerprint().hex()[:16]}"
 
     def n_slots(self, layout: BlockLayout) -> int:
         n = int(self.size) // layout.block_bytes

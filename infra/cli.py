@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 
 from contracts.cli import clean_errors, console, interrupt
+from contracts.cluster import CLUSTER_ENV, DEFAULT_ROUTER_PORT, default_for_port
+from contracts.cluster import key as cluster_key
 from contracts.config import lake_dir
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError, TandemError
@@ -54,6 +56,16 @@ def up(
         ),
     ] = None,
     port: Annotated[int, typer.Option(help="Router port.")] = 8000,
+    cluster_name: Annotated[
+        str | None,
+        typer.Option(
+            "--cluster",
+            envvar=CLUSTER_ENV,
+            help="Cluster name: every Redis key and host file of this cluster is under it, so clusters sharing "
+            "a host and a Redis stay apart. Default: derived from --port, `default` on 8000 (which keeps the "
+            "keys a cluster wrote before names existed), else p<port>.",
+        ),
+    ] = None,
     routers: Annotated[
         int | None,
         typer.Option(
@@ -132,6 +144,7 @@ def up(
         models=served,
         models_file=models,
         router_port=port,
+        cluster=cluster_name,
         routers=routers,
         node_base_port=node_base_port,
         redis_url=redis_url,
@@ -185,6 +198,14 @@ def cluster_status(
         str | None,
         typer.Option(help="Registry Redis (node agents' and launchers' states; default: $TANDEM_REDIS_URL)."),
     ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            envvar=CLUSTER_ENV,
+            help="Cluster whose node agents and processes to list (default: the one the router names, else "
+            "derived from the URL's port as `tandem up` derives it).",
+        ),
+    ] = None,
 ) -> None:
     """Nodes, roles, load, KV usage and cached blocks, as the router sees them (GET /cluster); node agents
     (state, engine epoch, restarts, last failure) and the processes of `tandem up` (state, restarts)
@@ -200,7 +221,8 @@ def cluster_status(
         console.print(f"[yellow]router at {url} unreachable: {exc}[/yellow]")
     else:
         reached = True
-        table = Table(title=f"Tandem cluster at {url} (policy {data['policy']})")
+        cluster = cluster or data.get("cluster")
+        table = Table(title=f"Tandem cluster {data.get('cluster', '?')} at {url} (policy {data['policy']})")
         for col in ("node", "role", "running", "waiting", "KV usage", "cached blocks", "KV blocks", "events ok"):
             table.add_column(col, no_wrap=(col == "node"))
         for n in data["nodes"]:
@@ -217,7 +239,8 @@ def cluster_status(
             )
         out.print(table)
     try:
-        statuses, launchers = asyncio.run(_supervision_state(redis_url or configured_redis_url()))
+        name = cluster or default_for_port(httpx.URL(url).port or DEFAULT_ROUTER_PORT)
+        statuses, launchers = asyncio.run(_supervision_state(redis_url or configured_redis_url(), name))
     except TandemError as exc:
         console.print(f"[yellow]{exc.message}[/yellow]")
     else:
@@ -240,7 +263,7 @@ def cluster_status(
         raise typer.Exit(1)
 
 
-async def _supervision_state(redis_url: str) -> tuple[list, dict[str, dict[str, dict]]]:
+async def _supervision_state(redis_url: str, cluster: str) -> tuple[list, dict[str, dict[str, dict]]]:
     import json
 
     import redis.asyncio as aioredis
@@ -251,9 +274,9 @@ async def _supervision_state(redis_url: str) -> tuple[list, dict[str, dict[str, 
 
     client = aioredis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
     try:
-        statuses = await NodeRegistry(client).statuses()
+        statuses = await NodeRegistry(client, cluster=cluster).statuses()
         launchers: dict[str, dict[str, dict]] = {}
-        async for key in client.scan_iter(match="tandem:launcher:*"):
+        async for key in client.scan_iter(match=cluster_key(cluster, "launcher", "*")):
             raw = await client.hgetall(key)
             name = key.decode() if isinstance(key, bytes) else key
             launchers[name] = {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in raw.items()}

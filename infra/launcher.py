@@ -40,10 +40,11 @@ import httpx
 import psutil
 import redis
 
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, default_for_port, key, runtime_dir, validate
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.models_file import check_models, read_models_file
-from contracts.registry import NODES_SET, Role, node_key
+from contracts.registry import Role, node_key, nodes_set
 from host_tier.settings import TierSettings, layout_from_model
 from infra.redis_server import reachable, start_embedded
 from node_agent.dtype import resolve_dtype
@@ -58,9 +59,9 @@ CHILD_FAILURE_WINDOW_S = 300.0
 """Exits older than this no longer lengthen the backoff."""
 
 
-def launcher_key(router_port: int) -> str:
+def launcher_key(router_port: int, cluster: str = DEFAULT_CLUSTER) -> str:
     """Redis hash of a ``tandem up``'s children: name -> JSON state (see ``Child.state``)."""
-    return f"tandem:launcher:{router_port}"
+    return key(cluster, "launcher", str(router_port))
 
 
 @dataclass
@@ -132,6 +133,9 @@ class ClusterSpec:
     models_file: Path | None = None
     """The routers' model table (``TANDEM_ROUTER_MODELS``: aliases, fallbacks, canaries)."""
     router_port: int = 8000
+    cluster: str | None = None
+    """The cluster's name (``contracts.cluster``), given to every child as ``TANDEM_CLUSTER``; None: derived
+    from ``router_port`` (``default`` on 8000, else ``p<port>``)."""
     node_base_port: int = 8100
     """Node i listens on node_base_port + 10*i (its side ports are the next three)."""
     redis_url: str | None = None
@@ -251,6 +255,8 @@ def assign_cores(role: Role, has_pd: bool, slot: int = 0, slots: int = 1) -> str
 class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
+        self.name = validate(spec.cluster) if spec.cluster else default_for_port(spec.router_port)
+        """Every child runs with ``TANDEM_CLUSTER`` set to it: its Redis keys and host paths are this cluster's."""
         self.children: list[Child] = []
         self.redis_url = spec.redis_url or configured_redis_url()
         self.node_urls: dict[str, str] = {}
@@ -279,7 +285,7 @@ class Cluster:
                     [sys.executable, "-m", "tandem", *args],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env={**os.environ, **(env or {})},
+                    env={**os.environ, CLUSTER_ENV: self.name, **(env or {})},
                     start_new_session=True,
                     preexec_fn=die_with_parent(),
                 )
@@ -363,6 +369,8 @@ class Cluster:
                 self.redis_url,
                 "--lake",
                 str(self.lake),
+                "--stream-prefix",
+                key(self.name, "telemetry"),
                 "--consumer",
                 f"tandem-up-{spec.router_port}",
                 "--cpu-priority",
@@ -376,22 +384,25 @@ class Cluster:
         if spec.models:
             raise ConfigError("a host tier serves one model's layout: use it with a single --model")
         model = Path(spec.model) if spec.model else default_model_dir()
-        endpoint = f"ipc://{(spec.workdir / 'tier.sock').resolve()}"
+        sockets = runtime_dir(self.name)  # per cluster: two clusters in one workdir still get their own
+        sockets.mkdir(parents=True, exist_ok=True)
+        endpoint = f"ipc://{sockets / 'tier.sock'}"
         dtype = resolve_dtype(spec.dtype or "auto")
         layout = layout_from_model(model, dtype, spec.block_size or 128, os.environ.get("PYTHONHASHSEED"))
-        self._tier_file = TierSettings().path_for(layout)
+        self._tier_file = TierSettings(cluster=self.name).path_for(layout)
         args = ["tier", "serve", "--model", str(model), "--dtype", dtype, "--size"]
         # The engine's block size when none is set: vLLM's CPU platform picks 128 (a tier of another
         # layout is refused by the engine's connector at start, never silently missed).
         args += [str(spec.host_tier), "--block-size", str(spec.block_size or 128)]
-        events = f"ipc://{(spec.workdir / 'tier-events.sock').resolve()}"
-        replay = f"ipc://{(spec.workdir / 'tier-replay.sock').resolve()}"
+        events = f"ipc://{sockets / 'tier-events.sock'}"
+        replay = f"ipc://{sockets / 'tier-replay.sock'}"
         env = {
             "TANDEM_TIER_ENDPOINT": endpoint,
             "TANDEM_TIER_EVENTS_ENDPOINT": events,
             "TANDEM_TIER_REPLAY_ENDPOINT": replay,
             # its host_tier rows go where the router's records go, so the cluster's lake writer has them
             "TANDEM_TIER_TELEMETRY_REDIS_URL": self.redis_url,
+            "TANDEM_TIER_TELEMETRY_STREAM_PREFIX": key(self.name, "telemetry"),
             **dict(spec.tier_env),
         }
         self._spawn("host-tier", args, env)
@@ -431,8 +442,8 @@ class Cluster:
     def live_node_ids(self) -> set[str]:
         client = redis.Redis.from_url(self.redis_url)
         try:
-            ids = [m.decode() if isinstance(m, bytes) else m for m in client.smembers(NODES_SET)]
-            return {i for i in ids if client.exists(node_key(i))}
+            ids = [m.decode() if isinstance(m, bytes) else m for m in client.smembers(nodes_set(self.name))]
+            return {i for i in ids if client.exists(node_key(i, self.name))}
         finally:
             client.close()
 
@@ -504,7 +515,7 @@ class Cluster:
         if self._state_client is None:
             self._state_client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
         try:
-            key = launcher_key(self.spec.router_port)
+            key = launcher_key(self.spec.router_port, self.name)
             with self._state_client.pipeline(transaction=True) as pipe:
                 pipe.delete(key)
                 pipe.hset(key, mapping={c.name: json.dumps(c.state()) for c in self.children})
@@ -596,7 +607,7 @@ class Cluster:
                 self.redis_url, socket_timeout=1, socket_connect_timeout=1
             )
             try:
-                client.delete(launcher_key(self.spec.router_port))
+                client.delete(launcher_key(self.spec.router_port, self.name))
             finally:
                 client.close()
                 self._state_client = None

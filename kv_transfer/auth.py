@@ -46,7 +46,9 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, suffix
 from contracts.errors import ConfigError
+from contracts.registry import set_local_secret
 
 SECRET_ENV = "TANDEM_CLUSTER_SECRET"
 SECRET_FILE_ENV = "TANDEM_CLUSTER_SECRET_FILE"
@@ -56,7 +58,8 @@ MIN_SECRET_CHARS = 32
 
 def default_secret_path() -> Path:
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "tandem" / "cluster-secret"
+    # one default secret per cluster name (contracts.cluster): clusters of one user never share it
+    return Path(state) / "tandem" / f"cluster-secret{suffix(os.environ.get(CLUSTER_ENV) or DEFAULT_CLUSTER)}"
 
 
 def load_cluster_secret(*, secret_file: str | Path | None = None, loopback_only: bool) -> bytes:
@@ -187,3 +190,6 @@ def peer_credentials(frame: zmq.Frame) -> PeerCredentials | None:
     if len(parts) != 4 or parts[0] != "localhost" or not all(p.isdigit() for p in parts[1:]):
         return None
     return PeerCredentials(int(parts[1]), int(parts[2]), int(parts[3]))
+
+
+set_local_secret(lambda: load_cluster_secret(loopback_only=True))  # registry entries this process writes prove it

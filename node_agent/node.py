@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 import decode_nodes
 import prefill_nodes
 from contracts.errors import ConfigError
-from contracts.registry import NodeInfo, NodeRegistry, Role
+from contracts.registry import NodeInfo, NodeRegistry, Role, registry_proof_key
 from host_tier.client import tier_endpoints
 from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
 from kv_transfer.auth import cluster_engine_api_key, curve_keys, load_cluster_secret
@@ -298,7 +298,8 @@ async def run_node(settings: NodeSettings, *, ready: asyncio.Event | None = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     redis = aioredis.from_url(settings.redis_url)
-    registry = NodeRegistry(redis, ttl_s=settings.registry_ttl_s)
+    proof_key = registry_proof_key(load_cluster_secret(loopback_only=settings.is_loopback), settings.cluster)
+    registry = NodeRegistry(redis, ttl_s=settings.registry_ttl_s, cluster=settings.cluster, proof_key=proof_key)
 
     def on_healthy(engine: Engine) -> None:
         if settings.cores is not None and engine.pid is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Literal
@@ -12,6 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, NAME_PATTERN, runtime_dir
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from contracts.registry import Role
 from kv_transfer import ConnectorKind
@@ -51,6 +51,9 @@ class NodeSettings(BaseSettings):
     server (tandem connector) or NIXL side channel."""
     node_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
     redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=REDIS_URL_ENV)
+    cluster: str = Field(default=DEFAULT_CLUSTER, validation_alias=CLUSTER_ENV, pattern=NAME_PATTERN)
+    """Name of the cluster this process belongs to (``TANDEM_CLUSTER``, set by ``tandem up --cluster``):
+    every Redis key and host path it uses is under it (``contracts.cluster``)."""
     connector: ConnectorKind = ConnectorKind.TANDEM
     kv_transport: Literal["auto", "tcp", "ipc", "shm", "ucx"] = "auto"
     """Tandem connector: how this node pulls KV. auto = shm (cross-memory copy) when the prefill node is
@@ -223,7 +226,7 @@ class NodeSettings(BaseSettings):
 
     @property
     def _ipc_dir(self) -> Path:
-        return Path(tempfile.gettempdir()) / "tandem"
+        return runtime_dir(self.cluster)
 
     @property
     def kv_events_relayed(self) -> bool:

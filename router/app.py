@@ -30,16 +30,18 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Info, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
+from contracts.cluster import key as cluster_key
+from contracts.cluster import prefix as cluster_prefix
 from contracts.errors import (
     ConfigError,
     NotFound,
     PermissionDenied,
 )
-from contracts.registry import LiveNode, NodeRegistry, Role
+from contracts.registry import LiveNode, NodeRegistry, Role, registry_proof_key
 from kv_transfer.auth import curve_keys, engine_auth_headers, load_cluster_secret
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
@@ -179,6 +181,9 @@ class RouterApp(FastAPI):
 def create_app(settings: RouterSettings | None = None) -> FastAPI:
     settings = settings or RouterSettings()
     metrics = RouterMetrics()
+    Info("tandem_cluster", "The cluster this router serves (contracts.cluster).", registry=metrics.registry).info(
+        {"cluster": settings.cluster}
+    )
     # The fleet KV index exists whatever the policy: every request gets its hit-rate breakdown.
     index = FleetIndex()
     policy = make_policy(settings.policy, index)
@@ -199,6 +204,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             emitter = Emitter(
                 EmitterConfig(
                     redis_url=settings.telemetry_redis_url or settings.redis_url,
+                    stream_prefix=cluster_key(settings.cluster, "telemetry"),
                     source=f"router-{settings.port}",
                     journal_dir=settings.telemetry_journal_dir,
                 ),
@@ -208,9 +214,19 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         subscribers = KVEventSubscribers(
             index, on_event=activity.observe if activity else None, curve_client=_kv_events_curve_client
         )
-        fleet = Fleet(NodeRegistry(redis), refresh_s=settings.registry_refresh_s, on_refresh=subscribers.sync)
-        responses = ResponseIndex(redis)
-        admission = await AdmissionContext.create(settings.admission or AdmissionSettings(redis_url=settings.redis_url))
+        fleet = Fleet(
+            NodeRegistry(
+                redis,
+                cluster=settings.cluster,
+                proof_key=registry_proof_key(load_cluster_secret(loopback_only=True), settings.cluster),
+            ),
+            refresh_s=settings.registry_refresh_s,
+            on_refresh=subscribers.sync,
+        )
+        responses = ResponseIndex(redis, cluster_prefix(settings.cluster))
+        admission = await AdmissionContext.create(
+            settings.admission or AdmissionSettings(redis_url=settings.redis_url, cluster=settings.cluster)
+        )
         if admission.settings.auth == "required" and not await _any_key(admission):
             await admission.close()
             raise ConfigError(
@@ -418,7 +434,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
                     else None,
                 }
             )
-        return {"object": "cluster", "policy": settings.policy, "nodes": nodes}
+        return {"object": "cluster", "cluster": settings.cluster, "policy": settings.policy, "nodes": nodes}
 
     @app.get(
         "/metrics",

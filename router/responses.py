@@ -35,13 +35,14 @@ class ResponseRef(msgspec.Struct, frozen=True):
     tenant_id: str | None = None
 
 
-def _key(response_id: str) -> str:
-    return f"tandem:response:{response_id}"
+def _key(response_id: str, prefix: str = "tandem:") -> str:
+    return f"{prefix}response:{response_id}"
 
 
 class ResponseIndex:
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, prefix: str = "tandem:") -> None:
         self._redis = redis
+        self._prefix = prefix  # the cluster's key prefix (contracts.cluster)
         self._pending: dict[str, ResponseRef] = {}
         """Filed and not yet written (or being written): also what ``lookup`` answers from first."""
         self._writer: asyncio.Task[None] | None = None
@@ -62,7 +63,7 @@ class ResponseIndex:
             try:
                 pipe = self._redis.pipeline(transaction=False)
                 for response_id, ref in batch:
-                    pipe.set(_key(response_id), msgspec.msgpack.encode(ref), ex=TTL_S)
+                    pipe.set(_key(response_id, self._prefix), msgspec.msgpack.encode(ref), ex=TTL_S)
                 await pipe.execute()
                 self.written += len(batch)
             except RedisError as exc:
@@ -78,7 +79,7 @@ class ResponseIndex:
         if ref is not None:
             return ref
         try:
-            raw = await self._redis.get(_key(response_id))
+            raw = await self._redis.get(_key(response_id, self._prefix))
         except RedisError as exc:
             raise StoreError(f"response index unreadable: {exc}") from exc
         if raw is None:

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, NAME_PATTERN
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from router.admission.context import AdmissionSettings
 from router.policies import PolicyName
@@ -38,6 +39,9 @@ class RouterSettings(BaseSettings):
     new connections over the live ones, and a replica that dies takes only its own streams with it
     (``tandem up`` runs two). Linux only lets processes of the same user share a port this way."""
     redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=REDIS_URL_ENV)
+    cluster: str = Field(default=DEFAULT_CLUSTER, validation_alias=CLUSTER_ENV, pattern=NAME_PATTERN)
+    """Name of the cluster this process belongs to (``TANDEM_CLUSTER``, set by ``tandem up --cluster``):
+    every Redis key and host path it uses is under it (``contracts.cluster``)."""
     policy: PolicyName = PolicyName.CACHE_AWARE
     """cache_aware (default), least_loaded or round_robin (router.policies)."""
     models: Path | None = None

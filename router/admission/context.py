@@ -15,6 +15,8 @@ import redis.asyncio as aioredis
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contracts.cluster import DEFAULT_CLUSTER
+from contracts.cluster import prefix as cluster_prefix
 from contracts.config import DEFAULT_REDIS_URL
 from router.admission.concurrency import TenantStreams
 from router.admission.keys import ANONYMOUS_TENANT, KeyStore, Tenant
@@ -32,8 +34,10 @@ class AdmissionSettings(BaseSettings):
     redis_url: str = DEFAULT_REDIS_URL
     """Redis for keys and rate limits (shared by all regions' routers), and the home region's session
     cache unless ``region_cache_urls`` names one."""
-    key_prefix: str = "tandem:"
-    """Prefix of every Redis key written here."""
+    cluster: str = DEFAULT_CLUSTER
+    """``TANDEM_CLUSTER``: the cluster these keys, limits and sessions belong to (``contracts.cluster``)."""
+    key_prefix: str = ""
+    """Prefix of every Redis key written here; empty: the cluster's (``tandem:`` for ``default``)."""
     database_url: str | None = None
     """``postgresql://user@host:port/db`` (optionally ``?schema=name``); None → SQLite at ``sqlite_path``."""
     sqlite_path: Path = Path(".tandem/tandem.db")
@@ -138,7 +142,7 @@ class AdmissionContext:
         keys = KeyStore(
             redis,
             db,
-            prefix=settings.key_prefix,
+            prefix=settings.key_prefix or cluster_prefix(settings.cluster),
             require_auth=settings.auth == "required",
             anonymous=Tenant(tenant_id=ANONYMOUS_TENANT, rpm=settings.anonymous_rpm, tpm=settings.anonymous_tpm),
             negative_ttl_s=settings.negative_key_ttl_s,
@@ -155,7 +159,7 @@ class AdmissionContext:
             db,
             RegionCache(settings.region, home_redis),
             [RegionCache(name, r) for name, r in caches.items() if name != settings.region],
-            prefix=settings.key_prefix,
+            prefix=settings.key_prefix or cluster_prefix(settings.cluster),
             cache_ttl_s=settings.session_cache_ttl_s,
             max_cached_turns=settings.session_max_cached_turns,
             queue_size=settings.session_queue_size,

@@ -53,6 +53,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from contracts.cluster import CLUSTER_ENV
+from contracts.cluster import key as cluster_key
 from contracts.config import REDIS_URL_ENV
 from kv_transfer.auth import SECRET_ENV
 from node_agent.node import EngineProcess
@@ -104,8 +106,8 @@ class HelmRefused(Exception):
     """Helm refused the chart or its values (a template's ``fail``, a parse error)."""
 
 
-def _helm(op: str, values: Obj | None = None) -> Any:
-    request = {"op": op, "chart": str(CHART), "values": values or {}, "name": RELEASE, "namespace": NAMESPACE}
+def _helm(op: str, values: Obj | None = None, release: str = RELEASE) -> Any:
+    request = {"op": op, "chart": str(CHART), "values": values or {}, "name": release, "namespace": NAMESPACE}
     proc = subprocess.run(
         [sys.executable, "-c", _HELM],
         input=json.dumps(request),
@@ -120,10 +122,10 @@ def _helm(op: str, values: Obj | None = None) -> Any:
     return answer["ok"]
 
 
-def render(values_file: str | None = None, overrides: Obj | None = None) -> list[Obj]:
-    """``helm template tandem infra/helm/tandem -n serving -f <values_file>`` plus ``overrides``, parsed."""
+def render(values_file: str | None = None, overrides: Obj | None = None, release: str = RELEASE) -> list[Obj]:
+    """``helm template <release> infra/helm/tandem -n serving -f <values_file>`` plus ``overrides``, parsed."""
     values: Obj = yaml.safe_load((CHART / values_file).read_text()) if values_file else {}
-    out: dict[str, str] = _helm("render", _merge(values, overrides or {}))
+    out: dict[str, str] = _helm("render", _merge(values, overrides or {}), release)
     docs: list[Obj] = []
     for path, text in sorted(out.items()):
         if path.endswith(".yaml"):
@@ -422,7 +424,7 @@ def check_network_policies(objs: list[Obj]) -> list[str]:
     return problems
 
 
-KNOWN_SHARED_ENV = {REDIS_URL_ENV, SECRET_ENV}
+KNOWN_SHARED_ENV = {REDIS_URL_ENV, SECRET_ENV, CLUSTER_ENV}
 
 
 def _settings_env(prefix: str, model: type[Any]) -> set[str]:
@@ -838,3 +840,39 @@ def test_router_autoscaler_has_no_fixed_count_and_a_fixed_one_without_it() -> No
     assert by_component(objs, "router")["spec"]["replicas"] == 3
     assert not [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
     assert check_router_replicas(objs) == []
+
+
+def _cluster_of(objs: list[Obj]) -> dict[str, str]:
+    """Each Tandem workload's cluster: its TANDEM_CLUSTER, or the lake writer's --stream-prefix."""
+    out = {}
+    for w in workloads(objs):
+        (c,) = containers(w)
+        if component(w) == "lake-writer":
+            args = c["args"]
+            out["lake-writer"] = args[args.index("--stream-prefix") + 1]
+        elif "command" in c and c["command"] == ["tandem"]:
+            out[component(w)] = env_of(c)[CLUSTER_ENV]["value"]
+    return out
+
+
+def test_two_releases_on_one_redis_use_their_own_cluster_names() -> None:
+    """Two releases in one namespace on one (external) Redis: every process of each runs under its own
+    release's cluster name, so their registries, keys, sessions and telemetry streams differ, and the lake
+    writer reads the streams its routers write."""
+    external = {"redis": {"bundled": False, "url": "redis://shared-redis:6379/0"}}
+    names = {}
+    for release in ("staging", "prod"):
+        clusters = _cluster_of(render("values-cpu.yaml", external, release=release))
+        assert set(clusters) >= {"router", "prefill", "decode", "lake-writer"}, clusters
+        name = clusters["router"]
+        assert clusters["prefill"] == clusters["decode"] == name
+        assert clusters["lake-writer"] == cluster_key(name, "telemetry")
+        names[release] = name
+    assert names == {"staging": "staging-tandem", "prod": "prod-tandem"}
+
+
+def test_cluster_name_value_overrides_the_release_and_bad_names_are_refused() -> None:
+    clusters = _cluster_of(render("values-cpu.yaml", {"clusterName": "default"}))
+    assert clusters["router"] == "default" and clusters["lake-writer"] == "tandem:telemetry"
+    with pytest.raises(HelmRefused):
+        render("values-cpu.yaml", {"clusterName": "Prod:x"})

@@ -92,8 +92,30 @@ the image need not know; vLLM, torch and Hugging Face cache under it). */}}
 {{- end -}}
 
 {{/* ... and for the processes on the KV wire (nodes, routers), the cluster secret. */}}
+{{/* The cluster name every process reads (TANDEM_CLUSTER): the release's, so two releases on one Redis
+use different keys. contracts/cluster.py's pattern: 1-40 lower-case letters, digits and dashes. */}}
+{{- define "tandem.clusterName" -}}
+{{- $name := .Values.clusterName | default (include "tandem.fullname" .) -}}
+{{- if not (regexMatch "^[a-z0-9][a-z0-9-]{0,39}$" $name) -}}
+{{- fail (printf "clusterName %q: use 1-40 lower-case letters, digits or dashes" $name) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{- define "tandem.clusterEnv" -}}
+- name: TANDEM_CLUSTER
+  value: {{ include "tandem.clusterName" . | quote }}
+{{- end -}}
+
+{{/* The telemetry streams' prefix, as contracts.cluster.key(name, "telemetry") makes it for the routers. */}}
+{{- define "tandem.telemetryPrefix" -}}
+{{- $name := include "tandem.clusterName" . -}}
+{{- if eq $name "default" -}}tandem:telemetry{{- else -}}{{ printf "tandem:%s:telemetry" $name }}{{- end -}}
+{{- end -}}
+
 {{- define "tandem.commonEnv" -}}
 {{ include "tandem.redisEnv" . }}
+{{ include "tandem.clusterEnv" . }}
 - name: TANDEM_CLUSTER_SECRET
   valueFrom:
     secretKeyRef:
