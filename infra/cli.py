@@ -13,7 +13,6 @@ from rich.console import Console
 
 from contracts.cli import clean_errors, console, interrupt
 from contracts.cluster import CLUSTER_ENV, DEFAULT_ROUTER_PORT, default_for_port
-from contracts.cluster import key as cluster_key
 from contracts.config import lake_dir
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError, TandemError
@@ -239,8 +238,9 @@ def cluster_status(
             )
         out.print(table)
     try:
-        name = cluster or default_for_port(httpx.URL(url).port or DEFAULT_ROUTER_PORT)
-        statuses, launchers = asyncio.run(_supervision_state(redis_url or configured_redis_url(), name))
+        port = httpx.URL(url).port or DEFAULT_ROUTER_PORT  # the launcher's state is keyed by its router port
+        name = cluster or default_for_port(port)
+        statuses, launchers = asyncio.run(_supervision_state(redis_url or configured_redis_url(), name, port))
     except TandemError as exc:
         console.print(f"[yellow]{exc.message}[/yellow]")
     else:
@@ -263,7 +263,7 @@ def cluster_status(
         raise typer.Exit(1)
 
 
-async def _supervision_state(redis_url: str, cluster: str) -> tuple[list, dict[str, dict[str, dict]]]:
+async def _supervision_state(redis_url: str, cluster: str, port: int) -> tuple[list, dict[str, dict[str, dict]]]:
     import json
 
     import redis.asyncio as aioredis
@@ -276,7 +276,7 @@ async def _supervision_state(redis_url: str, cluster: str) -> tuple[list, dict[s
     try:
         statuses = await NodeRegistry(client, cluster=cluster).statuses()
         launchers: dict[str, dict[str, dict]] = {}
-        async for key in client.scan_iter(match=cluster_key(cluster, "launcher", "*")):
+        async for key in client.scan_iter(match=f"tandem:launcher:{port}"):
             raw = await client.hgetall(key)
             name = key.decode() if isinstance(key, bytes) else key
             launchers[name] = {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in raw.items()}
