@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
@@ -362,9 +363,14 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         served = fleet.models()
 
         def card(name: str, n: LiveNode, parent: str | None) -> dict[str, Any]:
+            started = datetime.fromtimestamp(n.info.started_at, tz=UTC)
             return {
                 "id": name,
                 "object": "model",
+                # Anthropic's model card too (Claude Code lists models with the anthropic SDK).
+                "type": "model",
+                "display_name": name,
+                "created_at": started.isoformat().replace("+00:00", "Z"),
                 "created": int(n.info.started_at),
                 "owned_by": "tandem",
                 "root": n.info.model,
@@ -377,7 +383,14 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             live = [t for t in models_table.targets(public) if t in served]
             if live and public not in served:
                 data.append(card(public, served[live[0]], models_table.parent(public)))
-        return {"object": "list", "data": data}
+        # OpenAI's list, with Anthropic's paging fields (one page holds every model).
+        return {
+            "object": "list",
+            "data": data,
+            "has_more": False,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
 
     @app.get(
         "/health",

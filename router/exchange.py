@@ -44,6 +44,7 @@ from router.admission.ratelimit import Admission
 from router.cache_salt import CacheSalts, take_client_salt
 from router.codecs.intake import Intake, decode, error_response
 from router.codecs.internal import Api, Completion
+from router.codecs.openapi import document_agent_routes
 from router.codecs.relay import CodecRelay, build_answer, completion_from_chat, output_messages, stream_encoder
 from router.codecs.store import ResponseStore, StoredResponse
 from router.disconnect import DisconnectWatch
@@ -418,4 +419,8 @@ def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
                 },
             }
         }
+    document_agent_routes(
+        schema,
+        {str(code): doc for code, doc in error_responses(400, 401, 403, 404, 413, 422, 429, 502, 503).items()},
+    )
     return schema
