@@ -46,20 +46,28 @@ class Intake:
     """How many of ``internal.messages`` came from ``previous_response_id``."""
 
 
-def _session_key(value: str | None) -> str | None:
-    if not value:
+def _session_key(value: object) -> str | None:
+    if not value or not isinstance(value, str):
         return None
     value = value.strip()
     return value if _SESSION_ID.fullmatch(value) else f"h-{uuid.uuid5(uuid.NAMESPACE_URL, value).hex}"
 
 
+def decode_body(api: Api, body: Any, headers: Mapping[str, str]) -> InternalRequest:
+    """The API's codec over ``body``; whatever it cannot take is a 400."""
+    try:
+        return (responses_codec if api == "responses" else messages_codec).decode_request(body, headers)
+    except RequestError as exc:
+        raise InvalidRequest(exc.message, param=exc.param) from exc
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        # A field of the wrong shape deep in the body (a codec reads what well-formed clients send).
+        raise InvalidRequest(f"the request body does not match the {api} API: {exc}") from exc
+
+
 async def decode(
     api: Api, body: Any, headers: Mapping[str, str], store: ResponseStore, tenant_id: str | None
 ) -> Intake:
-    try:
-        internal = (responses_codec if api == "responses" else messages_codec).decode_request(body, headers)
-    except RequestError as exc:
-        raise InvalidRequest(exc.message, param=exc.param) from exc
+    internal = decode_body(api, body, headers)
     hints = internal.hints
     history = 0
     chain_session = None

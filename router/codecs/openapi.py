@@ -7,16 +7,30 @@ from __future__ import annotations
 from typing import Any
 
 _STR = {"type": "string"}
-_TEXT_OR_PARTS = {"anyOf": [_STR, {"type": "array", "items": {"type": "object"}}]}
-_TOOL_FN = {
-    "type": "object",
-    "required": ["type", "name"],
-    "properties": {
-        "type": {"type": "string", "enum": ["function"]},
-        "name": {"type": "string", "minLength": 1, "maxLength": 64},
-        "description": _STR,
-        "parameters": {"type": "object"},
-    },
+_NAME = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_-]+$"}
+_ID = {"type": "string", "minLength": 1, "maxLength": 128}
+
+
+def _obj(required: list[str], **props: Any) -> dict[str, Any]:
+    return {"type": "object", "required": required, "properties": props}
+
+
+def _const(value: str) -> dict[str, Any]:
+    return {"type": "string", "enum": [value]}
+
+
+_TEXT_PART = _obj(["type", "text"], type={"type": "string", "enum": ["input_text", "output_text"]}, text=_STR)
+_RESPONSES_ITEM = {
+    "anyOf": [
+        _obj(
+            ["role", "content"],
+            type=_const("message"),
+            role={"type": "string", "enum": ["user", "assistant", "system", "developer"]},
+            content={"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
+        ),
+        _obj(["type", "call_id", "name"], type=_const("function_call"), call_id=_ID, name=_NAME, arguments=_STR),
+        _obj(["type", "call_id", "output"], type=_const("function_call_output"), call_id=_ID, output=_STR),
+    ]
 }
 RESPONSES_REQUEST: dict[str, Any] = {
     "type": "object",
@@ -24,15 +38,22 @@ RESPONSES_REQUEST: dict[str, Any] = {
     "properties": {
         "model": {"type": "string", "minLength": 1},
         "input": {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"type": "object"}},
-            ]
+            "anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": _RESPONSES_ITEM}]
         },
         "instructions": {"type": ["string", "null"]},
         "previous_response_id": {"type": ["string", "null"]},
-        "tools": {"type": "array", "items": _TOOL_FN},
-        "tool_choice": {"anyOf": [{"type": "string", "enum": ["auto", "none", "required"]}, {"type": "object"}]},
+        "tools": {
+            "type": "array",
+            "items": _obj(
+                ["type", "name"], type=_const("function"), name=_NAME, description=_STR, parameters={"type": "object"}
+            ),
+        },
+        "tool_choice": {
+            "anyOf": [
+                {"type": "string", "enum": ["auto", "none", "required"]},
+                _obj(["type", "name"], type=_const("function"), name=_NAME),
+            ]
+        },
         "parallel_tool_calls": {"type": "boolean"},
         "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
         "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
@@ -45,6 +66,20 @@ RESPONSES_REQUEST: dict[str, Any] = {
         "user": _STR,
     },
 }
+_TEXT_BLOCK = _obj(["type", "text"], type=_const("text"), text=_STR)
+_TEXT_OR_BLOCKS = {"anyOf": [_STR, {"type": "array", "items": _TEXT_BLOCK}]}
+_USER_BLOCK = {
+    "anyOf": [
+        _TEXT_BLOCK,
+        _obj(["type", "tool_use_id"], type=_const("tool_result"), tool_use_id=_ID, content=_TEXT_OR_BLOCKS),
+    ]
+}
+_ASSISTANT_BLOCK = {
+    "anyOf": [
+        _TEXT_BLOCK,
+        _obj(["type", "id", "name"], type=_const("tool_use"), id=_ID, name=_NAME, input={"type": "object"}),
+    ]
+}
 MESSAGES_REQUEST: dict[str, Any] = {
     "type": "object",
     "required": ["model", "max_tokens", "messages"],
@@ -55,21 +90,31 @@ MESSAGES_REQUEST: dict[str, Any] = {
             "type": "array",
             "minItems": 1,
             "items": {
-                "type": "object",
-                "required": ["role", "content"],
-                "properties": {"role": {"type": "string", "enum": ["user", "assistant"]}, "content": _TEXT_OR_PARTS},
+                "anyOf": [
+                    _obj(
+                        ["role", "content"],
+                        role=_const("user"),
+                        content={"anyOf": [_STR, {"type": "array", "items": _USER_BLOCK}]},
+                    ),
+                    _obj(
+                        ["role", "content"],
+                        role=_const("assistant"),
+                        content={"anyOf": [_STR, {"type": "array", "items": _ASSISTANT_BLOCK}]},
+                    ),
+                ]
             },
         },
-        "system": _TEXT_OR_PARTS,
+        "system": _TEXT_OR_BLOCKS,
         "tools": {
             "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["name", "input_schema"],
-                "properties": {"name": _STR, "description": _STR, "input_schema": {"type": "object"}},
-            },
+            "items": _obj(["name", "input_schema"], name=_NAME, description=_STR, input_schema={"type": "object"}),
         },
-        "tool_choice": {"type": "object"},
+        "tool_choice": {
+            "anyOf": [
+                _obj(["type"], type={"type": "string", "enum": ["auto", "any", "none"]}),
+                _obj(["type", "name"], type=_const("tool"), name=_NAME),
+            ]
+        },
         "stop_sequences": {"type": "array", "items": _STR},
         "temperature": {"type": "number", "minimum": 0, "maximum": 1},
         "top_p": {"type": "number", "minimum": 0, "maximum": 1},
@@ -78,6 +123,11 @@ MESSAGES_REQUEST: dict[str, Any] = {
         "metadata": {"type": "object"},
         "thinking": {"type": "object"},
     },
+}
+COUNT_TOKENS_REQUEST: dict[str, Any] = {
+    **MESSAGES_REQUEST,
+    "required": ["model", "messages"],
+    "properties": {k: v for k, v in MESSAGES_REQUEST["properties"].items() if k not in ("max_tokens", "stream")},
 }
 ANTHROPIC_ERROR: dict[str, Any] = {
     "type": "object",
@@ -106,7 +156,34 @@ def document_agent_routes(schema: dict[str, Any], openai_errors: dict[str, Any])
     components["ResponsesRequest"] = RESPONSES_REQUEST
     components["MessagesRequest"] = MESSAGES_REQUEST
     components["AnthropicError"] = ANTHROPIC_ERROR
+    components["CountTokensRequest"] = COUNT_TOKENS_REQUEST
     anthropic = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}}
+    anthropic_errors = {
+        str(code): {"description": desc, **anthropic}
+        for code, desc in (
+            (400, "Invalid request"),
+            (401, "Bad or missing key"),
+            (403, "Not allowed for this key"),
+            (404, "Unknown model"),
+            (413, "Request too large"),
+            (422, "A field's value is out of range"),
+            (429, "Rate limited"),
+            (502, "Upstream error"),
+            (529, "Overloaded"),
+        )
+    }
+    count = schema["paths"]["/v1/messages/count_tokens"]["post"]
+    count["requestBody"] = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CountTokensRequest"}}},
+    }
+    count["responses"] = {
+        "200": {
+            "description": "The prompt's tokens",
+            "content": {"application/json": {"schema": _obj(["input_tokens"], input_tokens={"type": "integer"})}},
+        },
+        **anthropic_errors,
+    }
     for path, name, summary, errors in (
         (
             "/v1/responses",
@@ -118,18 +195,7 @@ def document_agent_routes(schema: dict[str, Any], openai_errors: dict[str, Any])
             "/v1/messages",
             "MessagesRequest",
             "Create a message (Anthropic Messages API; SSE when stream)",
-            {
-                str(code): {"description": desc, **anthropic}
-                for code, desc in (
-                    (400, "Invalid request"),
-                    (401, "Bad or missing key"),
-                    (404, "Unknown model"),
-                    (413, "Request too large"),
-                    (429, "Rate limited"),
-                    (502, "Upstream error"),
-                    (529, "Overloaded"),
-                )
-            },
+            anthropic_errors,
         ),
     ):
         schema.setdefault("paths", {})[path] = {

@@ -19,9 +19,8 @@ from fastapi.responses import JSONResponse
 
 from contracts.errors import InvalidRequest, ModelNotFound, TandemError
 from router.admission.keys import Tenant
-from router.codecs import messages as messages_codec
-from router.codecs.intake import error_response
-from router.codecs.internal import Message, RequestError, to_chat_body
+from router.codecs.intake import decode_body, error_response
+from router.codecs.internal import Message, to_chat_body
 from router.codecs.store import ResponseStore
 from router.edge import parse_json
 from router.openai_errors import error_responses
@@ -111,10 +110,7 @@ def agent_router() -> APIRouter:
             body = parse_json(await request.body(), request.app.state.settings.max_json_depth)
             if isinstance(body, dict):
                 body = {"max_tokens": 1, **body, "stream": False}
-            try:
-                internal = messages_codec.decode_request(body, {})
-            except RequestError as exc:
-                raise InvalidRequest(exc.message, param=exc.param) from exc
+            internal = decode_body("messages", body, {})
             served = request.app.state.fleet.models()
             node = served.get(internal.model)
             if node is None:
