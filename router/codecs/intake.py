@@ -23,12 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
 from pydantic import ValidationError
 
 from contracts.errors import InvalidRequest, RateLimited, TandemError, Unavailable, ValidationFailed
 from router.codecs import messages as messages_codec
 from router.codecs import responses as responses_codec
 from router.codecs.internal import Api, InternalRequest, RequestError, to_chat_body
+from router.codecs.openapi import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST, RESPONSES_REQUEST
 from router.codecs.store import ResponseStore
 from router.openai_errors import response_for
 from router.schemas import ChatCompletionRequest
@@ -53,6 +56,22 @@ def _session_key(value: object) -> str | None:
     return value if _SESSION_ID.fullmatch(value) else f"h-{uuid.uuid5(uuid.NAMESPACE_URL, value).hex}"
 
 
+_VALIDATORS = {
+    "responses": Draft202012Validator(RESPONSES_REQUEST),
+    "messages": Draft202012Validator(MESSAGES_REQUEST),
+    "count_tokens": Draft202012Validator(COUNT_TOKENS_REQUEST),
+}
+
+
+def check_schema(which: str, body: Any) -> None:
+    """The body against the route's documented request schema (``router.codecs.openapi``): a field of the
+    wrong type is a 400 naming it, as the document promises, not a guess."""
+    error = best_match(_VALIDATORS[which].iter_errors(body))
+    if error is not None:
+        where = ".".join(str(p) for p in error.absolute_path) or None
+        raise InvalidRequest(f"{where or 'body'}: {error.message[:200]}", param=where)
+
+
 def decode_body(api: Api, body: Any, headers: Mapping[str, str]) -> InternalRequest:
     """The API's codec over ``body``; whatever it cannot take is a 400."""
     try:
@@ -67,6 +86,7 @@ def decode_body(api: Api, body: Any, headers: Mapping[str, str]) -> InternalRequ
 async def decode(
     api: Api, body: Any, headers: Mapping[str, str], store: ResponseStore, tenant_id: str | None
 ) -> Intake:
+    check_schema(api, body)
     internal = decode_body(api, body, headers)
     hints = internal.hints
     history = 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from router.codecs.responses import HOSTED_TOOLS
+
 _STR = {"type": "string"}
 _NAME = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_-]+$"}
 _ID = {"type": "string", "minLength": 1, "maxLength": 128}
@@ -19,7 +21,12 @@ def _const(value: str) -> dict[str, Any]:
     return {"type": "string", "enum": [value]}
 
 
-_TEXT_PART = _obj(["type", "text"], type={"type": "string", "enum": ["input_text", "output_text"]}, text=_STR)
+_TEXT_PART = {
+    "anyOf": [
+        _obj(["type", "text"], type={"type": "string", "enum": ["input_text", "output_text", "text"]}, text=_STR),
+        _obj(["type", "refusal"], type=_const("refusal"), refusal=_STR),
+    ]
+}
 _RESPONSES_ITEM = {
     "anyOf": [
         _obj(
@@ -30,8 +37,15 @@ _RESPONSES_ITEM = {
         ),
         _obj(["type", "call_id", "name"], type=_const("function_call"), call_id=_ID, name=_NAME, arguments=_STR),
         _obj(["type", "call_id", "output"], type=_const("function_call_output"), call_id=_ID, output=_STR),
+        _obj(["type"], type=_const("reasoning")),  # dropped: the engine gets no hidden reasoning back
     ]
 }
+_FUNCTION_TOOL = _obj(
+    ["type", "name"], type=_const("function"), name=_NAME, description=_STR, parameters={"type": "object"}
+)
+# Tools OpenAI's servers run (Codex lists web_search by default): accepted, and left out (router.codecs.responses).
+_HOSTED_TOOL = _obj(["type"], type={"type": "string", "enum": sorted(HOSTED_TOOLS)})
+_NAMESPACE_TOOL = _obj(["type", "tools"], type=_const("namespace"), tools={"type": "array", "items": _FUNCTION_TOOL})
 RESPONSES_REQUEST: dict[str, Any] = {
     "type": "object",
     "required": ["model", "input"],
@@ -42,12 +56,7 @@ RESPONSES_REQUEST: dict[str, Any] = {
         },
         "instructions": {"type": ["string", "null"]},
         "previous_response_id": {"type": ["string", "null"]},
-        "tools": {
-            "type": "array",
-            "items": _obj(
-                ["type", "name"], type=_const("function"), name=_NAME, description=_STR, parameters={"type": "object"}
-            ),
-        },
+        "tools": {"type": "array", "items": {"anyOf": [_FUNCTION_TOOL, _HOSTED_TOOL, _NAMESPACE_TOOL]}},
         "tool_choice": {
             "anyOf": [
                 {"type": "string", "enum": ["auto", "none", "required"]},
@@ -78,6 +87,7 @@ _ASSISTANT_BLOCK = {
     "anyOf": [
         _TEXT_BLOCK,
         _obj(["type", "id", "name"], type=_const("tool_use"), id=_ID, name=_NAME, input={"type": "object"}),
+        _obj(["type"], type={"type": "string", "enum": ["thinking", "redacted_thinking"]}),
     ]
 }
 MESSAGES_REQUEST: dict[str, Any] = {
@@ -96,6 +106,8 @@ MESSAGES_REQUEST: dict[str, Any] = {
                         role=_const("user"),
                         content={"anyOf": [_STR, {"type": "array", "items": _USER_BLOCK}]},
                     ),
+                    # A mid-conversation system message (Claude Code's agents and skills send one).
+                    _obj(["role", "content"], role=_const("system"), content=_TEXT_OR_BLOCKS),
                     _obj(
                         ["role", "content"],
                         role=_const("assistant"),
@@ -107,7 +119,13 @@ MESSAGES_REQUEST: dict[str, Any] = {
         "system": _TEXT_OR_BLOCKS,
         "tools": {
             "type": "array",
-            "items": _obj(["name", "input_schema"], name=_NAME, description=_STR, input_schema={"type": "object"}),
+            "items": _obj(
+                ["name", "input_schema"],
+                type=_const("custom"),
+                name=_NAME,
+                description=_STR,
+                input_schema={"type": "object"},
+            ),
         },
         "tool_choice": {
             "anyOf": [

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from contracts.errors import InvalidRequest, ModelNotFound, TandemError
 from router.admission.keys import Tenant
-from router.codecs.intake import decode_body, error_response
+from router.codecs.intake import check_schema, decode_body, error_response
 from router.codecs.internal import Message, to_chat_body
 from router.codecs.store import ResponseStore
 from router.edge import parse_json
@@ -108,8 +108,8 @@ def agent_router() -> APIRouter:
         try:
             await _tenant(request)
             body = parse_json(await request.body(), request.app.state.settings.max_json_depth)
-            if isinstance(body, dict):
-                body = {"max_tokens": 1, **body, "stream": False}
+            check_schema("count_tokens", body)
+            body = {**body, "max_tokens": 1, "stream": False}
             internal = decode_body("messages", body, {})
             served = request.app.state.fleet.models()
             node = served.get(internal.model)
