@@ -36,7 +36,12 @@ _RESPONSES_ITEM = {
             content={"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
         ),
         _obj(["type", "call_id", "name"], type=_const("function_call"), call_id=_ID, name=_NAME, arguments=_STR),
-        _obj(["type", "call_id", "output"], type=_const("function_call_output"), call_id=_ID, output=_STR),
+        _obj(
+            ["type", "call_id", "output"],
+            type=_const("function_call_output"),
+            call_id=_ID,
+            output={"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
+        ),
         _obj(["type"], type=_const("reasoning")),  # dropped: the engine gets no hidden reasoning back
     ]
 }

@@ -178,8 +178,8 @@ def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> Inter
             raise RequestError("instructions must be a string", "instructions")
         messages.append(Message("system", instructions))
     messages.extend(_decode_input(body.get("input", [])))
-    if not messages:
-        raise RequestError("input is empty", "input")
+    if not messages:  # only reasoning items (or empty instructions): an empty turn, as an empty string is
+        messages.append(Message("user", ""))
     max_tokens = _number(body, "max_output_tokens", int)
     if max_tokens is not None and max_tokens < 1:
         raise RequestError("max_output_tokens must be at least 1", "max_output_tokens")
