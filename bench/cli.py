@@ -37,6 +37,16 @@ def bench_pd(
         str | None,
         typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 9)."),
     ] = None,
+    device: Annotated[
+        str, typer.Option(help="KV caches' device for --standalone: cuda, cuda:N, or cpu (a rehearsal).")
+    ] = "cpu",
+    standalone: Annotated[
+        bool,
+        typer.Option(
+            help="No engines: our connector's halves on KV caches of real models' shapes in two processes "
+            "(infra/device/kv_cuda_bench.py; the only way to measure CUDA caches where vLLM is absent)."
+        ),
+    ] = False,
 ) -> None:
     """Disaggregated (1P+1D) vs colocated (1 node): TTFT, ITL, E2E p50/p99 and output tokens/s at
     concurrency 1, 8 and 32. Starts and stops its own clusters."""
@@ -137,13 +147,29 @@ def bench_kv_transfer(
         str | None,
         typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 9)."),
     ] = None,
+    device: Annotated[
+        str, typer.Option(help="KV caches' device for --standalone: cuda, cuda:N, or cpu (a rehearsal).")
+    ] = "cpu",
+    standalone: Annotated[
+        bool,
+        typer.Option(
+            help="No engines: our connector's halves on KV caches of real models' shapes in two processes "
+            "(infra/device/kv_cuda_bench.py; the only way to measure CUDA caches where vLLM is absent)."
+        ),
+    ] = False,
 ) -> None:
     """KV transfer time and GB/s per transport (our ZeroMQ tcp and ipc, shared-memory copy and UCX;
     NixlConnector default and over tcp) on real engines, against an in-process memcpy, plus TTFT P/D vs
     colocated. Starts and stops its own clusters, one at a time."""
     redis_url = redis_url or _redis_url(db=9)
-    from bench.kv_transfer import KvBenchConfig, run_kv_transfer_bench
+    from bench.kv_transfer import KvBenchConfig, run_device_bench, run_kv_transfer_bench
 
+    if standalone:
+        with clean_errors():
+            run_device_bench(device, out)
+        return
+    if device != "cpu":
+        raise typer.BadParameter("engines on a GPU are not benchmarked here: add --standalone", param_hint="--device")
     cfg = KvBenchConfig(
         sizes=tuple(size or (1000, 4000, 7500)),
         repeats=repeats,

@@ -612,3 +612,11 @@ def plot(result: dict[str, Any], out_png: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
+
+
+def run_device_bench(device: str, out: Path) -> dict[str, Any]:
+    """``--standalone``: the device check without engines (``infra/device/kv_cuda_bench.py``)."""
+    from infra.device.kv_cuda_bench import main
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return main(["--device", device, "--out", str(out)])

@@ -55,10 +55,21 @@ RUN: frozenset[str] = frozenset(
 """Cheap commands, run as written (in a scratch folder)."""
 
 EXPENSIVE: dict[str, str] = {
+    "tandem lab up --name demo --hosts router,prefill,decode,far@1": "makes namespaces (tests/infra/test_lab.py)",
+    "tandem lab exec decode --name demo -- python -c 'import socket; print(socket.gethostname())'": "needs the lab",
+    "tandem lab cut decode --name demo": "needs the lab (tests/infra/test_lab.py cuts hosts)",
+    "tandem lab heal decode --name demo": "needs the lab",
+    "tandem lab cut regions --name demo": "needs the lab (tests/infra/test_lab.py cuts regions)",
+    "tandem lab heal regions --name demo": "needs the lab",
+    "tandem lab down --name demo": "needs the lab (tests/infra/test_lab.py removes one)",
     "tandem settings --write": "rewrites the repository's own files",
     "make up": "installs everything and starts engines",
     "make test": "the whole suite",
     "make install TARGET=gpu VENV=.venv-gpu": "a GPU host's install",
+    ".venv/bin/python infra/device/kv_cuda_bench.py --device cpu": "a benchmark of a minute or two",
+    "infra/device/run_kv_cuda.sh --fetch-wheels": "downloads wheels",
+    "infra/device/run_kv_cuda.sh --device cuda --out '$OUT/kv_cuda.json'": "needs a GPU",
+    "tandem bench kv-transfer --device cuda --standalone": "needs a GPU",
     "make up TARGET=gpu VENV=.venv-gpu": "a GPU host's cluster",
     "tandem up --prefill 2 --decode 1": "starts engines",
     "tandem up --colocated": "starts an engine",
@@ -197,6 +208,12 @@ def test_expensive_commands_parse(item: tuple[Block, list[str]]) -> None:
         assert all((ROOT / p).exists() for p in paths), paths
         if "--" in argv and argv[argv.index("--") + 1] == "tandem":
             parse_tandem(argv[argv.index("--") + 1 :])
+    elif argv[0] == ".venv/bin/python" or argv[0].startswith("infra/"):
+        script = ROOT / (argv[1] if argv[0] == ".venv/bin/python" else argv[0])
+        assert script.is_file(), script
+        if script.suffix == ".sh":
+            done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, done.stderr
     else:
         raise AssertionError(f"no way to check {argv[0]}")
 
