@@ -1,6 +1,9 @@
 """The router's HTTP edge: OpenAI-compatible API over FastAPI, SSE streaming, errors in OpenAI's shape.
 
     POST /v1/chat/completions   POST /v1/completions   (stream and non-stream)
+    POST /v1/responses          POST /v1/messages      (the same path, decoded and encoded by router.codecs)
+    GET|DELETE /v1/responses/{id}   POST /v1/responses/{id}/cancel   GET /v1/responses/{id}/input_items
+    POST /v1/messages/count_tokens
     GET  /v1/models             GET  /health           GET  /metrics          GET /cluster
     POST /v1/feedback
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
@@ -49,6 +53,8 @@ from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
 from router.background import TaskSet
 from router.cache_salt import CacheSalts
+from router.codecs.routes import agent_router
+from router.codecs.store import ResponseStore
 from router.direct_write import RAW_SEND
 from router.edge import BodyLimit
 from router.exchange import GenerationRoute, document_generation_routes, parse_body
@@ -242,6 +248,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         housekeeping.start()
         app.state.fleet = fleet
         app.state.responses = responses
+        app.state.response_store = ResponseStore(redis)
         app.state.emitter = emitter
         app.state.admission = admission
         app.state.cache_salts = CacheSalts.from_cluster_secret(settings.shared_cache_tenants)
@@ -314,6 +321,10 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     # life, the sending of the answer included (router.exchange).
     app.router.add_route("/v1/chat/completions", GenerationRoute("chat", "chat"), methods=["POST"])
     app.router.add_route("/v1/completions", GenerationRoute("completion", "completions"), methods=["POST"])
+    # Responses and Messages: decoded at the edge into the same chat request (router.codecs.intake).
+    app.router.add_route("/v1/responses", GenerationRoute("chat", "responses", "responses"), methods=["POST"])
+    app.router.add_route("/v1/messages", GenerationRoute("chat", "messages", "messages"), methods=["POST"])
+    app.include_router(agent_router())
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -368,9 +379,14 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         served = fleet.models()
 
         def card(name: str, n: LiveNode, parent: str | None) -> dict[str, Any]:
+            started = datetime.fromtimestamp(n.info.started_at, tz=UTC)
             return {
                 "id": name,
                 "object": "model",
+                # Anthropic's model card too (Claude Code lists models with the anthropic SDK).
+                "type": "model",
+                "display_name": name,
+                "created_at": started.isoformat().replace("+00:00", "Z"),
                 "created": int(n.info.started_at),
                 "owned_by": "tandem",
                 "root": n.info.model,
@@ -383,7 +399,14 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             live = [t for t in models_table.targets(public) if t in served]
             if live and public not in served:
                 data.append(card(public, served[live[0]], models_table.parent(public)))
-        return {"object": "list", "data": data}
+        # OpenAI's list, with Anthropic's paging fields (one page holds every model).
+        return {
+            "object": "list",
+            "data": data,
+            "has_more": False,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
 
     @app.get(
         "/health",

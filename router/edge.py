@@ -53,7 +53,7 @@ class BodyLimit:
                     declared = 0  # the server (h11/httptools) refuses a malformed length itself
                 if declared > self.max_bytes:
                     # Answer at once: the body stays unread in the socket, and the server drops it.
-                    await _send_error(send, self._too_large())
+                    await _send_error(send, self._too_large(), anthropic=scope["path"].startswith("/v1/messages"))
                     return
                 break
         received = 0
@@ -76,8 +76,10 @@ class BodyLimit:
         )
 
 
-async def _send_error(send: Send, exc: PayloadTooLarge) -> None:
-    body = json.dumps(error_from_exception(exc)).encode()
+async def _send_error(send: Send, exc: PayloadTooLarge, *, anthropic: bool = False) -> None:
+    """The 413 in the route's API shape (the Messages API's is Anthropic's)."""
+    shape = {"type": "error", "error": {"type": "request_too_large", "message": exc.message}}
+    body = json.dumps(shape if anthropic else error_from_exception(exc)).encode()
     await send(
         {
             "type": "http.response.start",

@@ -42,6 +42,11 @@ from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.keys import Tenant
 from router.admission.ratelimit import Admission
 from router.cache_salt import CacheSalts, take_client_salt
+from router.codecs.intake import Intake, decode, error_response
+from router.codecs.internal import Api, Completion
+from router.codecs.openapi import document_agent_routes
+from router.codecs.relay import CodecRelay, build_answer, completion_from_chat, output_messages, stream_encoder
+from router.codecs.store import ResponseStore, StoredResponse
 from router.disconnect import DisconnectWatch
 from router.edge import check_chat, parse_json
 from router.openai_errors import document_error_schema, error_responses, response_for
@@ -113,20 +118,25 @@ def node_pin(request: Request, tenant: Tenant, settings: RouterSettings, prefer:
 class GenerationRoute:
     """The ASGI app of one generation endpoint: an ``Exchange`` per request."""
 
-    def __init__(self, kind: Kind, endpoint: str) -> None:
+    def __init__(self, kind: Kind, endpoint: str, api: Api | None = None) -> None:
         self.kind = kind
         self.endpoint = endpoint
+        self.api = api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await Exchange(Request(scope, receive, send), self.kind, self.endpoint).run(scope, receive, send)
+        exchange = Exchange(Request(scope, receive, send), self.kind, self.endpoint, self.api)
+        await exchange.run(scope, receive, send)
 
 
 class Exchange:
     """One request's life (see the module docstring). ``run`` is the list of steps; ``_exit`` is the
     one place that lets go of what the request holds."""
 
-    def __init__(self, request: Request, kind: Kind, endpoint: str) -> None:
+    def __init__(self, request: Request, kind: Kind, endpoint: str, api: Api | None = None) -> None:
         state = request.app.state
+        self.api = api
+        """The edge API when not chat/completions (``router.codecs``): decoded at the edge, encoded back."""
+        self.intake: Intake | None = None
         self.request = request
         self.kind = kind
         self.endpoint = endpoint
@@ -144,6 +154,7 @@ class Exchange:
         self.leg: Leg | None = None
         self.watch: DisconnectWatch | None = None
         """Armed from the moment the body is read (``_answer``) until the answer's end is sent."""
+        self.codec: CodecRelay | None = None
         self.outcome: tuple[str, int, TandemError | None] = ("cancelled", 499, None)
         """(status, HTTP status, error) for the record; until the answer is complete, a request that
         ends is one the client (or the server's shutdown) abandoned."""
@@ -163,7 +174,7 @@ class Exchange:
                 self._abandon(f"request failed: {exc.message}")
                 rejected = exc.status_code < 500 or exc.status_code == 503
                 self.outcome = ("rejected" if rejected else "error", exc.status_code, exc)
-                response = response_for(exc)
+                response = error_response(self.api, exc) if self.api else response_for(exc)
             if self.watch is not None and not isinstance(response, RelayResponse):
                 self.watch.disarm()  # one write; the relay disarms before its own last one
             try:
@@ -186,12 +197,22 @@ class Exchange:
         arrival = time.monotonic()
         # Authentication and the request-rate limit come first: an unauthenticated client learns
         # nothing else about the request (401/429 before any 400).
+        authorization = request.headers.get("authorization")
+        if authorization is None and self.api == "messages" and request.headers.get("x-api-key"):
+            authorization = f"Bearer {request.headers['x-api-key']}"  # Anthropic's own key header
         admission = self.admission = await ctx.gate.admit(
-            request.headers.get("authorization"), priority_header=request.headers.get("x-tandem-priority")
+            authorization, priority_header=request.headers.get("x-tandem-priority")
         )
         # One of the tenant's stream slots, held until ``_exit`` (every way a request ends goes through it).
         self.holds.callback(ctx.streams.acquire(admission.tenant.tenant_id))
-        req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
+        if self.api is not None:
+            raw = parse_json(await request.body(), self.settings.max_json_depth)
+            headers_in = {k: v for k, v in request.headers.items()}
+            store: ResponseStore = request.app.state.response_store
+            self.intake = await decode(self.api, raw, headers_in, store, admission.tenant.tenant_id)
+            req = self.intake.chat
+        else:
+            req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
         # From here until the answer's end, a client that leaves cancels this task (router.disconnect).
         self.watch = DisconnectWatch(receive)
         tenant = admission.tenant
@@ -203,7 +224,10 @@ class Exchange:
         deadline = request_deadline(
             request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s, arrival=arrival
         )
-        session = await session_params(request.headers.get(SESSION_HEADER), request.headers.get(HISTORY_HEADER))
+        session_header = request.headers.get(SESSION_HEADER)
+        if self.intake is not None:
+            session_header = self.intake.session_id
+        session = await session_params(session_header, request.headers.get(HISTORY_HEADER))
         # A request that names no session is sessionless, as with OpenAI or vLLM: storing a session and
         # a turn for each such request cost a Redis read and four writes plus a database row every time,
         # for ids that no client ever sent back. In server-history mode the router keeps the history,
@@ -250,9 +274,14 @@ class Exchange:
         if not req.stream:
             answer = await self.orch.complete(leg, trace, self.spawn)
             self.outcome = ("ok", 200, None)
+            if self.intake is not None:
+                done = completion_from_chat(answer)
+                answer = build_answer(self.intake.internal, done, self.intake.response_id)
+                self._store(done, answer)
             return JSONResponse(answer, headers=headers)
         stream = await self.orch.open_stream(leg, trace, self.holds, self.spawn)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.codec = stream_encoder(self.intake.internal, trace, self.intake.response_id) if self.intake else None
         return RelayResponse(
             stream,
             trace,
@@ -261,11 +290,32 @@ class Exchange:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
             send_timeout_s=self.settings.client_send_timeout_s,
             watch=self.watch,
+            encoder=self.codec,
         )
 
     def _relayed(self, status: str, error: TandemError | None) -> None:
         """The relay's verdict: a stream that started is a 200 whatever happened after."""
         self.outcome = (status, 200, error)
+        if self.codec is not None and status == "ok":
+            final = self.codec.final()
+            if final is not None:
+                self._store(self.codec.done(), final)
+
+    def _store(self, done: Completion, answer: dict[str, Any]) -> None:
+        """A Responses answer the client may chain on (``previous_response_id``), unless ``store`` is false."""
+        intake = self.intake
+        if intake is None or intake.internal.api != "responses" or intake.internal.store is False:
+            return
+        trace = self.trace
+        record = StoredResponse(
+            messages=[*intake.internal.messages, *output_messages(done)],
+            input_count=len(intake.internal.messages),
+            response=answer,
+            session_id=(trace.session_id if trace is not None else None) or intake.response_id,
+        )
+        store: ResponseStore = self.request.app.state.response_store
+        tenant = trace.tenant_id if trace is not None else None
+        self.spawn(store.save(tenant, intake.response_id, record))
 
     def _abandon(self, reason: str) -> None:
         """The answer will not come from the planned legs: free the prefill node's lease now."""
@@ -369,4 +419,8 @@ def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
                 },
             }
         }
+    document_agent_routes(
+        schema,
+        {str(code): doc for code, doc in error_responses(400, 401, 403, 404, 413, 422, 429, 502, 503).items()},
+    )
     return schema

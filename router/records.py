@@ -45,6 +45,7 @@ def request_record(
         "requested_model": trace.requested_model,
         "model_resolution": trace.model_resolution,
         "endpoint": endpoint,
+        "api": endpoint,  # every API's route is named after it (router.app)
         "stream": trace.stream,
         "prefill_node": trace.prefill_node if trace.mode == "disaggregated" else None,
         "decode_node": trace.decode_node,

@@ -35,7 +35,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from starlette.responses import StreamingResponse
@@ -142,6 +142,18 @@ class _Relay:
             out.append(b"data: " + payload + b"\n\n")
         return b"".join(out)
 
+    def end(self, error: TandemError | None) -> bytes:
+        """The stream's last bytes: ``[DONE]``, after an ``error`` event if it failed."""
+        return _DONE if error is None else sse_event(error_from_exception(error)) + _DONE
+
+
+class BatchEncoder(Protocol):
+    """What the relay writes for each batch of engine payloads and at the end: ``_Relay`` for chat and
+    completions, an edge API's encoder (``router.codecs.relay.CodecRelay``) for Responses and Messages."""
+
+    def batch(self, payloads: list[bytes]) -> bytes: ...
+    def end(self, error: TandemError | None) -> bytes: ...
+
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -166,13 +178,15 @@ class RelayResponse(StreamingResponse):
         headers: dict[str, str] | None = None,
         send_timeout_s: float | None = None,
         watch: DisconnectWatch | None = None,
+        encoder: BatchEncoder | None = None,
     ) -> None:
         self.batches = batches
         self.watch = watch
         """Disarmed just before the last write (after it, uvicorn reports every receive as a disconnect)."""
         self.send_timeout_s = send_timeout_s
         """Longest one write may wait on a client that does not read (None: no bound)."""
-        self.state = _Relay(trace, include_usage)
+        self.state: BatchEncoder = encoder or _Relay(trace, include_usage)
+        self.trace = trace
         self.on_finish = on_finish
         self.status_code = 200
         self.media_type = "text/event-stream"
@@ -213,25 +227,25 @@ class RelayResponse(StreamingResponse):
                 else:
                     async for payloads in source:
                         await self._bounded(self._write(send, payloads))
-                end = _DONE
+                end = state.end(None)
             except ClientStalled as exc:
                 # It reads nothing, so no error event could reach it: end here, without the final write
                 # (uvicorn then closes the connection); ``finally`` records why.
                 status, error = "error", exc
-                log.warning("%s: %s", state.trace.request_id, exc.message)
+                log.warning("%s: %s", self.trace.request_id, exc.message)
                 return
             except TandemError as exc:
                 # As OpenAI ends a stream that fails after its status line: an error event, then [DONE],
                 # so a client's SSE loop ends normally instead of on a cut connection.
                 status, error = "error", exc
-                end = sse_event(error_from_exception(exc)) + _DONE
+                end = state.end(exc)
             if self.watch is not None:
                 self.watch.disarm()
             try:
                 await self._bounded(send({"type": "http.response.body", "body": end, "more_body": False}))
             except ClientStalled as exc:  # everything went out but the end, which it does not take
                 status, error = "error", exc
-                log.warning("%s: %s", state.trace.request_id, exc.message)
+                log.warning("%s: %s", self.trace.request_id, exc.message)
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
             raise
@@ -245,7 +259,7 @@ class RelayResponse(StreamingResponse):
                 self._draining.cancel()
             # The owner of the request (router.exchange) closes the upstream stream, which aborts the
             # engine's request if it is still running.
-            state.trace.finish = time.time()
+            self.trace.finish = time.time()
             self.on_finish(status, error)
 
     # -- push (see the module docstring) ------------------------------------------------------------

@@ -45,13 +45,14 @@ filling added fields with nulls):
     4  requests: where the reused prompt tokens came from (local_cached_tokens, host_tier_cached_tokens,
        peer_cached_tokens: router.kv_index.attribution).
     5  host_tier: a new table, one row per host tier per interval (host_tier.lake).
+    6  requests: api, the API the client spoke (chat, completions, responses, messages: router.codecs).
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 TS = pa.timestamp("us", tz="UTC")
 
@@ -74,7 +75,8 @@ _REQUESTS = [
     _f("model", pa.string(), "Served model that answered (after alias, canary, fallback); '(unknown)' if none."),
     _f("requested_model", pa.string(), "The client's model: a served name, an alias or a canary name."),
     _f("model_resolution", pa.string(), "How model came from requested_model: direct, alias, canary, fallback."),
-    _f("endpoint", pa.string(), "chat or completions."),
+    _f("endpoint", pa.string(), "The route: chat, completions, responses or messages."),
+    _f("api", pa.string(), "The API the client spoke: chat, completions, responses or messages."),
     _f("stream", pa.bool_(), "True if the client asked for SSE streaming."),
     _f("prefill_node", pa.string(), "Node that ran the prefill; null when decode prefilled itself."),
     _f("decode_node", pa.string(), "Node that decoded."),

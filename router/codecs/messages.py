@@ -141,7 +141,7 @@ def _decode_message(i: int, m: Any) -> list[Message]:
     if role == "assistant":
         return [Message("assistant", "".join(texts), tuple(calls))]
     flush_user_text()
-    return out
+    return out or [Message("user", "")]  # an empty list of blocks is an empty turn, as an empty string is
 
 
 def _decode_tools(tools: Any) -> tuple[Tool, ...]:
@@ -182,6 +182,8 @@ def _number(body: Mapping[str, Any], key: str, kind: type) -> Any:
     value = body.get(key)
     if value is None:
         return None
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON's integers include 3.0 (JSON Schema's do; pydantic takes them too)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise RequestError(f"{key}: must be a {kind.__name__}", key)
     return value

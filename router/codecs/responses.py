@@ -157,6 +157,8 @@ def _number(body: Mapping[str, Any], key: str, kind: type) -> Any:
     value = body.get(key)
     if value is None:
         return None
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON's integers include 3.0 (JSON Schema's do; pydantic takes them too)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise RequestError(f"{key} must be a {kind.__name__}", key)
     return value
@@ -176,8 +178,8 @@ def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> Inter
             raise RequestError("instructions must be a string", "instructions")
         messages.append(Message("system", instructions))
     messages.extend(_decode_input(body.get("input", [])))
-    if not messages:
-        raise RequestError("input is empty", "input")
+    if not messages:  # only reasoning items (or empty instructions): an empty turn, as an empty string is
+        messages.append(Message("user", ""))
     max_tokens = _number(body, "max_output_tokens", int)
     if max_tokens is not None and max_tokens < 1:
         raise RequestError("max_output_tokens must be at least 1", "max_output_tokens")

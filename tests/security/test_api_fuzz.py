@@ -40,8 +40,8 @@ SETTINGS = settings(
     # The router answers over real HTTP: slow examples and large generated bodies are the point here.
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
-GENERATION = ("/v1/chat/completions", "/v1/completions")
-OPERATIONS = 9
+GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+OPERATIONS = 16
 """Every route the router has (a new one must show up in the document, and so here)."""
 
 
@@ -113,7 +113,7 @@ def naming_the_served_model(model: str) -> Iterator[None]:
         if case.operation.path not in GENERATION or not isinstance(case.body, dict):
             return
         body = {**case.body, "model": model}
-        for field in ("max_tokens", "max_completion_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(field)
             if isinstance(value, int | float) and not isinstance(value, bool) and value > 64:
                 body[field] = 64

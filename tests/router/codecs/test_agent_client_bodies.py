@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from router.codecs import messages, responses
+from router.codecs.intake import check_schema
 from router.codecs.internal import RequestError, to_chat_body
 
 FN = {"type": "function", "name": "exec_command", "parameters": {"type": "object", "properties": {}}}
@@ -28,6 +29,7 @@ def test_codex_namespace_tools_join_the_list_and_hosted_tools_are_left_out() -> 
         "include": ["reasoning.encrypted_content"],
         "prompt_cache_key": "conv-1",
     }
+    check_schema("responses", body)  # the route's documented schema takes what Codex sends
     req = responses.decode_request(body, {"session-id": "conv-1", "thread-id": "conv-1"})
     assert [t.name for t in req.tools] == ["exec_command", "close_agent"]
     assert [m.role for m in req.messages] == ["system", "user"]
@@ -47,6 +49,7 @@ def test_claude_code_mid_conversation_system_message_stays_in_place() -> None:
         ],
         "thinking": {"type": "adaptive"},
     }
+    check_schema("messages", body)  # the route's documented schema takes what Claude Code sends
     req = messages.decode_request(body, {"x-claude-code-session-id": "s-1"})
     assert [(m.role, m.text) for m in req.messages] == [
         ("system", "You are Claude Code."),

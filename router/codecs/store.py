@@ -1,0 +1,53 @@
+"""Stored Responses: what ``previous_response_id``, ``GET /v1/responses/{id}`` and ``input_items`` read.
+
+A response is stored under its tenant (``tandem:resp:<tenant>:<id>``, one Redis value, 7 days), so another
+tenant's id is as unknown as one never made. The record keeps the whole conversation up to and including
+the response's output (internal messages), the Response object as answered, and the chain's session key:
+a chain of responses is one session (affinity, retention, the lake), keyed by the session the first
+response had (a client header, or the first response's own id).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import redis.asyncio as aioredis
+
+from contracts.errors import NotFound
+from router.codecs.internal import Message
+
+TTL_S = 7 * 24 * 3600
+
+
+class StoredResponse(msgspec.Struct):
+    messages: list[Message]
+    """The conversation through this response's output: the next turn's history."""
+    input_count: int
+    """How many of ``messages`` were this response's input."""
+    response: dict[str, object]
+    session_id: str
+
+
+_enc = msgspec.json.Encoder()
+_dec = msgspec.json.Decoder(StoredResponse)
+
+
+def _key(tenant_id: str | None, response_id: str) -> str:
+    return f"tandem:resp:{tenant_id or '-'}:{response_id}"
+
+
+class ResponseStore:
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+
+    async def save(self, tenant_id: str | None, response_id: str, record: StoredResponse) -> None:
+        await self.redis.set(_key(tenant_id, response_id), _enc.encode(record), ex=TTL_S)
+
+    async def load(self, tenant_id: str | None, response_id: str, param: str = "response_id") -> StoredResponse:
+        raw = await self.redis.get(_key(tenant_id, response_id))
+        if raw is None:
+            raise NotFound(f"Response with id '{response_id}' not found.", param=param)
+        return _dec.decode(raw)
+
+    async def delete(self, tenant_id: str | None, response_id: str) -> None:
+        if not await self.redis.delete(_key(tenant_id, response_id)):
+            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
