@@ -182,14 +182,20 @@ def read_event(api: str, event: dict[str, Any], usage: Usage) -> tuple[bool, str
         return kind == "response.output_text.delta" and bool(event.get("delta")), None
     if kind == "error":
         return False, str(event.get("error"))[:200]
-    if kind == "message_start":
-        u = event["message"].get("usage") or {}
-        read, written = u.get("cache_read_input_tokens") or 0, u.get("cache_creation_input_tokens") or 0
-        usage.prompt_tokens, usage.cached_tokens = (u.get("input_tokens") or 0) + read + written, read
-    elif kind == "message_delta" and (u := event.get("usage")):
-        usage.output_tokens = u.get("output_tokens", usage.output_tokens)
+    if kind in ("message_start", "message_delta"):
+        _anthropic_usage((event.get("message") or {}).get("usage") or event.get("usage") or {}, usage)
     delta = event.get("delta") or {}
     return kind == "content_block_delta" and delta.get("type") == "text_delta" and bool(delta.get("text")), None
+
+
+def _anthropic_usage(u: dict[str, Any], usage: Usage) -> None:
+    """Messages' usage, in ``message_start`` and again, final, in ``message_delta`` (where a server may
+    send only ``output_tokens``): the prompt is ``input_tokens`` plus cache reads and writes."""
+    read, written = u.get("cache_read_input_tokens") or 0, u.get("cache_creation_input_tokens") or 0
+    prompt = (u.get("input_tokens") or 0) + read + written
+    if prompt:
+        usage.prompt_tokens, usage.cached_tokens = prompt, read
+    usage.output_tokens = u.get("output_tokens") or usage.output_tokens
 
 
 async def one_turn(

@@ -72,6 +72,9 @@ def test_stream_readers_find_text_usage_and_errors() -> None:
     assert read_event("messages", delta, u) == (True, None)
     read_event("messages", {"type": "message_delta", "usage": {"output_tokens": 5}}, u)
     assert (u.prompt_tokens, u.cached_tokens, u.output_tokens) == (100, 64, 5)
+    final = {"input_tokens": 4, "cache_read_input_tokens": 96, "output_tokens": 6}  # vLLM's: the final counts
+    read_event("messages", {"type": "message_delta", "usage": final}, u)
+    assert (u.prompt_tokens, u.cached_tokens, u.output_tokens) == (100, 96, 6)
     error = {"type": "error", "error": {"type": "overloaded_error"}}
     assert read_event("messages", error, u) == (False, "{'type': 'overloaded_error'}")
 
