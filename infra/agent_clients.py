@@ -26,7 +26,7 @@ Claude Code, ``claude -p PROMPT``
     ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC`` and ``DISABLE_TELEMETRY`` (no other host is called),
     and a ``HOME`` of its own (it writes its settings and transcripts there).
     It sends ``HEAD /`` (a connectivity probe), then ``POST /v1/messages?beta=true``, streamed, with
-    ``X-Claude-Code-Session-Id``, ``anthropic-version: 2023-06-01``, a long ``anthropic-beta`` list,
+    ``X-Claude-Code-Session-Id``, ``anthropic-version``, a long ``anthropic-beta`` list,
     ``max_tokens: 32000``, ``thinking: {"type": "adaptive"}``, ``context_management``,
     ``output_config``, ``system`` as blocks (a billing-header block first, ``cache_control`` on some),
     ``metadata.user_id`` (JSON holding the session id again) and 24 tools. By default the last message
