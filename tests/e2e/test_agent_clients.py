@@ -117,3 +117,19 @@ def test_claude_p_completes_a_turn(agent_cluster: AgentCluster, clients: AgentCl
     rows = _landed(agent_cluster, since, "messages")
     assert [(r["http_status"], r["status"]) for r in rows] == [(200, "ok")] * len(rows)
     assert all(r["stream"] and r["prompt_tokens"] > 1000 and r["completion_tokens"] > 0 for r in rows), rows
+
+
+def test_claude_p_with_its_default_tools_and_skills_is_served(
+    agent_cluster: AgentCluster, clients: AgentClients, tmp_path: Path
+) -> None:
+    """Claude Code as it runs by default: all 24 tools, and its agents and skills in a mid-conversation
+    ``system`` message after the user's prompt. The 135M model then copies that message until its cap,
+    so the client may give up on the answer ("exceeded the … output token maximum", after asking it to
+    continue); every request it sent must still be served: 200, no protocol error."""
+    since = datetime.now(UTC)
+    run = run_claude(clients, agent_cluster.url, agent_cluster.model, PROMPT, tmp_path, API_KEY, tools=None)
+    gave_up = "output token maximum" in run.stdout
+    assert run.returncode == 0 or gave_up, f"claude -p exited {run.returncode}:\n{run.stdout[-2000:]}"
+    rows = _landed(agent_cluster, since, "messages")
+    assert [(r["http_status"], r["status"]) for r in rows] == [(200, "ok")] * len(rows)
+    assert len(rows) >= (4 if gave_up else 1), rows
