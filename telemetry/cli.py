@@ -8,6 +8,8 @@
     tandem lake query "SQL"    --lake --format table|csv|json
     tandem lake report         --lake --out DIR
     tandem lake questions      [NAME] [--sql | --run] --lake --format
+    tandem lake export         --format --out --name --dry-run [filters]   (telemetry.export)
+    tandem lake consent        [TENANT --allow|--deny]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from rich.table import Table
 
 from contracts.config import DEFAULT_LAKE_DIR, LAKE_DIR_ENV, lake_dir, redacted
 from contracts.config import redis_url as configured_redis_url
-from contracts.errors import StoreError
+from contracts.errors import ConfigError, StoreError
 from telemetry.emitter import DEFAULT_STREAM_PREFIX
 from telemetry.lake_writer import LakeWriter, WriterConfig
 from telemetry.priority import CpuPriority, apply_cpu_priority
@@ -245,14 +247,28 @@ def _print_result(result: pa.Table, fmt: str, limit: int) -> None:
 def report(
     out: Annotated[Path, typer.Option("--out", help="Folder for index.html and the PNG plots.")],
     lake: LakeDir = None,
+    exports: Annotated[
+        bool,
+        typer.Option(
+            "--exports/--no-exports",
+            help="Add the exports' view (rows per export and tenant, feedback coverage, what was filtered), "
+            "read from the session store (TANDEM_DATABASE_URL / TANDEM_SQLITE_PATH).",
+        ),
+    ] = True,
 ) -> None:
-    """Render an HTML report: hit-rate breakdown, TTFT/ITL, P/D decisions, KV transfers."""
+    """Render an HTML report: hit-rate breakdown, TTFT/ITL, P/D decisions, KV transfers, exports."""
     from telemetry.report import SECTIONS, render_report
 
     lake = existing_lake(lake)
+    view = None
+    if exports:
+        from telemetry.export import ExportSettings
+        from telemetry.export.view import export_view
+
+        view = export_view(ExportSettings())
     with Progress(console=_console, transient=True) as progress:
         task = progress.add_task("rendering", total=len(SECTIONS))
-        rep = render_report(lake, out, on_step=lambda name: progress.advance(task))
+        rep = render_report(lake, out, on_step=lambda name: progress.advance(task), exports=view)
     if rep.empty:
         _console.print(f"the lake at {lake} holds no request records; wrote an empty report to {rep.index}")
     else:
@@ -291,3 +307,117 @@ def questions(
         except duckdb.Error as exc:
             _console.print(f"[red]query failed:[/red] {exc}")
             raise typer.Exit(1) from exc
+
+
+def _instant(value: str | None) -> float | None:
+    """``--since`` / ``--until``: ISO 8601 (``YYYY-MM-DDTHH:MM:SSZ``; no zone means UTC) or Unix seconds."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    from datetime import UTC, datetime
+
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{value!r} is neither ISO 8601 nor Unix seconds") from exc
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
+
+
+@lake_app.command("export")
+def export_cmd(
+    fmt: Annotated[
+        str, typer.Option("--format", help="chat-jsonl (OpenAI fine-tuning), preference-jsonl (DPO pairs), parquet.")
+    ] = "chat-jsonl",
+    out: Annotated[
+        str | None, typer.Option("--out", help="Folder or fsspec URI (s3://bucket/prefix) the parts go to.")
+    ] = None,
+    name: Annotated[str, typer.Option("--name", help="Export name: its watermark and part names.")] = "default",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Count what would be exported; write nothing.")] = False,
+    lake: LakeDir = None,
+    tenant: Annotated[list[str] | None, typer.Option("--tenant", help="Only this tenant (repeatable).")] = None,
+    model: Annotated[list[str] | None, typer.Option("--model", help="Only this served model (repeatable).")] = None,
+    since: Annotated[str | None, typer.Option("--since", help="Turns ended at or after (ISO 8601 or Unix s).")] = None,
+    until: Annotated[str | None, typer.Option("--until", help="Turns ended at or before (ISO 8601 or Unix s).")] = None,
+    feedback: Annotated[str, typer.Option("--feedback", help="any, rated (with feedback) or unrated.")] = "any",
+    min_rating: Annotated[int | None, typer.Option("--min-rating", help="Only ratings >= this.")] = None,
+    max_rating: Annotated[int | None, typer.Option("--max-rating", help="Only ratings <= this.")] = None,
+    include_failed: Annotated[
+        bool, typer.Option("--include-failed", help="Keep turns the lake says failed or were cancelled (marked).")
+    ] = False,
+    pairs: Annotated[
+        str, typer.Option("--pairs", help="preference-jsonl: all (every two ratings that differ) or extremes.")
+    ] = "all",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the run's summary as JSON on stdout.")] = False,
+) -> None:
+    """Export served sessions (turns, tool calls and results), joined with the lake's request rows and
+    feedback, from consenting tenants, past this export name's watermark, exactly once."""
+    from telemetry.export import ExportSettings, ExportSpec, FeedbackFilter, Filters, Format, PairRule, run_export
+
+    try:
+        spec = ExportSpec(
+            name=name,
+            fmt=Format(fmt),
+            out=out,
+            lake=lake_dir(lake).path,
+            filters=Filters(
+                tenants=frozenset(tenant or ()),
+                models=frozenset(model or ()),
+                since=_instant(since),
+                until=_instant(until),
+                feedback=FeedbackFilter(feedback),
+                min_rating=min_rating,
+                max_rating=max_rating,
+                include_failed=include_failed,
+            ),
+            pair_rule=PairRule(pairs),
+            dry_run=dry_run,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    try:
+        result = run_export(spec, ExportSettings())
+    except (StoreError, ConfigError) as exc:
+        _console.print(f"[red]export failed:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(1) from exc
+    summary = result.summary()
+    verb = "would export" if dry_run else "exported"
+    where = "" if dry_run else f" in {len(result.parts)} parts to {out}"
+    filtered = ", ".join(f"{k} {v}" for k, v in sorted(result.filtered.items())) or "none"
+    line = f"{name}: {verb} {result.rows} {fmt} rows{where}; {result.candidates} candidates, filtered: {filtered}"
+    if as_json:
+        _console.print(line, soft_wrap=True, markup=False)
+        typer.echo(json.dumps({"name": name, "format": fmt, "dry_run": dry_run, "uris": result.parts, **summary}))
+    else:
+        typer.echo(line)
+
+
+@lake_app.command("consent")
+def consent_cmd(
+    tenant: Annotated[str | None, typer.Argument(help="Tenant; all recorded consents when omitted.")] = None,
+    allow: Annotated[
+        bool | None, typer.Option("--allow/--deny", help="Record that the tenant opted in (or out) of exports.")
+    ] = None,
+    note: Annotated[str | None, typer.Option("--note", help="Why, for the record.")] = None,
+) -> None:
+    """Record or list which tenants' conversations may be exported (default: none)."""
+    from telemetry.export import ExportSettings, consents, set_consent
+    from telemetry.export.db import open_db
+
+    if tenant is not None and allow is None:
+        raise typer.BadParameter("give --allow or --deny with a tenant")
+    try:
+        db = open_db(ExportSettings().store_url())
+        try:
+            if tenant is not None and allow is not None:
+                set_consent(db, tenant, allow, note)
+            rows = consents(db)
+        finally:
+            db.close()
+    except (StoreError, ConfigError) as exc:
+        _console.print(f"[red]consent failed:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(1) from exc
+    for c in rows if tenant is None else [c for c in rows if c.tenant_id == tenant]:
+        typer.echo(f"{c.tenant_id}\t{'allowed' if c.allowed else 'denied'}\t{c.note or ''}")

@@ -26,6 +26,10 @@ Sections (each a DuckDB query over ``telemetry.query.connect``, then one matplot
                          (``routing_reason_code``; rows from before schema version 2 show as "(no code)")
     transfers            KV transfer time distribution and time against bytes
 
+With ``exports`` (``telemetry.export.view``, read from the session store by the CLI), a table per
+export name: format, parts and rows written, the latest run's examples per tenant, its feedback
+coverage and what it filtered out by reason; and the tenants' consent.
+
 An empty lake (or one without request rows) still produces ``index.html``, saying so.
 """
 
@@ -35,6 +39,7 @@ import html
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -43,6 +48,9 @@ import duckdb  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 
 from telemetry.query import connect  # noqa: E402
+
+if TYPE_CHECKING:
+    from telemetry.export.view import ExportView
 
 SECTIONS = ("hit_rate_over_time", "hit_rate_by_group", "miss_attribution", "latency", "pd_decisions", "transfers")
 
@@ -295,8 +303,37 @@ def _table_html(group: str, rows: list[GroupRow]) -> str:
     return f"<h3>By {html.escape(group)}</h3><table class='t'>{head}{body}</table>"
 
 
-def render_report(lake: Path, out: Path, *, on_step: Callable[[str], None] | None = None) -> Report:
-    """Render ``out/index.html`` and its PNGs from ``lake``. ``on_step(name)`` after each section."""
+def _exports_html(view: ExportView | None) -> str:
+    if view is None:
+        return ""
+    if view.error:
+        return f"<h2>exports</h2><p>Session store not readable: {html.escape(view.error)}</p>"
+    head = (
+        "<tr><th>export</th><th>format</th><th>parts</th><th>rows</th><th>latest run: rows</th>"
+        "<th>examples per tenant</th><th>feedback coverage</th><th>filtered</th></tr>"
+    )
+
+    def kv(d: dict[str, int]) -> str:
+        return html.escape(", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-")
+
+    body = "".join(
+        f"<tr><td>{html.escape(e.name)}</td><td>{html.escape(e.format)}</td><td>{e.parts}</td><td>{e.rows}</td>"
+        f"<td>{e.last_run_rows}</td><td>{kv(e.per_tenant)}</td><td>{pct(e.feedback_coverage)}</td>"
+        f"<td>{kv(e.filtered)}</td></tr>"
+        for e in view.exports
+    )
+    consent = ", ".join(f"{c.tenant_id} ({'allowed' if c.allowed else 'denied'})" for c in view.consents)
+    return (
+        f"<h2>exports</h2><table class='t'>{head}{body}</table>"
+        f"<p>Consent recorded: {html.escape(consent or 'none (no tenant is exported)')}.</p>"
+    )
+
+
+def render_report(
+    lake: Path, out: Path, *, on_step: Callable[[str], None] | None = None, exports: ExportView | None = None
+) -> Report:
+    """Render ``out/index.html`` and its PNGs from ``lake``. ``on_step(name)`` after each section;
+    ``exports``: the export view's table too."""
     out.mkdir(parents=True, exist_ok=True)
     rep = Report(out=out, index=out / "index.html")
     con = connect(lake)
@@ -336,6 +373,6 @@ def render_report(lake: Path, out: Path, *, on_step: Callable[[str], None] | Non
         "img{max-width:100%}</style></head><body><h1>Tandem lake report</h1>"
         f"<p>Lake: <code>{html.escape(str(lake))}</code>. Hit rates and latencies count only requests that "
         "reached an engine; requests refused before (rejected: 4xx, 429, 503) are counted apart.</p>"
-        f"<table>{rows}</table>{''.join(parts)}</body></html>\n"
+        f"<table>{rows}</table>{''.join(parts)}{_exports_html(exports)}</body></html>\n"
     )
     return rep

@@ -41,6 +41,10 @@ DOC_MODEL = "SmolLM2-135M-Instruct"
 RUN: frozenset[str] = frozenset(
     {
         "tandem lake questions",
+        "tandem lake consent acme --allow --note 'opted in'",
+        "tandem lake export --dry-run",
+        "tandem lake export --format chat-jsonl --out exports/chat --name chat",
+        "tandem lake export --format preference-jsonl --out exports/pref --name dpo --pairs extremes",
         "tandem settings",
         "tandem settings --check",
         "tandem telemetry schema requests",
@@ -68,6 +72,9 @@ EXPENSIVE: dict[str, str] = {
     "tandem cluster status": "needs a running cluster",
     "tandem lake query 'SELECT routing_reason_code, avg(ttft_s) FROM requests GROUP BY 1'": "needs a lake",
     "tandem lake report --out results/lake-report": "needs a lake",
+    "tandem lake export --format parquet --out s3://training/tandem --name lake-parquet --since 2026-12-01": (
+        "needs an S3 endpoint"
+    ),
     "tandem trace import mooncake mooncake_conversation_trace.jsonl --out mc.parquet": "needs Mooncake's file",
     "tandem trace from-lake --lake .tandem/lake --out lake.parquet": "needs a lake",
     "tandem replay synth.parquet --url http://127.0.0.1:8000 --mode closed --out replay.parquet": "needs a cluster",
