@@ -174,9 +174,10 @@ def read_event(api: str, event: dict[str, Any], usage: Usage) -> tuple[bool, str
         return any((c.get("delta") or {}).get("content") for c in event.get("choices") or []), None
     kind = event.get("type", "")
     if api == "responses":
-        if kind in ("error", "response.failed", "response.incomplete"):
+        if kind in ("error", "response.failed"):
             return False, str(event.get("response", {}).get("error") or event.get("message") or kind)[:200]
-        if kind == "response.completed" and (u := event["response"].get("usage")):
+        # incomplete: the answer reached max_output_tokens, as most of the bench's answers do
+        if kind in ("response.completed", "response.incomplete") and (u := event["response"].get("usage")):
             usage.prompt_tokens, usage.output_tokens = u.get("input_tokens", 0), u.get("output_tokens", 0)
             usage.cached_tokens = (u.get("input_tokens_details") or {}).get("cached_tokens") or 0
         return kind == "response.output_text.delta" and bool(event.get("delta")), None

@@ -1,6 +1,7 @@
 """The Anthropic Messages codec: request body -> ``InternalRequest``; internal events -> Messages events.
 
-Decoding: ``system`` as text or text blocks becomes the first system message, with Claude Code's
+Decoding: ``system`` as text or text blocks becomes the first system message (a ``system`` message
+among the others, beta ``mid-conversation-system``, stays where it is), with Claude Code's
 ``x-anthropic-billing-header`` line taken out (it carries a nonce that changes on every request; left in,
 every prefix would miss the cache from the first token). Message content is text or blocks: ``text``,
 ``tool_use`` (an assistant tool call; ``input`` becomes JSON arguments), ``tool_result`` (a tool message,
@@ -99,10 +100,12 @@ def _refuse_block(kind: Any, where: str) -> None:
 
 def _decode_message(i: int, m: Any) -> list[Message]:
     where = f"messages.{i}"
-    if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
-        raise RequestError(f"{where}: role must be user or assistant", f"{where}.role")
+    if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant", "system"):
+        raise RequestError(f"{where}: role must be user, assistant or system", f"{where}.role")
     role = m["role"]
     content = m.get("content", "")
+    if role == "system":  # a mid-conversation system message (Claude Code's agents and skills, by default)
+        return [Message("system", _blocks_text(content, f"{where}.content"))]
     if isinstance(content, str):
         return [Message(role, content)]
     if not isinstance(content, list):

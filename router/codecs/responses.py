@@ -5,7 +5,9 @@ Decoding: ``instructions`` becomes the first system message; ``input`` is text (
 it; content as text or ``input_text`` / ``output_text`` parts; assistant items without ``id`` / ``status``,
 as Codex replays them, are taken), ``function_call`` (joined to the assistant turn before it),
 ``function_call_output`` (a tool message), ``reasoning`` (dropped: the engine gets no hidden reasoning back).
-Images, files and any other item or tool type raise ``RequestError``. ``previous_response_id`` and
+Tools are ``function`` tools; a ``namespace`` tool's functions join the list, and tools OpenAI's
+servers run (``web_search`` and the like: ``HOSTED_TOOLS``) are left out, as Codex sends both by
+default. Images, files and any other item or tool type raise ``RequestError``. ``previous_response_id`` and
 ``prompt_cache_key`` are kept as session hints; resolving the chain is the router's work, not the codec's.
 
 The stream, as ``ResponsesStreamEncoder`` emits it (every event carries ``sequence_number`` from 0)::
@@ -55,6 +57,11 @@ from router.codecs.internal import (
 )
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+HOSTED_TOOLS = frozenset(
+    {"web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview", "image_generation"}
+)
+"""Tools OpenAI's own servers run; a request that lists them is served without them (Codex lists
+``web_search`` by default), as no server here can run them."""
 # Error kinds -> ResponseError.code (the SDK's closed list has no capacity code of its own).
 _ERROR_CODES = {"capacity": "rate_limit_exceeded", "invalid_request": "invalid_prompt"}
 
@@ -124,8 +131,13 @@ def _decode_tools(tools: Any) -> tuple[Tool, ...]:
         raise RequestError("tools must be a list", "tools")
     out: list[Tool] = []
     for i, t in enumerate(tools):
-        if not isinstance(t, Mapping) or t.get("type") != "function" or not t.get("name"):
-            kind = t.get("type") if isinstance(t, Mapping) else None
+        kind = t.get("type") if isinstance(t, Mapping) else None
+        if kind in HOSTED_TOOLS:
+            continue  # a tool OpenAI's servers run (Codex sends web_search): nothing here runs it
+        if kind == "namespace" and isinstance(t, Mapping) and isinstance(t.get("tools"), list):
+            out.extend(_decode_tools(t["tools"]))  # a named group of function tools (Codex's sub-agent tools)
+            continue
+        if not isinstance(t, Mapping) or kind != "function" or not t.get("name"):
             raise RequestError(f"tools[{i}]: only named function tools are supported, not {kind!r}", f"tools[{i}]")
         out.append(Tool(str(t["name"]), str(t.get("description") or ""), dict(t.get("parameters") or {})))
     return tuple(out)

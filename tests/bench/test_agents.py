@@ -62,6 +62,8 @@ def test_stream_readers_find_text_usage_and_errors() -> None:
     done = {"input_tokens": 90, "output_tokens": 2, "input_tokens_details": {"cached_tokens": 32}}
     read_event("responses", {"type": "response.completed", "response": {"usage": done}}, u)
     assert (u.prompt_tokens, u.cached_tokens) == (90, 32)
+    capped = {"type": "response.incomplete", "response": {"usage": {**done, "input_tokens": 91}}}
+    assert read_event("responses", capped, u) == (False, None) and u.prompt_tokens == 91
     failed = {"type": "response.failed", "response": {"error": {"code": "server_error"}}}
     assert read_event("responses", failed, u)[1] is not None
 

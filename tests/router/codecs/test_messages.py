@@ -117,7 +117,7 @@ def test_billing_line_inside_a_text_system_prompt() -> None:
         ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
         ({"model": "m", "max_tokens": 5, "messages": []}, "messages"),
-        ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+        ({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
         (
             {
                 "model": "m",

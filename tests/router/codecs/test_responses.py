@@ -95,7 +95,7 @@ def test_plain_text_input() -> None:
             {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
             "input[0].content[0].type",
         ),
-        ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"model": "m", "input": "x", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0]"),
         ({"model": "m", "input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"model": "m", "input": "x", "max_output_tokens": "9"}, "max_output_tokens"),
         ({"model": "m", "input": "x", "tool_choice": "sometimes"}, "tool_choice"),
