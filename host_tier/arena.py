@@ -23,6 +23,13 @@ block's bytes: the failure Dynamo #15079 reports (a tier serving another request
 both the key and the checksum test. x86 stores are not reordered with other stores (TSO), and every
 field access here goes through the interpreter, so no extra fence is needed on this platform.
 
+Trust. The file holds tenants' prompts in KV form, and a client maps whatever it names, so a file
+someone else planted (the name follows from a public model config) must never be mapped: every open is
+``O_NOFOLLOW`` (no symlink to another file), and ``fstat`` on the open descriptor (not the name, which
+could be swapped in between) must show a regular file owned by this user with no group or other
+access. Anything else raises ``TierFileRefused`` naming the path, its owner and mode: the server does
+not start on it and a client does not map it. The operator removes it (``tandem tier clear``).
+
 Restart: ``scan()`` rebuilds the index from the slot headers (every even, non-zero ``gen`` whose data
 matches its checksum), so the tier survives its own server's restart as well as the engines'.
 """
@@ -32,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,11 +48,33 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from contracts.errors import ConfigError
+
 MAGIC = b"TNDMTIER"
 VERSION = 1
 FILE_HEADER = 4096
 SLOT_HEADER = 64
 KEY_BYTES = 32
+
+
+class TierFileRefused(ConfigError):
+    """A tier file this process must not map: not a regular file, another owner, or open to others."""
+
+
+def _check_private(fd: int, path: Path) -> int:
+    """The size of the file open on ``fd`` if it is ours alone; raises ``TierFileRefused`` otherwise."""
+    st = os.fstat(fd)
+    problems = []
+    if not stat.S_ISREG(st.st_mode):
+        problems.append("not a regular file")
+    if st.st_uid != os.geteuid():
+        problems.append(f"owned by uid {st.st_uid}, not {os.geteuid()}")
+    if st.st_mode & 0o077:
+        problems.append(f"mode {stat.S_IMODE(st.st_mode):04o} lets others in (0600 expected)")
+    if problems:
+        raise TierFileRefused(f"host tier file {path} refused: {'; '.join(problems)}; remove it and restart the tier")
+    return st.st_size
+
 
 _FILE_HDR = struct.Struct("<8sIQQ32s")
 _GEN = struct.Struct("<Q")
@@ -120,11 +150,13 @@ class Arena:
     @classmethod
     def _try_open(cls, path: Path) -> Arena | None:
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        except OSError as e:  # ELOOP: the name is a symbolic link
+            raise TierFileRefused(f"host tier file {path} refused: {e.strerror}; remove it and restart the tier") from e
         try:
-            size = os.fstat(fd).st_size
+            size = _check_private(fd, path)
             if size < FILE_HEADER:
                 return None
             # MAP_POPULATE: map every page now, so no copy into or out of the tier pays a page fault

@@ -4,6 +4,7 @@
 - ``supervisor.py``: engine supervision (start, health, hang detection, restart with backoff, give up);
 - ``settings.py``: ``NodeSettings``, the one settings object of the process (``TANDEM_NODE_*``);
 - ``engine_metrics.py``: the engine's load, read from its Prometheus metrics for the heartbeat;
+- ``engine_guard.py``: the middleware the engine loads so that every path but liveness and metrics needs its key;
 - ``model.py``: where the node's model folder is;
 - ``ports.py``, ``lifetime.py``: the engine's ports checked free; process groups that die with their parent.
 

@@ -36,6 +36,7 @@ from kv_transfer.auth import cluster_engine_api_key, curve_keys, load_cluster_se
 from kv_transfer.host_tier_config import with_host_tier
 from kv_transfer.settings import ConnectorSettings, host_id
 from node_agent.dtype import resolve_dtype
+from node_agent.engine_guard import EngineGuard
 from node_agent.engine_metrics import read_snapshot
 from node_agent.kv_events_relay import KVEventsRelay
 from node_agent.lifetime import die_with_parent, stop_group
@@ -104,6 +105,8 @@ def engine_command(settings: NodeSettings, model_path: Path) -> list[str]:
         )
     if kv_config:
         cmd += ["--kv-transfer-config", kv_config]
+    if settings.engine_auth:  # vLLM's own key check leaves /invocations, /tokenize and more open
+        cmd += ["--middleware", f"{EngineGuard.__module__}.{EngineGuard.__qualname__}"]
     if settings.role is Role.PREFILL:
         cmd += prefill_nodes.engine_args(settings.max_model_len)
     elif settings.role is Role.DECODE:

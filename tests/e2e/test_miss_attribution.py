@@ -34,6 +34,7 @@ import redis
 
 from bench.standin_engine import ServerThread
 from contracts.registry import Role
+from kv_transfer.auth import engine_auth_headers
 from router.admission.context import AdmissionSettings
 from router.app import create_app
 from router.kv_index import BlockHasher
@@ -81,7 +82,10 @@ class MissCluster:
     def keys(self, prompt: str) -> list[int]:
         """The router's routing keys for ``prompt`` (tokenized by an engine as the completion will be)."""
         ids = httpx.post(
-            f"http://127.0.0.1:{PORTS['ma-n0']}/tokenize", json={"model": self.model, "prompt": prompt}, timeout=30
+            f"http://127.0.0.1:{PORTS['ma-n0']}/tokenize",
+            json={"model": self.model, "prompt": prompt},
+            headers=engine_auth_headers(loopback_only=True),
+            timeout=30,
         ).json()["tokens"]
         bs = self.index.block_size if self.index is not None else BS
         assert bs == BS, bs
