@@ -68,6 +68,7 @@ from router.settings import RouterSettings
 from router.tokenizer import PromptTokenizer
 from router.turns import TurnRecorder
 from telemetry import Emitter, EmitterConfig
+from telemetry.emitter import warm_batches
 from telemetry.tracing import tracer_provider
 
 T = TypeVar("T")
@@ -243,6 +244,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         tokenizer = PromptTokenizer(render_timeout_s=settings.template_render_timeout_s)
         # Warm before serving: uvicorn listens only after the lifespan has started.
         await tokenizer.warm([*settings.warm_models, *(n.info.model_path or "" for n in fleet.nodes)])
+        await asyncio.to_thread(warm_batches)  # pyarrow's first rows import pandas: not on a request's time
         app.state.orchestrator = Orchestrator(
             settings,
             fleet,
