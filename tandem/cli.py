@@ -8,6 +8,7 @@ import typer
 from bench.cli import bench_app
 from host_tier.cli import tier_app
 from infra.cli import cluster_app, model_app, up
+from infra.lab.cli import lab_app
 from node_agent.cli import node
 from planner.cli import plan_cmd
 from profiling.cli import profile_cmd
@@ -34,5 +35,6 @@ app.add_typer(telemetry_app, name="telemetry")
 app.add_typer(lake_app, name="lake")
 app.add_typer(trace_app, name="trace")
 app.add_typer(tier_app, name="tier")
+app.add_typer(lab_app, name="lab")
 
 __all__ = ["app"]

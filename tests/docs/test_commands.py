@@ -55,6 +55,13 @@ RUN: frozenset[str] = frozenset(
 """Cheap commands, run as written (in a scratch folder)."""
 
 EXPENSIVE: dict[str, str] = {
+    "tandem lab up --name demo --hosts router,prefill,decode,far@1": "makes namespaces (tests/infra/test_lab.py)",
+    "tandem lab exec decode --name demo -- python -c 'import socket; print(socket.gethostname())'": "needs the lab",
+    "tandem lab cut decode --name demo": "needs the lab (tests/infra/test_lab.py cuts hosts)",
+    "tandem lab heal decode --name demo": "needs the lab",
+    "tandem lab cut regions --name demo": "needs the lab (tests/infra/test_lab.py cuts regions)",
+    "tandem lab heal regions --name demo": "needs the lab",
+    "tandem lab down --name demo": "needs the lab (tests/infra/test_lab.py removes one)",
     "tandem settings --write": "rewrites the repository's own files",
     "make up": "installs everything and starts engines",
     "make test": "the whole suite",
