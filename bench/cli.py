@@ -319,6 +319,65 @@ def bench_fleet(
     print(result_line(result), flush=True)
 
 
+@bench_app.command("agents")
+def bench_agents(
+    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
+        "results/bench-agents.json"
+    ),
+    api: Annotated[
+        list[str] | None, typer.Option(help="APIs (repeatable; default: chat, responses, messages).")
+    ] = None,
+    target: Annotated[list[str] | None, typer.Option(help="Targets (repeatable; default: tandem, engine).")] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds; each runs every arm once, order alternating.")] = 1,
+    sessions_per_repo: Annotated[int, typer.Option(min=1, help="Agent sessions per repository (2 repositories).")] = 2,
+    turns: Annotated[int, typer.Option(min=1, help="Turns of every session.")] = 4,
+    system_tokens: Annotated[int, typer.Option(help="Tokens of the system prompt every session shares.")] = 1500,
+    concurrency: Annotated[int, typer.Option(min=1, help="Agent sessions in flight at once.")] = 4,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per request, at most.")] = 16,
+    port_base: Annotated[int, typer.Option(help="First node port (node i: +10*i; the router +50).")] = 23200,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Registry Redis of the cluster (default: $TANDEM_REDIS_URL, database 13)."),
+    ] = None,
+) -> None:
+    """Coding-agent sessions shaped like Codex CLI's and Claude Code's (long system prompt and tool list,
+    growing history, tool calls and results, tool pauses) through Chat Completions, Responses and
+    Messages, against `tandem up` (1P+1D) and against the same engines' own endpoints: TTFT, ITL,
+    session completion time, hit rate and errors per API. ~5 min on 2 cores with the defaults."""
+    from dataclasses import replace
+
+    from bench.agent_apis import APIS
+    from bench.agents import TARGETS, AgentsBenchConfig, result_line, run_agents_bench
+
+    apis, targets = tuple(api or APIS), tuple(target or TARGETS)
+    for given, known, what in ((apis, APIS, "api"), (targets, TARGETS, "target")):
+        unknown = [x for x in given if x not in known]
+        if unknown:
+            raise typer.BadParameter(f"unknown {what} {', '.join(unknown)}: choose from {', '.join(known)}")
+    base = AgentsBenchConfig()
+    workload = replace(
+        base.workload,
+        sessions_per_repo=sessions_per_repo,
+        turns_min=turns,
+        turns_max=turns,
+        system_tokens=system_tokens,
+    )
+    cfg = replace(
+        base,
+        apis=apis,
+        targets=targets,
+        rounds=rounds,
+        workload=workload,
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        port_base=port_base,
+        redis_url=redis_url or _redis_url(db=13),
+    )
+    with clean_errors():
+        result = run_agents_bench(out, cfg)
+    print(result_line(result), flush=True)
+
+
 @bench_app.command("kv-cache")
 def bench_kv_cache(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(

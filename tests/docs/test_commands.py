@@ -98,6 +98,7 @@ EXPENSIVE: dict[str, str] = {
     "tandem bench kv-cache --out results/bench-kv-cache.json": "a benchmark on engines",
     "tandem bench routing --out results/bench-routing.json": "a benchmark on engines",
     "tandem bench fleet --nodes 2 --out results/bench-fleet.json": "a benchmark on engines",
+    "tandem bench agents --out results/bench-agents.json": "a benchmark on engines",
     "tandem bench chaos --out results/bench-chaos.json": "a benchmark on engines",
     "tandem bench admission --out results/bench-admission.json": "a benchmark (a router and Redis)",
     "tandem bench telemetry --out results/bench-tel.json": "a benchmark on engines",
