@@ -7,9 +7,10 @@ socket, though they share a Redis server, ``/tmp`` and ``/dev/shm`` (the key-pre
 RQ or Ray's namespaces).
 
 Every process of a cluster reads its name from ``TANDEM_CLUSTER`` (``CLUSTER_ENV``), which the launcher
-sets for its children from ``tandem up --cluster``. Without one, the name derives from what makes a
-cluster distinct on a host, its router port (``default_for_port``): the router on the default port is
-the cluster ``default``, another port ``p<port>``.
+sets for its children from ``tandem up --cluster``. Without one, a cluster is ``default``: every process
+of an unnamed cluster agrees on it without being told (a name derived from the router port was tried,
+but a node or tool started by hand beside ``tandem up`` on another port then read another cluster's
+keys); a second cluster on the same host and Redis must be given a name.
 
 Upgrading: the cluster ``default`` keeps today's unprefixed keys (``tandem:nodes``, ``tandem:node:<id>``,
 ...) and paths, so a single cluster that ran before cluster names existed is read as it was written,
@@ -43,11 +44,6 @@ def validate(name: str) -> str:
             f"cluster name {name!r}: use 1-40 lower-case letters, digits or dashes, starting with a letter or digit"
         )
     return name
-
-
-def default_for_port(router_port: int) -> str:
-    """The name of a cluster given none: ``default`` on the default router port, else ``p<port>``."""
-    return DEFAULT_CLUSTER if router_port == DEFAULT_ROUTER_PORT else f"p{router_port}"
 
 
 def prefix(name: str) -> str:

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from contracts.cli import clean_errors, console, interrupt
-from contracts.cluster import CLUSTER_ENV, DEFAULT_ROUTER_PORT, default_for_port
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, DEFAULT_ROUTER_PORT
 from contracts.config import lake_dir
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError, TandemError
@@ -61,8 +61,8 @@ def up(
             "--cluster",
             envvar=CLUSTER_ENV,
             help="Cluster name: every Redis key and host file of this cluster is under it, so clusters sharing "
-            "a host and a Redis stay apart. Default: derived from --port, `default` on 8000 (which keeps the "
-            "keys a cluster wrote before names existed), else p<port>.",
+            "a host and a Redis stay apart. Default: `default` (the keys a cluster wrote before names existed); "
+            "a second cluster on the same host and Redis needs its own name.",
         ),
     ] = None,
     routers: Annotated[
@@ -239,7 +239,7 @@ def cluster_status(
         out.print(table)
     try:
         port = httpx.URL(url).port or DEFAULT_ROUTER_PORT  # the launcher's state is keyed by its router port
-        name = cluster or default_for_port(port)
+        name = cluster or DEFAULT_CLUSTER
         statuses, launchers = asyncio.run(_supervision_state(redis_url or configured_redis_url(), name, port))
     except TandemError as exc:
         console.print(f"[yellow]{exc.message}[/yellow]")

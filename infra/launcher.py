@@ -40,7 +40,7 @@ import httpx
 import psutil
 import redis
 
-from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, default_for_port, key, runtime_dir, validate
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, key, runtime_dir, validate
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.models_file import check_models, read_models_file
@@ -255,7 +255,7 @@ def assign_cores(role: Role, has_pd: bool, slot: int = 0, slots: int = 1) -> str
 class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.name = validate(spec.cluster) if spec.cluster else default_for_port(spec.router_port)
+        self.name = validate(spec.cluster) if spec.cluster else DEFAULT_CLUSTER
         """Every child runs with ``TANDEM_CLUSTER`` set to it: its Redis keys and host paths are this cluster's."""
         self.children: list[Child] = []
         self.redis_url = spec.redis_url or configured_redis_url()

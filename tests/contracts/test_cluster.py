@@ -20,9 +20,11 @@ def test_names_are_validated() -> None:
             cluster.validate(bad)
 
 
-def test_default_name_derives_from_the_router_port() -> None:
-    assert cluster.default_for_port(8000) == "default"
-    assert cluster.default_for_port(19050) == "p19050"
+def test_an_unnamed_launch_is_the_default_cluster_whatever_its_port() -> None:
+    from infra.launcher import Cluster, ClusterSpec
+
+    assert Cluster(ClusterSpec(router_port=19050)).name == "default"
+    assert Cluster(ClusterSpec(router_port=19050, cluster="staging")).name == "staging"
 
 
 def test_default_cluster_keeps_unprefixed_keys_and_paths() -> None:
