@@ -269,6 +269,7 @@ class MessagesStreamEncoder:
         self._open = False
         self._text = False  # the open block is a text block
         self._usage = Usage(0, 0, 0)
+        self._called = False
         self.finished = False
 
     def start(self, prompt_tokens: int = 0, cached_tokens: int = 0) -> list[dict[str, Any]]:
@@ -312,6 +313,7 @@ class MessagesStreamEncoder:
             return [*out, {"type": "content_block_delta", "index": self._index, "delta": delta}]
         if isinstance(ev, ToolCallStart):
             self._text = False
+            self._called = True
             return self._begin({"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
         if isinstance(ev, ToolCallArgsDelta):
             delta = {"type": "input_json_delta", "partial_json": ev.delta}
@@ -325,6 +327,8 @@ class MessagesStreamEncoder:
         self.finished = True
         if isinstance(ev, Finish):
             reason, sequence = _stop(ev)
+            if self._called and reason == "end_turn":
+                reason = "tool_use"  # the engine ends a forced (named) tool call with "stop"
             return [
                 *self._close(),
                 {
@@ -353,6 +357,8 @@ def build_message(req: InternalRequest, done: Completion, message_id: str | None
                 {"type": "tool_use", "id": item.id, "name": item.name, "input": arguments_object(item.arguments)}
             )
     reason, sequence = _stop(done.finish)
+    if reason == "end_turn" and any(not isinstance(x, str) for x in done.output):
+        reason = "tool_use"  # the engine ends a forced (named) tool call with "stop"
     return {
         "id": message_id or new_message_id(),
         "type": "message",
