@@ -10,7 +10,7 @@ from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.metadata import TandemMetadata
 from kv_transfer.settings import ConnectorSettings
-from kv_transfer.worker import TandemWorker
+from kv_connector.worker import TandemWorker
 from prefill_nodes.lease import LeaseState
 
 
