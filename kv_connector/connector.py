@@ -24,12 +24,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kv_transfer.layout import KVLayout
-from kv_transfer.metadata import TandemMetadata, TransferReports
 from kv_connector.prom import TandemKVStats, TandemPromMetrics
 from kv_connector.scheduler import TandemScheduler
-from kv_transfer.settings import ConnectorSettings
 from kv_connector.worker import TandemWorker
+from kv_transfer.layout import KVLayout
+from kv_transfer.metadata import TandemMetadata, TransferReports
+from kv_transfer.settings import ConnectorSettings
 
 if TYPE_CHECKING:
     import torch

@@ -54,7 +54,7 @@ import yaml
 from typer.testing import CliRunner
 
 from contracts.config import REDIS_URL_ENV
-from kv_transfer.auth import SECRET_ENV
+from contracts.secret import SECRET_ENV
 from node_agent.node import EngineProcess
 from node_agent.settings import NodeSettings
 from router.admission.context import AdmissionSettings
