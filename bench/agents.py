@@ -44,8 +44,8 @@ from bench.agent_workload import AgentWorkloadConfig, build_sessions
 from bench.loadgen import RequestResult, SessionScript, percentile
 from bench.routing import _Tokens
 from contracts.config import redis_url as configured_redis_url
+from contracts.secret import engine_auth_headers
 from infra.launcher import Cluster, ClusterSpec
-from kv_transfer.auth import engine_auth_headers
 
 TARGETS = ("tandem", "engine")
 

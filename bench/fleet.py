@@ -60,9 +60,9 @@ from bench.routing import _Tokens
 from bench.vllm_router import PeerWorker, VllmRouter
 from contracts.config import redis_url as configured_redis_url
 from contracts.registry import Role
+from contracts.secret import engine_auth_headers
 from infra.launcher import Cluster, ClusterSpec, assign_cores
 from kv_transfer import ENGINE_HOOKS
-from kv_transfer.auth import engine_auth_headers
 from node_agent.node import EngineProcess, engine_env
 from node_agent.settings import NodeSettings
 

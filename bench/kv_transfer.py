@@ -60,10 +60,10 @@ from rich.console import Console
 
 from bench.loadgen import run_level
 from contracts.config import redis_url as configured_redis_url
+from contracts.secret import engine_auth_headers
 from contracts.transfer import LAYERWISE_ID_KEY, TransferParams
 from infra.launcher import Cluster, ClusterSpec
 from kv_transfer import prefill_request_params
-from kv_transfer.auth import engine_auth_headers
 from kv_transfer.hugepages import advise_huge_pages
 from node_agent.dtype import resolve_dtype
 
@@ -237,7 +237,7 @@ def measure_transfers(
     samples: list[Sample] = []
     repeats = cfg.repeats if repeats is None else repeats
     pull_repeats = cfg.pull_repeats if pull_repeats is None else pull_repeats
-    # The legs go straight to the engines, which take only the cluster's engine key (kv_transfer.auth).
+    # The legs go straight to the engines, which take only the cluster's engine key (contracts.secret).
     with httpx.Client(timeout=1800, headers=engine_auth_headers(loopback_only=True)) as client:
         for size in cfg.sizes if sizes is None else sizes:
             prompt = prompt_text(size, uuid.uuid4().hex)

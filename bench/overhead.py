@@ -50,8 +50,8 @@ from bench.standin_engine import STANDIN_LABEL, free_port
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.registry import Role
+from contracts.secret import engine_auth_headers
 from infra.launcher import Cluster, ClusterSpec
-from kv_transfer.auth import engine_auth_headers
 from node_agent.model import resolve_model
 from node_agent.node import EngineProcess
 from node_agent.settings import NodeSettings

@@ -63,9 +63,9 @@ import psutil
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.registry import Role
+from contracts.secret import engine_auth_headers
 from decode_nodes import engine_args as decode_engine_args
 from infra.launcher import Cluster, ClusterSpec
-from kv_transfer.auth import engine_auth_headers
 from node_agent.model import default_model_dir
 from node_agent.settings import NodeSettings
 from prefill_nodes import engine_args as prefill_engine_args

@@ -28,7 +28,7 @@ import httpx
 import zmq
 
 from contracts.errors import ConfigError
-from kv_transfer.auth import cluster_engine_api_key
+from contracts.secret import cluster_engine_api_key
 
 VLLM_ROUTER_VERSION = "0.1.17"
 

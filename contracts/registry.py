@@ -227,7 +227,7 @@ _local_secret: Callable[[], bytes] | None = None
 
 
 def set_local_secret(load: Callable[[], bytes]) -> None:
-    """Name how this process reads its loopback cluster secret (``kv_transfer.auth`` does, on import):
+    """Name how this process reads its loopback cluster secret (``contracts.secret`` does, on import):
     contracts import nothing of the project, so a writer given no proof key signs through this."""
     global _local_secret
     _local_secret = load

@@ -1,5 +1,5 @@
 """Admission of remote KV on a decode node: the decode side of the connector's scheduler half
-(``kv_transfer.scheduler`` delegates to it).
+(``kv_connector.scheduler`` delegates to it).
 
 A request whose ``kv_transfer_params`` name a transfer (``contracts.transfer.TransferParams``, version
 checked first) reports its prompt as loadable asynchronously, and after allocation hands the worker the

@@ -1,4 +1,7 @@
-"""KV transfer between prefill and decode nodes: connector choice and per-request transfer params."""
+"""The KV primitives under the role packages: the wire protocol (``wire``), the transports (``transports``,
+``ucx``), the cache layout (``layout``), checksums and peer credentials (``auth``), the connector choice and
+per-request transfer params (``config``). Nothing here imports a role package; the connector vLLM loads,
+which wires the role halves together, is the package above them, ``kv_connector``."""
 
 from pathlib import Path
 

@@ -1,6 +1,6 @@
 """Which KV connector an engine runs, as one setting, and the vLLM ``--kv-transfer-config`` it implies.
 
-``tandem`` (default) is our own connector (``kv_transfer.connector``): leased blocks pulled over
+``tandem`` (default) is our own connector (``kv_connector.connector``): leased blocks pulled over
 ZeroMQ tcp/ipc or copied across processes on one host. ``nixl`` is vLLM's NixlConnector (UCX through
 NIXL) with host buffers on CPU: the baseline we measure against. ``none`` runs an engine without a
 connector: it can only serve colocated requests.
@@ -38,7 +38,7 @@ def kv_transfer_config(
         return json.dumps(
             {
                 "kv_connector": "TandemConnector",
-                "kv_connector_module_path": "kv_transfer.connector",
+                "kv_connector_module_path": "kv_connector.connector",
                 "kv_role": "kv_both",
                 "kv_buffer_device": buffer_device,
                 "kv_load_failure_policy": load_failure_policy,

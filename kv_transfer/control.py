@@ -22,9 +22,9 @@ import zmq
 import zmq.asyncio
 
 from contracts.errors import ConfigError, PeerUnauthenticated, TandemError, UpstreamError, VersionMismatch
+from contracts.secret import is_loopback, load_cluster_secret
 from contracts.transfer import TransferParams, TransferReport, is_transfer_params
 from kv_transfer import wire
-from kv_transfer.auth import is_loopback, load_cluster_secret
 
 log = logging.getLogger("tandem.kv.control")
 

@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contracts.secret import is_loopback, load_cluster_secret
 from kv_transfer import wire
-from kv_transfer.auth import is_loopback, load_cluster_secret
 
 Transport = Literal["auto", "tcp", "ipc", "shm", "ucx"]
 

@@ -14,7 +14,7 @@ sockets by itself), serves both on TCP with CURVE:
 
 CURVE encrypts every frame and authenticates both ends: the server key pair and the one client key the
 relay admits (its ZAP handler refuses any other) derive from the cluster secret
-(``kv_transfer.auth.curve_keys``), so a router needs nothing but the secret, and anything without it
+(``contracts.secret.curve_keys``), so a router needs nothing but the secret, and anything without it
 gets no handshake, hence no event. Routers learn to use CURVE from the node's registry entry
 (``NodeInfo.kv_events_auth == "curve"``). A loopback node (``tandem up``) needs none of this: its events
 stay on an ipc socket and its replay on 127.0.0.1.
@@ -33,7 +33,7 @@ import threading
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kv_transfer.auth import CurveKeys
+from contracts.secret import CurveKeys
 
 log = logging.getLogger("tandem.node.kv_events_relay")
 

@@ -30,10 +30,10 @@ import decode_nodes
 import prefill_nodes
 from contracts.errors import ConfigError
 from contracts.registry import NodeInfo, NodeRegistry, Role, registry_proof_key
+from contracts.secret import cluster_engine_api_key, curve_keys, load_cluster_secret
 from host_tier.client import tier_endpoints
+from host_tier.connector_config import with_host_tier
 from kv_transfer import ENGINE_HOOKS, ConnectorKind, kv_transfer_config
-from kv_transfer.auth import cluster_engine_api_key, curve_keys, load_cluster_secret
-from kv_transfer.host_tier_config import with_host_tier
 from kv_transfer.settings import ConnectorSettings, host_id
 from node_agent.dtype import resolve_dtype
 from node_agent.engine_guard import EngineGuard

@@ -14,8 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, NAME_PATTERN, runtime_dir
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from contracts.registry import Role
+from contracts.secret import engine_auth_headers
 from kv_transfer import ConnectorKind
-from kv_transfer.auth import engine_auth_headers
 
 WILDCARDS = frozenset({"0.0.0.0", "::", "*"})
 """Bind addresses that mean every interface: never an address to register."""
@@ -68,7 +68,7 @@ class NodeSettings(BaseSettings):
     """When a pull fails: recompute the prompt on the decode node, or fail the request."""
     host_tier_endpoint: str | None = None
     """The host tier's control socket (``tandem tier serve``): the engine offloads finished prompts' blocks
-    there and loads them on a miss (``kv_transfer.host_tier_connector``); the agent names the tier's event
+    there and loads them on a miss (``host_tier.connector``); the agent names the tier's event
     endpoints in its registry entry, so routers know what the tier holds. None: no host tier."""
     peer_kv: bool = False
     """A colocated node (role both) runs our connector too, so that peers can load the prefixes its engine
@@ -161,7 +161,7 @@ class NodeSettings(BaseSettings):
     (``TANDEM_NODE_ENGINE_COMMAND='["python", "-m", "tests.support.fake_engine", "--port", "{port}"]'``)."""
     engine_auth: bool = True
     """Start the engine with an API key (``VLLM_API_KEY``, derived from the cluster secret:
-    ``kv_transfer.auth.engine_api_key``) that only node agents and routers hold, so that whoever else
+    ``contracts.secret.engine_api_key``) that only node agents and routers hold, so that whoever else
     reaches the engine's port gets 401 on ``/v1/*``. Passed in the environment, never on the command
     line (``ps`` shows it). False: an open engine (a benchmark's plain-vLLM arm)."""
     log_dir: Path | None = None

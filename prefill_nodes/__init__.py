@@ -7,7 +7,7 @@ What a prefill node does beyond stock vLLM:
 - ``lease.py``: the lease table and its state machine, which frees a request's blocks on every path.
 
 The block server runs inside the engine, started by the worker half of the connector vLLM loads
-(``kv_transfer.worker``). The node process itself (engine supervision, registry, heartbeat) is shared by
+(``kv_connector.worker``). The node process itself (engine supervision, registry, heartbeat) is shared by
 every role: ``node_agent``.
 """
 

@@ -15,8 +15,8 @@ import httpx
 import typer
 
 from contracts.registry import Role
+from contracts.secret import engine_auth_headers
 from infra.launcher import Cluster, ClusterSpec
-from kv_transfer.auth import engine_auth_headers
 from profiling.fit import fit_step_model
 from profiling.measure import Sweep, measure
 from simulator.step_model import Profile

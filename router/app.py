@@ -46,7 +46,7 @@ from contracts.errors import (
     PermissionDenied,
 )
 from contracts.registry import LiveNode, NodeRegistry, Role, registry_proof_key
-from kv_transfer.auth import curve_keys, engine_auth_headers, load_cluster_secret
+from contracts.secret import curve_keys, engine_auth_headers, load_cluster_secret
 from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies

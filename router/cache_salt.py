@@ -10,7 +10,7 @@ so outright). So once auth is on, every request is salted by its tenant:
     client part   the request's own ``cache_salt``       optional: it can only narrow sharing
     salt          HMAC-SHA256(salt key, "t:" tenant part "\\0c:" client part), hex; none if both parts are
 
-The salt key derives from the cluster secret (``kv_transfer.auth``), so router replicas sharing the
+The salt key derives from the cluster secret (``contracts.secret``), so router replicas sharing the
 secret salt alike (a replica with another secret still isolates tenants, but its tenants' prefixes are
 cached apart from the other replicas'). Keyed, so neither a tenant id nor a client's salt reaches an
 engine as given, and a client cannot compute another tenant's salt: what a client sends is always
@@ -28,7 +28,7 @@ import hmac
 from typing import Any
 
 from contracts.errors import InvalidRequest
-from kv_transfer.auth import load_cluster_secret
+from contracts.secret import load_cluster_secret
 
 SHARED_ALL = "*"
 """In ``shared_cache_tenants``: every tenant shares one cache (no tenant part), as with auth off."""

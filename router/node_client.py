@@ -35,7 +35,7 @@ class NodeClient:
         self, *, connect_timeout_s: float, request_timeout_s: float, auth_headers: dict[str, str] | None = None
     ) -> None:
         self._auth = dict(auth_headers or {})
-        """The engines' API key (``kv_transfer.auth.engine_auth_headers``), sent on every call."""
+        """The engines' API key (``contracts.secret.engine_auth_headers``), sent on every call."""
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
         self._session: aiohttp.ClientSession | None = None

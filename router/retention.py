@@ -4,7 +4,7 @@ Agent sessions pause for tools between turns, seconds to minutes; under cache pr
 their context meanwhile and the next turn computes it again. A request that names a session asks the
 node that prefills it to pin the request's blocks in the host tier after it ends: prompt and answer as
 far as they fill blocks on a colocated node, the prompt's on a P/D pair (the prefill node's request);
-``kv_transfer.host_tier_connector``; the tier's side, owners, budgets and demotion, in
+``host_tier.connector``; the tier's side, owners, budgets and demotion, in
 ``host_tier.server``:
 
     owner   the request's session (``x-session-id``), else OpenAI's ``prompt_cache_key`` (often shared by

@@ -79,7 +79,7 @@ class SubscriberStats:
 @dataclass(frozen=True, slots=True)
 class CurveClient:
     """CURVE keys (z85) for a node whose endpoints are its relay (``NodeInfo.kv_events_auth == "curve"``;
-    ``kv_transfer.auth.curve_keys`` derives them from the cluster secret)."""
+    ``contracts.secret.curve_keys`` derives them from the cluster secret)."""
 
     server_public: bytes
     public: bytes

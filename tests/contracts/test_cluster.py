@@ -65,7 +65,7 @@ async def test_registries_of_two_clusters_see_only_their_nodes() -> None:
 
 
 def test_default_secret_is_one_per_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kv_transfer.auth import default_secret_path
+    from contracts.secret import default_secret_path
 
     monkeypatch.delenv(cluster.CLUSTER_ENV, raising=False)
     unnamed = default_secret_path()

@@ -8,7 +8,7 @@ import hashlib
 from types import SimpleNamespace
 
 from contracts.transfer import TransferParams, block_key
-from kv_transfer.scheduler import TandemScheduler
+from kv_connector.scheduler import TandemScheduler
 from kv_transfer.settings import ConnectorSettings
 
 BS = 4

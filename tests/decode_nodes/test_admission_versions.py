@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from contracts.transfer import PARAMS_VERSION, TransferParams
+from kv_connector.scheduler import TandemScheduler
 from kv_transfer import control
-from kv_transfer.scheduler import TandemScheduler
 from kv_transfer.settings import ConnectorSettings
 
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from kv_transfer.auth import engine_auth_headers
+from contracts.secret import engine_auth_headers
 from tests.e2e.conftest import LiveCluster
 
 pytestmark = pytest.mark.e2e

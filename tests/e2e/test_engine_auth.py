@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import httpx
 
-from kv_transfer.auth import engine_auth_headers
+from contracts.secret import engine_auth_headers
 from tests.e2e.conftest import LiveCluster
 
 

@@ -18,9 +18,9 @@ import pytest
 import redis
 
 from bench.standin_engine import ServerThread
+from contracts.secret import engine_auth_headers
 from host_tier.client import TierClient
 from host_tier.settings import layout_from_model
-from kv_transfer.auth import engine_auth_headers
 from node_agent.model import default_model_dir
 from router.kv_index import BlockHasher
 from tests.support.helpers import (

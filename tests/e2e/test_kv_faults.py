@@ -34,8 +34,8 @@ import pytest
 import redis
 import zmq
 
+from contracts.secret import engine_auth_headers, load_cluster_secret
 from kv_transfer import wire
-from kv_transfer.auth import engine_auth_headers, load_cluster_secret
 from tests.e2e.conftest import engine_metric
 from tests.support.helpers import wait_for
 from tests.support.layerwise import layerwise_chat, prefill_params, start_decode_leg

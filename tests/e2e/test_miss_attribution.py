@@ -34,7 +34,7 @@ import redis
 
 from bench.standin_engine import ServerThread
 from contracts.registry import Role
-from kv_transfer.auth import engine_auth_headers
+from contracts.secret import engine_auth_headers
 from router.admission.context import AdmissionSettings
 from router.app import create_app
 from router.kv_index import BlockHasher

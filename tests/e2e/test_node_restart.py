@@ -13,7 +13,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kv_transfer.auth import engine_auth_headers
+from contracts.secret import engine_auth_headers
 from router.app import create_app
 from router.settings import RouterSettings
 from tests.e2e.conftest import LiveCluster

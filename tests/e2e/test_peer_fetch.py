@@ -20,9 +20,9 @@ import pytest
 import redis
 
 from bench.standin_engine import ServerThread
+from contracts.secret import engine_auth_headers
 from contracts.transfer import TransferParams
 from kv_transfer import prefill_request_params
-from kv_transfer.auth import engine_auth_headers
 from node_agent.model import default_model_dir
 from router.kv_index import BlockHasher
 from tests.support.helpers import (

@@ -56,7 +56,7 @@ from typer.testing import CliRunner
 from contracts.cluster import CLUSTER_ENV
 from contracts.cluster import key as cluster_key
 from contracts.config import REDIS_URL_ENV
-from kv_transfer.auth import SECRET_ENV
+from contracts.secret import SECRET_ENV
 from node_agent.node import EngineProcess
 from node_agent.settings import NodeSettings
 from router.admission.context import AdmissionSettings

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from contracts.secret import SECRET_ENV
 from kv_transfer import control
-from kv_transfer.auth import SECRET_ENV
 from tests.support.block_server_proc import SECRET
 
 

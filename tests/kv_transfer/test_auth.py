@@ -1,4 +1,4 @@
-"""Where the cluster secret comes from (``kv_transfer/auth.py``): the environment, a private file, or the
+"""Where the cluster secret comes from (``contracts/secret.py``): the environment, a private file, or the
 per-user default file, which only loopback-only nodes may use and which racing processes agree on; and
 peer credentials, which only a Unix socket carries."""
 
@@ -13,7 +13,8 @@ import pytest
 import zmq
 
 from contracts.errors import ConfigError
-from kv_transfer.auth import SECRET_ENV, SECRET_FILE_ENV, default_secret_path, load_cluster_secret, peer_credentials
+from contracts.secret import SECRET_ENV, SECRET_FILE_ENV, default_secret_path, load_cluster_secret
+from kv_transfer.auth import peer_credentials
 from kv_transfer.settings import ConnectorSettings
 
 GOOD = "s" * 40

@@ -29,7 +29,7 @@ def test_prefill_and_decode_get_the_tandem_connector_by_default_both_gets_none()
     for role in (Role.PREFILL, Role.DECODE):
         cfg = json.loads(_value(_args(role), "--kv-transfer-config"))
         assert cfg["kv_connector"] == "TandemConnector"
-        assert cfg["kv_connector_module_path"] == "kv_transfer.connector"
+        assert cfg["kv_connector_module_path"] == "kv_connector.connector"
         assert cfg["kv_load_failure_policy"] == "recompute"
         extra = cfg["kv_connector_extra_config"]
         assert extra["port"] == 9103 and extra["host"] == "127.0.0.1" and extra["transport"] == "auto"

@@ -14,10 +14,10 @@ import httpx
 import pytest
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
+from contracts import secret as auth
 from contracts.errors import ConfigError
 from contracts.registry import Role
-from kv_transfer import auth
-from kv_transfer.auth import SECRET_ENV, cluster_engine_api_key, engine_api_key
+from contracts.secret import SECRET_ENV, cluster_engine_api_key, engine_api_key
 from node_agent.node import describe, engine_command, engine_env
 from node_agent.settings import NodeSettings
 from tests.security.support import router

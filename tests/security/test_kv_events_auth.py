@@ -16,7 +16,7 @@ import zmq.asyncio
 from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 
 from bench.standin_engine import free_port
-from kv_transfer.auth import curve_keys
+from contracts.secret import curve_keys
 from node_agent.kv_events_relay import END_SEQ, KVEventsRelay
 from router.kv_index.block_keys import BlockHasher
 from router.kv_index.index import FleetIndex

@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import zmq
 
+from contracts.secret import SECRET_ENV
 from decode_nodes.puller import Puller, PullJob
 from kv_transfer import control, wire
-from kv_transfer.auth import SECRET_ENV
 from kv_transfer.layout import KVLayout
 from kv_transfer.stats import TransferStats
 from kv_transfer.transports import CmaTransport, TransferFailed

@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
+from contracts.secret import engine_auth_headers
 from contracts.transfer import LAYERWISE_ID_KEY, TransferParams
 from kv_transfer import prefill_request_params
-from kv_transfer.auth import engine_auth_headers
 from kv_transfer.settings import ConnectorSettings, host_id
 
 

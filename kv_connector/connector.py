@@ -1,5 +1,5 @@
 """``TandemConnector``: the vLLM KV connector that vLLM loads through
-``{"kv_connector": "TandemConnector", "kv_connector_module_path": "kv_transfer.connector"}``.
+``{"kv_connector": "TandemConnector", "kv_connector_module_path": "kv_connector.connector"}``.
 
 A thin facade: vLLM builds one instance per role, and each delegates to its half, the scheduler half
 (``scheduler.py``) or the worker half (``worker.py``), which never import each other. They share only
@@ -24,12 +24,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kv_connector.prom import TandemKVStats, TandemPromMetrics
+from kv_connector.scheduler import TandemScheduler
+from kv_connector.worker import TandemWorker
 from kv_transfer.layout import KVLayout
 from kv_transfer.metadata import TandemMetadata, TransferReports
-from kv_transfer.prom import TandemKVStats, TandemPromMetrics
-from kv_transfer.scheduler import TandemScheduler
 from kv_transfer.settings import ConnectorSettings
-from kv_transfer.worker import TandemWorker
 
 if TYPE_CHECKING:
     import torch

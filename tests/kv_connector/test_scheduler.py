@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from vllm.v1.request import RequestStatus
 
 from contracts.transfer import TransferReport
-from kv_transfer.scheduler import TandemScheduler
+from kv_connector.scheduler import TandemScheduler
 from kv_transfer.settings import ConnectorSettings, host_id
 
 

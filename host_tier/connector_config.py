@@ -1,4 +1,4 @@
-"""The ``--kv-transfer-config`` of an engine that uses the host tier (``host_tier_connector.py``), with
+"""The ``--kv-transfer-config`` of an engine that uses the host tier (``host_tier.connector``), with
 or without a P/D connector beside it. Free of vLLM imports: the node agent builds it.
 
 A colocated engine runs the tier connector alone. A prefill or decode engine runs vLLM's
@@ -17,7 +17,7 @@ from typing import Any
 def tier_connector(endpoint: str, timeout_s: float = 0.5) -> dict[str, Any]:
     return {
         "kv_connector": "HostTierConnector",
-        "kv_connector_module_path": "kv_transfer.host_tier_connector",
+        "kv_connector_module_path": "host_tier.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"tier_endpoint": endpoint, "tier_timeout_s": timeout_s},
     }

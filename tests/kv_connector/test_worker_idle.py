@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 
 from decode_nodes.puller import Puller
+from kv_connector.worker import TandemWorker
 from kv_transfer import wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.metadata import TandemMetadata
 from kv_transfer.settings import ConnectorSettings
-from kv_transfer.worker import TandemWorker
 from prefill_nodes.lease import LeaseState
 
 
