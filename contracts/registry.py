@@ -41,7 +41,6 @@ bad entry never blinds a router to the fleet. Upgrade readers (routers) before w
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
 import hmac
 import logging
@@ -233,9 +232,10 @@ def set_local_secret(load: Callable[[], bytes]) -> None:
     _local_secret = load
 
 
-@functools.cache
 def _local_proof_key(cluster: str) -> bytes | None:
-    """The proof key of a writer given none: this process's loopback secret, if it can read one."""
+    """The proof key of a writer given none: this process's loopback secret, if it can read one. Read at
+    every write, not cached: the secret a process holds may change (a test session's fixture sets one),
+    and a proof made with a stale one makes every router leave the node out."""
     return None if _local_secret is None else registry_proof_key(_local_secret(), cluster)
 
 
