@@ -77,19 +77,16 @@ outside the fleet slowing the engines (``tandem bench sim`` records that load be
 from __future__ import annotations
 
 import heapq
-import struct
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
 from router.fleet import Pools
 from router.policies import Candidate, Decision, RoutingPolicy, RoutingRequest
 from simulator.block_pool import SimBlockPool
 from simulator.keys import PreparedTrace, prepare
+from simulator.sim_nodes import NodeSpec, SimLookup, SimNode, SimRequest, Work
 from simulator.step_model import Profile, StepModel
 from traces.schema import Trace
 
@@ -97,148 +94,6 @@ SIMULATED = "SIMULATED"
 """The label on everything the simulator reports."""
 
 __all__ = ["SIMULATED", "FleetSim", "NodeSpec", "SimLookup", "SimRequest", "StepModel", "select_pools"]
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    role: Role
-    num_blocks: int = 4096
-    """KV capacity in blocks."""
-    block_size: int = 16
-    max_batched_tokens: int = 8192
-    """Prompt tokens a step may prefill (vLLM's ``max_num_batched_tokens``)."""
-    host: str | None = None
-    """Nodes with the same host share a machine's memory bus and caches: a step runs
-    ``StepModel.shared_slowdown`` times slower while another of them is mid-step. None: a machine
-    of its own."""
-
-
-@dataclass(eq=False)
-class SimRequest:
-    index: int
-    request_id: str
-    session_id: str | None
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    keys: list[int]
-    """Keys of the prompt's full blocks at the fleet's block size."""
-    decision: Decision | None = None
-    engine_cached_tokens: int = 0
-    """What the node that prefilled reused (vLLM's ``num_cached_tokens``)."""
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    generated: int = 0
-    spans: list[tuple[int, int, int]] = field(default_factory=list)
-    """(node number, first step, last step): the steps whose ends made this request's tokens."""
-    stalls: list[tuple[int, int]] = field(default_factory=list)
-    """(node number, step): steps inside a span in which it waited for a block (no token)."""
-    _all_keys: list[int] | None = None
-
-    def all_keys(self, num_tokens: int, block_size: int) -> list[int]:
-        """Prompt keys, then keys for the blocks decoded tokens fill (unique to this request)."""
-        full = num_tokens // block_size
-        if self._all_keys is None:
-            self._all_keys = list(self.keys)
-        out = self._all_keys
-        while len(out) < full:
-            j = len(out) - len(self.keys)
-            out.append(xxhash.xxh64_intdigest(struct.pack("<qq", self.index, j) + b"out"))
-        return out
-
-
-@dataclass(eq=False)
-class _Work:
-    req: SimRequest
-    phase: str
-    """prefill: a P/D prefill leg; full: prefill and decode here; remote: decode with the KV moved in."""
-    seq: int = 0
-    """Admission order on its node (vLLM serves running requests in that order)."""
-    base: int = 0
-    """While running: at the start of step s the request has generated ``s - base`` tokens."""
-    grow_step: int = -1
-    finish_step: int = -1
-    first_step: int = 0
-    todo: int = 0
-    """Prompt tokens still to compute (uncached, or the last one of a remote prompt)."""
-    chunk: int = 0
-    """Prompt tokens the running step computes of it."""
-
-
-@dataclass(eq=False)
-class SimNode:
-    number: int
-    info: NodeInfo
-    spec: NodeSpec
-    pool: SimBlockPool
-    step: StepModel
-    waiting: deque[_Work] = field(default_factory=deque)
-    running: dict[int, _Work] = field(default_factory=dict)
-    """By admission order (``_Work.seq``)."""
-    busy: bool = False
-    load: NodeLoad = field(default_factory=NodeLoad)
-    """What the router last read (refreshed every heartbeat)."""
-    steps: int = 0
-    """Steps started so far: the current (or next) step's number."""
-    step_end: list[float] = field(default_factory=list)
-    grow_at: dict[int, list[_Work]] = field(default_factory=dict)
-    finish_at: dict[int, list[_Work]] = field(default_factory=dict)
-    ctx_const: int = 0
-    """Sum over running requests of ``prompt - base``: their context at step s is this + s * running."""
-    decoding: int = 0
-    prefilling: list[_Work] = field(default_factory=list)
-    """Admitted (blocks held) with prompt tokens left to compute, in admission order."""
-    admitted: list[_Work] = field(default_factory=list)
-    """The requests the running step prefills a chunk of."""
-    live: LiveNode | None = None
-    slot: int = 0
-    """Index in its role's candidate list."""
-    neighbours: list[SimNode] = field(default_factory=list)
-    """The other nodes of its host (``NodeSpec.host``)."""
-    work_left: float = 0.0
-    """The running step's time still to go, in seconds of a step alone on its host, as of ``mark``."""
-    mark: float = 0.0
-    speed: float = 1.0
-    """Share of a lone node's speed the running step progresses at (1 / its slowdown)."""
-    end_seq: int = 0
-    """The sequence number of the running step's end event (an earlier one is stale: its end moved)."""
-
-    def __post_init__(self) -> None:
-        self.live = LiveNode(info=self.info, load=self.load)
-
-
-class SimLookup:
-    """The router's ``PrefixLookup`` over the simulated fleet: leading blocks each node holds, read from
-    the map key -> nodes holding it that the nodes' pools keep."""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.index: dict[object, set[str]] = {}
-
-    def longest_prefix(self, model: str, keys: Sequence[int]) -> dict[str, int]:
-        if model != self.model or not keys:
-            return {}
-        index = self.index
-        alive = index.get(keys[0])
-        if not alive:
-            return {}
-        alive = set(alive)
-        out: dict[str, int] = {}
-        for i in range(1, len(keys)):
-            holders = index.get(keys[i])
-            if holders is None:
-                for n in alive:
-                    out[n] = i
-                return out
-            if not alive <= holders:
-                for n in alive - holders:
-                    out[n] = i
-                alive &= holders
-                if not alive:
-                    return out
-        for n in alive:
-            out[n] = len(keys)
-        return out
 
 
 def select_pools(policy: RoutingPolicy, rr: RoutingRequest, pools: Pools) -> Decision:
@@ -351,28 +206,10 @@ class FleetSim:
         if prep.block_size != self.block_size:
             raise ValueError(f"trace prepared for block size {prep.block_size}, fleet uses {self.block_size}")
         n_req = len(prep)
-        smallest = min(n.pool.num_blocks - 1 for n in self.nodes)
-        need = -(-(prep.input_tokens + prep.output_tokens) // self.block_size)
-        if n_req and int(need.max()) > smallest:
-            i = int(need.argmax())
-            raise ValueError(
-                f"request {prep.request_id[i]} ({prep.input_tokens[i]} + {prep.output_tokens[i]} tokens) cannot fit "
-                f"a node's {smallest} blocks of {self.block_size}"
-            )
+        self._check_fits(prep)
         self._prep, self._sent = prep, {}
         trace_arrival = prep.arrival_s.tolist()
-        # the requests that arrive by the clock (all of them open loop), in arrival order; closed loop,
-        # the others are pushed on ``_later`` when their parent finishes
-        self._children = {}
-        if closed_loop:
-            clocked = []
-            for i, parent in enumerate(prep.parent.tolist()):
-                if parent >= 0:
-                    self._children.setdefault(parent, []).append(i)
-                else:
-                    clocked.append(i)
-        else:
-            clocked = list(range(n_req))
+        clocked = self._clocked(prep, closed_loop)
         self._later = []
         n_in, n_out = prep.input_tokens.tolist(), prep.output_tokens.tolist()
         reqs: list[SimRequest] = []
@@ -393,15 +230,7 @@ class FleetSim:
                     _, i = heapq.heappop(later)
                 self.now = max(self.now, at)
                 self._sent[i] = self.now
-                r = SimRequest(
-                    index=i,
-                    request_id=prep.request_id[i],
-                    session_id=prep.session_id[i],
-                    arrival_s=self.now,
-                    prompt_tokens=n_in[i],
-                    output_tokens=n_out[i],
-                    keys=prep.keys_of(i),
-                )
+                r = SimRequest(i, prep.request_id[i], prep.session_id[i], self.now, n_in[i], n_out[i], prep.keys_of(i))
                 reqs.append(r)
                 self._route(r)
                 continue
@@ -421,6 +250,31 @@ class FleetSim:
                 self._heartbeat()
         events.clear()
         return reqs
+
+    def _check_fits(self, prep: PreparedTrace) -> None:
+        """Refuse a trace with a request no node could ever hold (it would wait forever)."""
+        smallest = min(n.pool.num_blocks - 1 for n in self.nodes)
+        need = -(-(prep.input_tokens + prep.output_tokens) // self.block_size)
+        if len(prep) and int(need.max()) > smallest:
+            i = int(need.argmax())
+            raise ValueError(
+                f"request {prep.request_id[i]} ({prep.input_tokens[i]} + {prep.output_tokens[i]} tokens) cannot fit "
+                f"a node's {smallest} blocks of {self.block_size}"
+            )
+
+    def _clocked(self, prep: PreparedTrace, closed_loop: bool) -> list[int]:
+        """The requests that arrive by the clock (all of them open loop), in arrival order; closed loop,
+        the others wait in ``_children`` for their parent's end (then ``_later``)."""
+        self._children = {}
+        if not closed_loop:
+            return list(range(len(prep)))
+        clocked = []
+        for i, parent in enumerate(prep.parent.tolist()):
+            if parent >= 0:
+                self._children.setdefault(parent, []).append(i)
+            else:
+                clocked.append(i)
+        return clocked
 
     def _next_turns(self, r: SimRequest) -> None:
         """Closed loop: the turns waiting on ``r`` (just finished) get their arrival times."""
@@ -472,9 +326,9 @@ class FleetSim:
         self._track(d.decode.node_id, +1)
         if d.prefill is not None:
             self._track(d.prefill.node_id, +1)
-            node, work = self._by_id[d.prefill.node_id], _Work(r, "prefill")
+            node, work = self._by_id[d.prefill.node_id], Work(r, "prefill")
         else:
-            node, work = self._by_id[d.decode.node_id], _Work(r, "full")
+            node, work = self._by_id[d.decode.node_id], Work(r, "full")
         # routed at arrival (the router decides before it forwards); queued once the request got there
         overhead = node.step.request_overhead_s
         if overhead > 0:
@@ -483,7 +337,7 @@ class FleetSim:
             self._enqueue(node, work)
 
     # --- nodes ----------------------------------------------------------------------------------
-    def _enqueue(self, node: SimNode, work: _Work) -> None:
+    def _enqueue(self, node: SimNode, work: Work) -> None:
         node.waiting.append(work)
         if not node.busy:
             self._start_step(node)
@@ -494,7 +348,7 @@ class FleetSim:
                 self.log.append(("kv", (node.info.node_id, kind, key)))
             node.pool.events.clear()
 
-    def _schedule_grow(self, node: SimNode, w: _Work, held_tokens: int, not_before: int) -> None:
+    def _schedule_grow(self, node: SimNode, w: Work, held_tokens: int, not_before: int) -> None:
         """The step at whose start ``w`` first holds more tokens than its blocks (``held_tokens``'s) do."""
         bs = node.pool.block_size
         capacity = -(-held_tokens // bs) * bs
@@ -503,7 +357,7 @@ class FleetSim:
         if s <= w.finish_step:
             node.grow_at.setdefault(s, []).append(w)
 
-    def _unschedule(self, node: SimNode, w: _Work) -> None:
+    def _unschedule(self, node: SimNode, w: Work) -> None:
         for table, s in ((node.grow_at, w.grow_step), (node.finish_at, w.finish_step)):
             lst = table.get(s)
             if lst is not None and w in lst:
@@ -516,7 +370,7 @@ class FleetSim:
         pool = node.pool
         due = node.grow_at.pop(s, None)
         while True:
-            stalled: list[_Work] = []
+            stalled: list[Work] = []
             if due:
                 due.sort(key=lambda w: w.seq)
                 for w in due:
@@ -530,7 +384,7 @@ class FleetSim:
             # prompt longer than what is left is prefilled in chunks over several steps
             budget = node.spec.max_batched_tokens - (len(node.running) - len(stalled))
             prefill_tokens = 0
-            chunked: list[_Work] = []
+            chunked: list[Work] = []
             ctx_pairs = new_pairs = 0.0
             for w in node.prefilling:
                 if budget <= 0:
@@ -570,15 +424,7 @@ class FleetSim:
                 due = [x for x in stalled if x is not w]
                 continue
             break
-        for w in stalled:  # no token this step: everything it has to come moves a step later
-            self._unschedule(node, w)
-            w.base += 1
-            node.ctx_const -= 1
-            w.req.stalls.append((node.number, s))
-            w.finish_step += 1
-            w.grow_step = s + 1
-            node.grow_at.setdefault(s + 1, []).append(w)
-            node.finish_at.setdefault(w.finish_step, []).append(w)
+        self._stall(node, stalled, s)
         if not decoding and not chunked:
             if node.busy:
                 node.busy = False
@@ -600,6 +446,19 @@ class FleetSim:
         if not was_busy:
             self._neighbours_changed(node)
 
+    def _stall(self, node: SimNode, stalled: list[Work], s: int) -> None:
+        """Requests that found no block at step ``s`` make no token in it: all they have to come moves a
+        step later."""
+        for w in stalled:
+            self._unschedule(node, w)
+            w.base += 1
+            node.ctx_const -= 1
+            w.req.stalls.append((node.number, s))
+            w.finish_step += 1
+            w.grow_step = s + 1
+            node.grow_at.setdefault(s + 1, []).append(w)
+            node.finish_at.setdefault(w.finish_step, []).append(w)
+
     @staticmethod
     def _speed(node: SimNode) -> float:
         """Share of its lone speed ``node``'s step runs at with its host's other nodes as busy as now."""
@@ -618,7 +477,7 @@ class FleetSim:
             m.end_seq = self._seq
             heapq.heappush(self._events, (self.now + max(m.work_left, 0.0) / m.speed, self._seq, _STEP, m))
 
-    def _preempt(self, node: SimNode, w: _Work, s: int) -> None:
+    def _preempt(self, node: SimNode, w: Work, s: int) -> None:
         r = w.req
         self._unschedule(node, w)
         r.generated = s - w.base
@@ -677,7 +536,7 @@ class FleetSim:
         self._kv(node)
         self._start_step(node)
 
-    def _finish(self, node: SimNode, w: _Work, s: int) -> None:
+    def _finish(self, node: SimNode, w: Work, s: int) -> None:
         r = w.req
         r.generated = r.output_tokens
         r.finish_s = self.now
@@ -714,7 +573,7 @@ class FleetSim:
             self._start_step(prefill)
         d = r.decision
         assert d is not None
-        self._enqueue(self._by_id[d.decode.node_id], _Work(r, "remote"))
+        self._enqueue(self._by_id[d.decode.node_id], Work(r, "remote"))
 
     # --- reading the results --------------------------------------------------------------------
     def token_times(self, r: SimRequest) -> np.ndarray:
