@@ -49,46 +49,46 @@ logs it ("disk full"), sets ``tandem_lake_unwritable`` to 1 and retries with a d
 stay pending, so the retry (a recovery pass) redoes exactly that part once space returns, and the
 emitters bound the stream's growth (dropping and counting, never blocking serving).
 
-Compaction (``compact``) merges a partition's parts into one file: it writes a manifest
-``_compact-<id>.json`` (inputs, output), then the output (temp, fsync, rename), then deletes the
-inputs and the manifest. A crash leaves a manifest; the next compaction completes it (output present:
-delete the inputs) or discards it (output absent). Readers (``telemetry.query.lake_files``) skip the
-inputs of a manifest whose output exists, so no query sees a row twice. Parts whose intent is still
-open, and parts younger than ``min_age_s``, are never compacted (a redo would re-create them).
+Compaction and the file primitives (atomic Parquet writes, partitions, decoding) live in
+``telemetry.lake_files``.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
-import os
 import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import redis
 from redis.exceptions import RedisError
 
 from contracts.config import DEFAULT_REDIS_URL
 from contracts.errors import LakeUnwritable, StoreError
 from telemetry.emitter import DEFAULT_STREAM_PREFIX, stream_key
+from telemetry.lake_files import (
+    CompactResult,
+    DeadLetter,
+    Part,
+    WriteStats,
+    compact_tables,
+    decode_entries,
+    dedupe,
+    entry_payload,
+    partition_dir,
+    split_by_hour,
+    write_parquet_atomic,
+)
 from telemetry.metrics import METRICS, TandemMetrics
-from telemetry.schemas import SCHEMA_VERSION, SCHEMAS, TABLE_NAMES, conform
+from telemetry.schemas import SCHEMA_VERSION, SCHEMAS, TABLE_NAMES
 
 log = logging.getLogger(__name__)
-
-_US_PER_HOUR = 3_600_000_000
 
 # KEYS[1] = owner hash, KEYS[2] = parts hash; ARGV[1] = part id, ARGV[2] = intent, ARGV[3..] = entry ids.
 # Returns the entry ids already owned by another part (then nothing is written), or an empty list.
@@ -136,142 +136,8 @@ class WriterConfig:
     """Longest wait between attempts while the lake cannot be written (disk full)."""
 
 
-@dataclass(slots=True)
-class Part:
-    """Entries written together. ``data`` holds each entry's Arrow IPC bytes (None if gone)."""
-
-    table: str
-    part_id: str
-    entry_ids: list[str]
-    data: list[bytes | None]
-    redo: bool = False
-    dead: list[DeadLetter] = field(default_factory=list)
-    """Entries ``write_part`` could not decode; ``commit`` moves them to the dead-letter stream."""
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    entry_id: str
-    payload: bytes
-    reason: str
-
-
-@dataclass(slots=True)
-class WriteStats:
-    entries: int = 0
-    rows: int = 0
-    files: int = 0
-    redone_parts: int = 0
-    lost_entries: int = 0
-    dead_letters: int = 0
-
-    def add(self, other: WriteStats) -> None:
-        self.entries += other.entries
-        self.rows += other.rows
-        self.files += other.files
-        self.redone_parts += other.redone_parts
-        self.lost_entries += other.lost_entries
-        self.dead_letters += other.dead_letters
-
-
 def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
-
-
-def _payload(fields: dict[bytes, bytes] | None) -> bytes | None:
-    """An entry's Arrow payload: None when the entry is gone from the stream (no fields), ``b""`` when
-    it exists without one (never ours: it is dead-lettered, not silently dropped)."""
-    if fields is None:
-        return None
-    return fields.get(b"a", b"")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_parquet_atomic(table: pa.Table, final: Path, compression: str) -> None:
-    """Write ``table`` to ``final``: temp name, fsync, rename, fsync the directory."""
-    d = final.parent
-    if not d.exists():
-        d.mkdir(parents=True, exist_ok=True)
-        fsync_dir(d.parent)
-        fsync_dir(d.parent.parent)
-    tmp = d / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            pq.write_table(table, fh, compression=compression)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fsync_dir(d)
-
-
-def partition_dir(lake: Path, table: str, hour_index: int) -> Path:
-    dt = datetime.fromtimestamp(hour_index * 3600, tz=UTC)
-    return lake / table / f"date={dt:%Y-%m-%d}" / f"hour={dt:%H}"
-
-
-def decode_entry(table: str, payload: bytes) -> pa.Table:
-    """One entry's Arrow IPC payload -> rows in ``table``'s current schema. Raises ``ValueError`` (or an
-    Arrow error, a subclass of it) for a payload that is not that, or rows without id or time."""
-    schema = SCHEMAS[table]
-    if not payload:
-        raise ValueError("entry has no Arrow payload (field 'a')")
-    t = conform(pa.ipc.open_stream(pa.py_buffer(payload)).read_all(), schema)
-    for col in ("event_id", "event_time"):
-        if col in schema.names and t.column(col).null_count:
-            raise ValueError(f"{t.column(col).null_count} rows without {col}")
-    return t
-
-
-def decode_entries(
-    table: str, data: Iterable[bytes | None], on_bad: Callable[[int, bytes, Exception], None] | None = None
-) -> pa.Table:
-    """Arrow IPC payloads of ``table`` -> one table in the current schema. A payload that does not decode
-    raises, or, with ``on_bad``, is reported as ``on_bad(position, payload, error)`` and left out."""
-    schema = SCHEMAS[table]
-    tables = []
-    for i, payload in enumerate(data):
-        if payload is None:
-            continue
-        try:
-            tables.append(decode_entry(table, payload))
-        except (ValueError, TypeError, KeyError, pa.ArrowException) as exc:
-            if on_bad is None:
-                raise
-            on_bad(i, payload, exc)
-    if not tables:
-        return schema.empty_table()
-    return pa.concat_tables(tables)
-
-
-def dedupe(table: pa.Table) -> pa.Table:
-    """Keep the first row of each event_id."""
-    ids = table.column("event_id")
-    if pc.count_distinct(ids).as_py() == table.num_rows:
-        return table
-    idx = pa.array(range(table.num_rows), type=pa.int64())
-    keep = pa.table({"event_id": ids, "i": idx}).group_by("event_id", use_threads=False).aggregate([("i", "min")])
-    return table.take(pc.sort(keep.column("i_min")))
-
-
-def split_by_hour(table: pa.Table) -> list[tuple[int, pa.Table]]:
-    """Rows grouped by the UTC hour of event_time, in first-seen order of hours."""
-    if table.num_rows == 0:
-        return []
-    hours = pc.divide(table.column("event_time").cast(pa.int64()), _US_PER_HOUR)
-    uniq = pc.unique(hours).to_pylist()
-    if len(uniq) == 1:
-        return [(uniq[0], table)]
-    return [(h, table.filter(pc.equal(hours, h))) for h in uniq]
 
 
 class LakeWriter:
@@ -341,7 +207,7 @@ class LakeWriter:
         out: dict[str, list[tuple[str, bytes | None]]] = {}
         for stream, entries in resp or []:
             table = by_stream[_s(stream)]
-            out.setdefault(table, []).extend((_s(eid), _payload(fields)) for eid, fields in entries)
+            out.setdefault(table, []).extend((_s(eid), entry_payload(fields)) for eid, fields in entries)
         return out
 
     def read_pending(self) -> dict[str, list[tuple[str, bytes | None]]]:
@@ -364,7 +230,7 @@ class LakeWriter:
                 if not entries:
                     break
                 for eid, fields in entries:
-                    got[_s(eid)] = _payload(fields)
+                    got[_s(eid)] = entry_payload(fields)
                 start = _s(entries[-1][0])
             cursor = "0-0"
             while True:
@@ -381,7 +247,7 @@ class LakeWriter:
                 )
                 cursor = _s(resp[0])
                 for eid, fields in resp[1]:
-                    got[_s(eid)] = _payload(fields)
+                    got[_s(eid)] = entry_payload(fields)
                 for eid in resp[2] if len(resp) > 2 else []:
                     got[_s(eid)] = None
                 if cursor == "0-0":
@@ -448,7 +314,7 @@ class LakeWriter:
         res = self._redis_call("XRANGE part", snapshot)
         if not res[0]:
             return None
-        data = [_payload(r[0][1]) if r else None for r in res[1:]]
+        data = [entry_payload(r[0][1]) if r else None for r in res[1:]]
         return Part(table, part_id, ids, data, redo=True)
 
     # ---- writing and committing -----------------------------------------------------------------
@@ -621,22 +487,9 @@ class LakeWriter:
     def compact(
         self, *, min_age_s: float = 600.0, progress: Callable[[Path], None] | None = None
     ) -> list[CompactResult]:
-        """Compact every partition of this writer's tables (see ``compact_partition``)."""
-        results = []
-        for table in self.config.tables:
-            tdir = self.config.lake / table
-            if not tdir.is_dir():
-                continue
-            open_parts = self.open_part_ids(table)
-            for pdir in sorted(tdir.glob("date=*/hour=*")):
-                r = compact_partition(
-                    pdir, open_parts=open_parts, min_age_s=min_age_s, compression=self.config.compression
-                )
-                if progress is not None:
-                    progress(pdir)
-                if r.inputs:
-                    results.append(r)
-        return results
+        """Compact every partition of this writer's tables (see ``telemetry.lake_files.compact_partition``)."""
+        cfg = self.config
+        return compact_tables(cfg.lake, cfg.tables, self.open_part_ids, min_age_s, cfg.compression, progress)
 
     def close(self) -> None:
         self._redis.close()
@@ -645,72 +498,3 @@ class LakeWriter:
 def _id_key(eid: str) -> tuple[int, int]:
     ms, _, seq = eid.partition("-")
     return int(ms), int(seq or 0)
-
-
-# ---- compaction ---------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class CompactResult:
-    partition: Path
-    inputs: list[str] = field(default_factory=list)
-    output: str | None = None
-    rows: int = 0
-
-
-def part_id_of(path: Path) -> str:
-    return path.name[len("part-") : -len(".parquet")]
-
-
-def finish_compactions(pdir: Path) -> None:
-    """Complete (output present) or discard (output absent) compactions a crash interrupted."""
-    for manifest in sorted(pdir.glob("_compact-*.json")):
-        m = json.loads(manifest.read_text())
-        if (pdir / m["output"]).exists():
-            for name in m["inputs"]:
-                (pdir / name).unlink(missing_ok=True)
-        manifest.unlink()
-        fsync_dir(pdir)
-
-
-def compact_partition(
-    pdir: Path, *, open_parts: set[str] = frozenset(), min_age_s: float = 600.0, compression: str = "zstd"
-) -> CompactResult:
-    """Merge a partition's part files into one, atomically; rows de-duplicated on event_id. Skips parts
-    with an open intent and parts younger than ``min_age_s``."""
-    finish_compactions(pdir)
-    for tmp in pdir.glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
-    now = time.time()
-    inputs = sorted(
-        p
-        for p in pdir.glob("part-*.parquet")
-        if part_id_of(p) not in open_parts and now - p.stat().st_mtime >= min_age_s
-    )
-    result = CompactResult(pdir)
-    if len(inputs) < 2:
-        return result
-    names = [p.name for p in inputs]
-    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
-    output = f"part-c{digest}.parquet"
-    manifest = pdir / f"_compact-{digest}.json"
-    tmp_manifest = pdir / f".{manifest.name}.tmp"
-    with open(tmp_manifest, "w") as fh:
-        json.dump({"inputs": names, "output": output}, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp_manifest, manifest)
-    fsync_dir(pdir)
-    tables = [pq.read_table(p) for p in inputs]
-    table_name = (tables[0].schema.metadata or {}).get(b"tandem.table", b"").decode()
-    schema = SCHEMAS[table_name] if table_name in SCHEMAS else tables[0].schema
-    merged = dedupe(pa.concat_tables([conform(t, schema) for t in tables]))
-    meta = dict(schema.metadata or {})
-    meta.pop(b"tandem.entries", None)
-    meta[b"tandem.part_id"] = f"c{digest}".encode()
-    write_parquet_atomic(merged.replace_schema_metadata(meta), pdir / output, compression)
-    finish_compactions(pdir)
-    result.inputs = names
-    result.output = output
-    result.rows = merged.num_rows
-    return result

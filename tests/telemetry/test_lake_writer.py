@@ -11,7 +11,7 @@ import pytest
 
 import telemetry.lake_writer as lw
 from telemetry.emitter import stream_key
-from telemetry.lake_writer import compact_partition
+from telemetry.lake_files import compact_partition
 from telemetry.query import lake_files, query
 
 

@@ -12,7 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
-from telemetry.lake_writer import LakeWriter, Part, WriterConfig
+from telemetry.lake_files import Part
+from telemetry.lake_writer import LakeWriter, WriterConfig
 
 
 class HangBeforeCommit(LakeWriter):
