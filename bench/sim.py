@@ -47,76 +47,47 @@ that ``--from-json`` can simulate a recorded run again without engines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-import psutil
 
+from bench.sim_compare import (
+    Errors,
+    errors,
+    plan_matches_real,
+    plot,
+    real_routes,
+    render,
+    result_line,
+    route_name,
+    routes_agree,
+)
+from bench.sim_profile import CpuMeter, profile_arm
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.registry import Role
-from contracts.secret import engine_auth_headers
 from decode_nodes import engine_args as decode_engine_args
 from infra.launcher import Cluster, ClusterSpec
-from node_agent.model import default_model_dir
 from node_agent.settings import NodeSettings
 from prefill_nodes import engine_args as prefill_engine_args
-from profiling.fit import fit_step_model, nnls
-from profiling.measure import Sweep, first_tokens, measure, neighbour_slowdown
+from profiling.measure import Sweep
 from replay import Mode, PlannedRequest, ReplaySettings, Result, plan, run, summarize, to_table, write_results
 from replay.results import Summary
 from router.policies import CacheAware
 from simulator.fleet import SIMULATED, FleetSim, NodeSpec
 from simulator.report import SimSummary
 from simulator.report import summarize as sim_summarize
-from simulator.step_model import Profile, StepModel
+from simulator.step_model import Profile
 from traces.schema import Trace, read_trace, write_trace
 from traces.synth import AgenticSpec, synth_agentic
 
-RELATIVE = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "output_tok_s")
-
-
 # --- the comparison ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Errors:
-    ttft_p50: float
-    ttft_p90: float
-    itl_p50: float
-    tput: float
-    hit: float
-    """Absolute (hit rates are shares already)."""
-
-
-def errors(real: Mapping[str, float], sim: Mapping[str, float]) -> Errors:
-    """``real`` and ``sim``: ``replay.results.Summary`` / ``simulator.report.SimSummary`` fields."""
-    rel = [abs(sim[k] - real[k]) / real[k] if real[k] else float("inf") for k in RELATIVE]
-    return Errors(*rel, hit=abs(sim["observed_hit"] - real["observed_hit"]))
-
-
-def plan_matches_real(real: Mapping[str, Mapping[str, float]], sim: Mapping[str, Mapping[str, float]]) -> bool:
-    """Whether the simulator orders the configurations by TTFT p90 as the real runs did."""
-
-    def order(runs: Mapping[str, Mapping[str, float]]) -> list[str]:
-        return sorted(runs, key=lambda name: runs[name]["ttft_p90_s"])
-
-    return order(real) == order(sim)
-
-
-def result_line(per_config: Mapping[str, Errors], matches: bool) -> str:
-    worst = {f: max(getattr(e, f) for e in per_config.values()) for f in Errors.__dataclass_fields__}
-    return (
-        f"RESULT ttft_p50_err={worst['ttft_p50']:.3f} ttft_p90_err={worst['ttft_p90']:.3f} "
-        f"itl_p50_err={worst['itl_p50']:.3f} tput_err={worst['tput']:.3f} hit_err={worst['hit']:.3f} "
-        f"plan_matches_real={int(matches)}"
-    )
 
 
 # --- configurations and their simulated twins -------------------------------------------------------
@@ -213,55 +184,6 @@ def simulate(
 
 
 # --- where each request went, real against simulated -------------------------------------------------
-def route_name(prefill: str | None, decode: str) -> str:
-    """A request's route: ``decode`` alone (it prefilled itself) or ``prefill->decode``."""
-    return f"{prefill}->{decode}" if prefill else decode
-
-
-def real_routes(
-    lake: Path, session_prefix: str, nodes: Sequence[LiveNodeView], replay: Sequence[Mapping[str, Any]]
-) -> dict[str, str]:
-    """Where the real router sent each replayed request, from the cluster's lake (its ``requests``
-    rows: ``prefill_node``, ``decode_node``), by the replay's request id, in the simulator's node names
-    (``sim_specs`` keeps the nodes' order; node i is ``{role}-{i}``). The lake knows the router's request
-    ids, not the trace's: a session's rows (``session_prefix`` + the trace's session) are matched to the
-    replay's requests of that session in the order they were sent (closed loop: one at a time). A
-    session whose rows the lake does not hold in full is left out."""
-    from telemetry.query import query
-
-    names = {n.node_id: f"{n.role.value}-{i}" for i, n in enumerate(nodes)}
-    rows = query(lake, "SELECT session_id, t_arrival, prefill_node, decode_node FROM requests").to_pylist()
-    lake_rows: dict[str, list[dict[str, Any]]] = {}
-    for r in sorted(rows, key=lambda r: r["t_arrival"]):
-        sid = r["session_id"] or ""
-        if sid.startswith(session_prefix):
-            lake_rows.setdefault(sid.removeprefix(session_prefix), []).append(r)
-    sent: dict[str, list[str]] = {}
-    for r in sorted(replay, key=lambda r: r["sent_s"] if r["sent_s"] is not None else float("inf")):
-        if r["session_id"] is not None:
-            sent.setdefault(r["session_id"], []).append(r["request_id"])
-    out = {}
-    for sid, ids in sent.items():
-        got = lake_rows.get(sid, [])
-        if len(got) != len(ids):
-            continue
-        for rid, r in zip(ids, got, strict=True):
-            prefill = r["prefill_node"] and names.get(r["prefill_node"], r["prefill_node"])
-            out[rid] = route_name(prefill, names.get(r["decode_node"], r["decode_node"]))
-    return out
-
-
-def routes_agree(real: Mapping[str, str], sim_rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """How many requests the simulated router sent where the real one did (of those the lake matched):
-    a timing difference early in a run can move later decisions, and with them TTFT."""
-    matched = [r for r in sim_rows if r["request_id"] in real]
-    agree = sum(real[r["request_id"]] == r["route"] for r in matched)
-    return {
-        "requests": len(sim_rows),
-        "matched": len(matched),
-        "agree": agree,
-        "share": round(agree / len(matched), 3) if matched else None,
-    }
 
 
 # --- settings ---------------------------------------------------------------------------------------
@@ -331,36 +253,6 @@ Say = Callable[[str], None]
 
 
 # --- the real half ----------------------------------------------------------------------------------
-class CpuMeter:
-    """How much CPU processes outside this benchmark took during a phase (another job on a shared host
-    slows the engines; a profile measured under one load and a replay run under another disagree, and
-    the record should show it). Cores busy: all of the machine's busy time less this process tree's."""
-
-    def __init__(self) -> None:
-        self._start = self._read()
-
-    @staticmethod
-    def _read() -> tuple[float, float, float]:
-        t = psutil.cpu_times()
-        busy = t.user + t.system + t.nice + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-        ours = 0.0
-        me = psutil.Process()
-        for p in [me, *me.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                c = p.cpu_times()
-                ours += c.user + c.system
-        return time.monotonic(), busy, ours
-
-    def lap(self) -> dict[str, float]:
-        """Since the last lap: seconds, cores busy in all, cores busy outside this benchmark."""
-        (t0, b0, o0), (t1, b1, o1) = self._start, self._read()
-        self._start = (t1, b1, o1)
-        span = max(t1 - t0, 1e-9)
-        return {
-            "seconds": round(t1 - t0, 1),
-            "cores_busy": round((b1 - b0) / span, 2),
-            "cores_busy_elsewhere": round(max(0.0, (b1 - b0) - (o1 - o0)) / span, 2),
-        }
 
 
 async def _replay_watched(
@@ -382,180 +274,12 @@ async def _replay_watched(
         sampler.cancel()
 
 
-def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    return int(2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * width)
-
-
 def _nodes(url: str) -> list[LiveNodeView]:
     data = httpx.get(f"{url}/cluster", timeout=10).json()["nodes"]
     return [
         LiveNodeView(n["node_id"], Role(n["role"]), n["url"], int(n["num_kv_blocks"]), int(n["block_size"]))
         for n in sorted(data, key=lambda n: n["node_id"])
     ]
-
-
-def _metric(text: str, name: str) -> float:
-    """Sum of a metric's samples in a Prometheus exposition (every engine label)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-PULL_SECONDS, PULL_COUNT = "tandem_kv_transfer_seconds_sum", "tandem_kv_transfer_seconds_count"
-
-
-async def _pulls(client: httpx.AsyncClient, decode_url: str, count_before: float, n: int) -> tuple[float, float]:
-    """(pull seconds, pulls) on the decode engine once ``n`` more pulls than ``count_before`` show: its
-    metrics come from the engine's stats stream, a little after the answer (no notification exists)."""
-    deadline = time.monotonic() + 30
-    while True:
-        text = (await client.get(f"{decode_url}/metrics")).text
-        count = _metric(text, PULL_COUNT)
-        if count >= count_before + n or time.monotonic() > deadline:
-            return _metric(text, PULL_SECONDS), count
-        await asyncio.sleep(0.2)
-
-
-TINY_TOKENS = 16
-"""Prompt of the paired requests that time the router and the handover: so short that its prefill
-varies little between two requests."""
-
-
-async def profile_arm(
-    arm: Arm, nodes: Sequence[LiveNodeView], router_url: str, model: str, cfg: SimBenchConfig, seed: int, say: Say
-) -> tuple[Profile, dict[str, Any]]:
-    """The configuration's profile, measured on it: a step model per node kind (each engine alone), how
-    much a busy neighbour on the host slows a step, the router's overhead, and for P/D the handover
-    against prompt tokens."""
-    auth = engine_auth_headers(loopback_only=True)
-    base = StepModel(kv_bytes_per_token=kv_bytes_per_token(default_model_dir(), cfg.dtype))
-    measured = []
-    for k, n in enumerate(nodes):
-        say(f"{arm.name}: profiling {n.node_id} (the other engines idle)")
-        measured.append(
-            await measure(
-                n.url, model, cfg.sweep, seed=seed + k, headers=auth, progress=lambda m, n=n: say(f"  {n.node_id}: {m}")
-            )
-        )
-    models: dict[Role, StepModel] = {}
-    raw: dict[str, Any] = {}
-    for role in dict.fromkeys(n.role for n in nodes):
-        mine = [m for n, m in zip(nodes, measured, strict=True) if n.role is role]
-        pre = [p for m in mine for p in m.prefill]
-        dec = [d for m in mine for d in m.decode]
-        mix = [x for m in mine for x in m.mixed]
-        step, err = fit_step_model(
-            pre, dec, mix, base=base, source=f"measured on the {arm.name} cluster's {role.value} nodes"
-        )
-        models[role] = step
-        raw[role.value] = {
-            "prefill": [asdict(p) for p in pre],
-            "decode": [asdict(d) for d in dec],
-            "mixed": [asdict(x) for x in mix],
-            "fit_rel_rms": err,
-        }
-        say(
-            f"{arm.name} {role.value}: base {step.base_s * 1e3:.1f} ms, "
-            f"prefill {step.prefill_s_per_token * 1e3:.2f} ms/token"
-            f" + {step.prefill_s_per_ctx_pair * 1e9:.2f}/{step.prefill_s_per_new_pair * 1e9:.2f} ns a cached/new pair,"
-            f" decode {step.decode_s_per_seq * 1e3:.2f} ms/seq"
-            f" + {step.decode_s_per_ctx_token * 1e9:.1f} ns/ctx token + {step.decode_s_per_kv_token * 1e9:.1f} ns/KV"
-            f" token held, overhead {step.request_overhead_s * 1e3:.1f} ms;"
-            f" fit relative RMS {err:.1%}"
-        )
-    rng = random.Random(seed + 100)
-    vocab = cfg.sweep.vocab
-    # the engine that serves a request the router sends whole: the decode node in a P/D cluster
-    local = next(n for n in nodes if n.role is (Role.DECODE if arm.prefill else Role.BOTH))
-    others = [n.url for n in nodes if n is not local]
-    if others:
-        say(f"{arm.name}: {local.node_id} alone and beside busy neighbours")
-        slow = await neighbour_slowdown(
-            local.url, others, model, seed=seed + 200, headers=auth, vocab=vocab, progress=lambda m: say(f"  {m}")
-        )
-        # Recorded, not applied: three runs on a 2-core host measured a decode step 1.11, 1.65 and 1.08x and
-        # a prefill 0.94-1.04x slower beside a busy neighbour, within this host's step noise (one decode
-        # batch swings 2x on its own), and the 1.31x of the second run, applied, put the 1P+1D replay's
-        # simulated ITL p50 at 174 ms against a real 116 (153 ms with 1.0). The simulator's processor
-        # sharing stays for hosts where a profile measures a real effect (``StepModel.shared_slowdown``).
-        raw["neighbours"] = {**asdict(slow), "decode": slow.decode, "prefill": slow.prefill, "factor": slow.factor}
-        say(
-            f"{arm.name}: beside a busy neighbour a decode step took {slow.decode:.2f}x, a prefill "
-            f"{slow.prefill:.2f}x (recorded, not applied)"
-        )
-    prefill = next((n for n in nodes if n.role is Role.PREFILL), None)
-    pairs: dict[str, list[float]] = {"direct": [], "routed": [], "direct_prefill": [], "pd": []}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        say(f"{arm.name}: {TINY_TOKENS}-token prompts straight to the engines and through the router, interleaved")
-        for _ in range(4 * cfg.sweep.repeats):
-            legs = [("direct", local.url, auth), ("routed", router_url, {"x-tandem-route": "colocated"})]
-            if prefill is not None:
-                legs += [("direct_prefill", prefill.url, auth), ("pd", router_url, {"x-tandem-route": "disaggregated"})]
-            for key, url, headers in legs:
-                (point,) = await first_tokens(client, url, model, (TINY_TOKENS,), 1, rng, vocab, headers)
-                pairs[key].append(point.seconds)
-        # what the router adds, both ways: its work and its hop (the engines' own HTTP is in the fit)
-        router_s = max(0.0, float(np.median(pairs["routed"]) - np.median(pairs["direct"])))
-        raw["router"] = {"tiny_tokens": TINY_TOKENS, **pairs, "router_s": router_s}
-        models = {r: replace(m, request_overhead_s=m.request_overhead_s + router_s) for r, m in models.items()}
-        say(f"{arm.name}: the router adds {router_s * 1e3:.1f} ms a request")
-        if prefill is not None:
-            d, p = models[Role.DECODE], models[Role.PREFILL]
-            # The handover: what a P/D request's first token takes beyond the same prompt's prefill sent
-            # straight to the prefill engine, less the router and the decode node's step that computes
-            # the prompt's last token. Timed in pairs (straight, then P/D, in turn, so that the host's
-            # load drifts out of the difference), because the router's pairs are layer-wise: the decode
-            # node pulls each layer while the prefill computes the next, so the pull's own time
-            # (tandem_kv_transfer_seconds, kept in the record) spans the prefill and says nothing of
-            # what the transfer adds after it. Taken for the transfer, it charged every simulated P/D
-            # request its prefill twice (in one recorded run: P/D TTFT p90 1.04 off).
-            pull_s0, pulls_n0 = await _pulls(client, local.url, 0, 0)
-            extra: dict[int, list[float]] = {
-                TINY_TOKENS: [q - s for q, s in zip(pairs["pd"], pairs["direct_prefill"], strict=True)]
-            }
-            pd_first: dict[int, float] = {}
-            pd_route = {"x-tandem-route": "disaggregated"}
-            for n in cfg.sweep.prefill_tokens:
-                straight, paired = [], []
-                for _ in range(cfg.sweep.repeats):
-                    (q,) = await first_tokens(client, prefill.url, model, (n,), 1, rng, vocab, auth)
-                    straight.append(q.seconds)
-                    (q,) = await first_tokens(client, router_url, model, (n,), 1, rng, vocab, pd_route)
-                    paired.append(q.seconds)
-                extra[n] = [q - s for q, s in zip(paired, straight, strict=True)]
-                pd_first[n] = float(np.median(paired))
-            pull_s1, pulls_n1 = await _pulls(client, local.url, pulls_n0, len(pd_first) * cfg.sweep.repeats)
-            handover = {
-                n: max(0.0, float(np.median(v)) - router_s - d.step_s(1, 0, 0, n - 1, 0.5)) for n, v in extra.items()
-            }
-            ns = np.array(sorted(handover), dtype=float)
-            fixed, per_token = nnls(np.column_stack([np.ones_like(ns), ns]), np.array([handover[int(n)] for n in ns]))
-            bw = p.kv_bytes_per_token / per_token if per_token > 0 else 1e15
-            models[Role.PREFILL] = replace(p, transfer_base_s=float(fixed), transfer_bytes_per_s=float(bw))
-            predicted = {
-                n: models[Role.PREFILL].request_overhead_s
-                + models[Role.PREFILL].step_s(n, 0, 0, 0.0, n * n / 2)
-                + models[Role.PREFILL].transfer_s(n)
-                + d.step_s(1, 0, 0, n - 1, 0.5)
-                for n in pd_first
-            }
-            raw["handover"] = {
-                "pd_less_straight_s": extra,
-                "handover_s": handover,
-                "fixed_s": float(fixed),
-                "s_per_token": float(per_token),
-                "pull_mean_s_layerwise_spans_prefill": (pull_s1 - pull_s0) / max(pulls_n1 - pulls_n0, 1),
-                "pd_first_token_s": pd_first,
-                "pd_first_token_predicted_s": predicted,
-            }
-            say(f"{arm.name}: handover {fixed * 1e3:.1f} ms + {per_token * 1e6:.1f} us/token ({bw / 1e9:.2f} GB/s)")
-    desc = f"measured on the {arm.name} cluster of tandem bench sim (its engines at once), {cfg.dtype}"
-    return Profile(models=models, description=desc, measurements=raw), raw
 
 
 def run_arm(arm: Arm, cfg: SimBenchConfig, trace: Trace, seed: int, files: Path, say: Say) -> dict[str, Any]:
@@ -657,78 +381,6 @@ def compare(arms: dict[str, dict[str, Any]], trace: Trace, files: Path, heartbea
     per = {name: Errors(**a["errors"]) for name, a in arms.items()}
     matches = plan_matches_real({n: a["real"] for n, a in arms.items()}, {n: a["sim"] for n, a in arms.items()})
     return {"plan_matches_real": matches, "result": result_line(per, matches)}
-
-
-def render(arms: Mapping[str, Mapping[str, Any]]) -> str:
-    lines = []
-    for name, a in arms.items():
-        r, s, e = a["real"], a["sim"], a["errors"]
-        lines.append(
-            f"{name:>10} real      TTFT p50 {r['ttft_p50_s'] * 1e3:7.0f} ms p90 {r['ttft_p90_s'] * 1e3:7.0f} ms  "
-            f"ITL p50 {r['itl_p50_s'] * 1e3:5.1f} ms  {r['output_tok_s']:6.1f} tok/s  hit {r['observed_hit']:.3f}"
-            f"  ({r['ok']}/{r['requests']} ok)"
-        )
-        lines.append(
-            f"{'':>10} {SIMULATED:<9} TTFT p50 {s['ttft_p50_s'] * 1e3:7.0f} ms p90 {s['ttft_p90_s'] * 1e3:7.0f} ms  "
-            f"ITL p50 {s['itl_p50_s'] * 1e3:5.1f} ms  {s['output_tok_s']:6.1f} tok/s  hit {s['observed_hit']:.3f}"
-        )
-        lines.append(
-            f"{'':>10} error     TTFT p50 {e['ttft_p50']:.3f}  p90 {e['ttft_p90']:.3f}  ITL p50 {e['itl_p50']:.3f}  "
-            f"tput {e['tput']:.3f}  hit {e['hit']:.3f}"
-        )
-        agree = a.get("routes_agree")
-        if agree and agree["matched"]:
-            lines.append(
-                f"{'':>10} routes    {agree['agree']}/{agree['matched']} requests routed as in the real run"
-                f" ({agree['requests'] - agree['matched']} not matched in the lake)"
-            )
-    return "\n".join(lines)
-
-
-def plot(arms: Mapping[str, Mapping[str, Any]], out_png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(3, len(arms), figsize=(6 * len(arms), 11), squeeze=False)
-    for col, (name, a) in enumerate(arms.items()):
-        real = [r for r in a["real_requests"] if r["status"] == "ok"]
-        series = {
-            "real": ([r["ttft_s"] for r in real], [g for r in real for g in r["itl_s"]]),
-            f"{SIMULATED}": (
-                [r["ttft_s"] for r in a["sim_requests"]],
-                [g for r in a["sim_requests"] for g in r["itl_s"]],
-            ),
-        }
-        for row, (metric, unit) in enumerate((("TTFT", "s"), ("ITL", "ms"))):
-            ax = axes[row][col]
-            for label, values in series.items():
-                v = np.sort(np.asarray(values[row], dtype=float)) * (1e3 if unit == "ms" else 1.0)
-                ax.plot(v, np.arange(1, len(v) + 1) / max(len(v), 1), label=label, ls="--" if label != "real" else "-")
-            e = a["errors"]
-            note = (
-                f"p50 err {e['ttft_p50']:.2f}, p90 err {e['ttft_p90']:.2f}"
-                if row == 0
-                else f"p50 err {e['itl_p50']:.2f}"
-            )
-            ax.set_title(f"{name}: {metric} ({note})")
-            ax.set_xlabel(f"{metric} ({unit})")
-            ax.set_ylabel("share of requests" if row == 0 else "share of gaps")
-            ax.grid(alpha=0.3)
-            ax.legend()
-        ax = axes[2][col]
-        elsewhere = a.get("host_load", {}).get("replay_elsewhere_per_s", [])
-        ax.plot(np.arange(1, len(elsewhere) + 1), elsewhere, color="gray")
-        ax.set_title(f"{name}: cores busy outside the benchmark during the replay")
-        ax.set_xlabel("replay time (s)")
-        ax.set_ylabel("cores")
-        ax.set_ylim(0, 2)
-        ax.grid(alpha=0.3)
-    fig.suptitle("tandem bench sim: real cluster against the SIMULATED one, same trace, measured profile")
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
 
 
 def write(out: Path, doc: dict[str, Any]) -> None:

@@ -9,7 +9,8 @@ from dataclasses import asdict
 
 import pytest
 
-from bench.sim import LiveNodeView, compare, errors, plan_matches_real, render, result_line, sim_specs
+from bench.sim import LiveNodeView, compare, sim_specs
+from bench.sim_compare import errors, plan_matches_real, render, result_line
 from contracts.errors import ConfigError
 from contracts.registry import Role
 from router.policies import CacheAware
@@ -132,7 +133,7 @@ def test_the_real_routes_come_from_the_lake_in_the_simulators_node_names(tmp_pat
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from bench.sim import real_routes, routes_agree
+    from bench.sim_compare import real_routes, routes_agree
     from telemetry.schemas import SCHEMAS
 
     t = dt.datetime(2026, 12, 4, 9, 0, tzinfo=dt.UTC)
