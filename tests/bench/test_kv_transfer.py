@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.kv_transfer import PULL_FIXED_TOKENS, KvBenchConfig, Sample, summarise
+from bench.kv_transfer import PULL_FIXED_TOKENS, KvBenchConfig
+from bench.kv_transfer_results import Sample, summarise
 
 
 def test_summary_reports_exposed_time_and_fixed_cost_on_the_best_transport(capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,7 +52,7 @@ def test_summary_reports_exposed_time_and_fixed_cost_on_the_best_transport(capsy
 def test_plot_draws_layerwise_exposed_time_and_fixed_cost_with_figures_missing(tmp_path: Path) -> None:
     """Layer-wise entries carry no GB/s (only an exposed time), a transport may have no fixed pulls and
     NIXL may not have run: the plot still draws every panel."""
-    from bench.kv_transfer import plot
+    from bench.kv_transfer_results import plot
 
     cfg = KvBenchConfig(sizes=(1000,), repeats=1, nixl=False)
     samples = [
