@@ -48,7 +48,6 @@ import json
 import os
 import signal
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -61,6 +60,8 @@ import psutil
 import redis
 from rich.console import Console
 
+from bench.chaos_report import plot, timeline
+from bench.chaos_workload import Request, Workload
 from contracts.registry import NodeInfo, node_key
 from infra.launcher import Child, Cluster, ClusterSpec
 from node_agent.engine_metrics import parse_metrics
@@ -75,9 +76,6 @@ FAULTS = (
     "sigkill_router",
     "sigkill_lake_writer",
     "restart_redis",
-)
-SYSTEM = "You are a coding agent in a Python repository. " + " ".join(
-    f"Rule {i}: small functions, clear names, tests that can fail." for i in range(25)
 )
 
 
@@ -104,17 +102,6 @@ class ChaosConfig:
 
 
 @dataclass(slots=True)
-class Request:
-    start: float
-    end: float = 0.0
-    outcome: str = "running"
-    """ok, status <code>, error event (an SSE error event), cut (connection closed mid-answer),
-    refused (no router listening), hung (no byte for hang_s)."""
-    response_id: str | None = None
-    tokens: int = 0
-
-
-@dataclass(slots=True)
 class FaultResult:
     fault: str
     at_s: float
@@ -126,88 +113,6 @@ class FaultResult:
     """The component the fault hit: a node id, or router, lake-writer, redis."""
     failed_elsewhere: int = 0
     failed_unattributed: int = 0
-
-
-class Workload:
-    """``streams`` threads of closed-loop SSE requests; every request's outcome is kept."""
-
-    def __init__(self, url: str, model: str, cfg: ChaosConfig) -> None:
-        self.url, self.model, self.cfg = url, model, cfg
-        self.stop = threading.Event()
-        self.requests: list[Request] = []
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._worker, args=(n,), daemon=True) for n in range(cfg.streams)]
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def finish(self) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(self.cfg.hang_s + 30)
-
-    def _worker(self, n: int) -> None:
-        timeout = httpx.Timeout(connect=10, read=self.cfg.hang_s, write=10, pool=10)
-        with httpx.Client(timeout=timeout) as client:
-            i = 0
-            while not self.stop.is_set():
-                i += 1
-                req = Request(start=time.monotonic())
-                with self._lock:
-                    self.requests.append(req)
-                retry_after = self._one(client, req, n, i)
-                req.end = time.monotonic()
-                if req.outcome != "ok":
-                    self.stop.wait(min(2.0, retry_after))  # a client's pause before retrying
-
-    def _one(self, client: httpx.Client, req: Request, n: int, i: int) -> float:
-        body = {
-            "model": self.model,
-            "stream": True,
-            "max_tokens": self.cfg.max_tokens,
-            "temperature": 0,
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Session {n}, step {i}: what should I check next?"},
-            ],
-        }
-        try:
-            with client.stream(
-                "POST", f"{self.url}/v1/chat/completions", json=body, headers={"x-session-id": f"chaos-{n}"}
-            ) as resp:
-                if resp.status_code != 200:
-                    req.outcome = f"status {resp.status_code}"
-                    resp.read()
-                    return float(resp.headers.get("retry-after") or 0.5)
-                done = error = False
-                for line in resp.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        done = True
-                        continue
-                    with contextlib.suppress(ValueError):
-                        chunk = json.loads(data)
-                        if "error" in chunk:
-                            error = True
-                        req.response_id = req.response_id or chunk.get("id")
-                        req.tokens += sum(
-                            1 for c in chunk.get("choices") or [] if (c.get("delta") or {}).get("content")
-                        )
-                req.outcome = "error event" if error else ("ok" if done else "cut")
-        except httpx.TimeoutException:
-            req.outcome = "hung"
-        except httpx.ConnectError:
-            req.outcome = "refused"  # nothing listening (the router is down): never reached a node
-        except httpx.HTTPError:
-            req.outcome = "cut"
-        return 0.5
-
-    def snapshot(self) -> list[Request]:
-        with self._lock:
-            return list(self.requests)
 
 
 class Chaos:
@@ -488,7 +393,7 @@ class Chaos:
             "recovery_p50_s": round(statistics.median(recoveries), 1) if recoveries else None,
             "recovery_max_s": max(recoveries) if recoveries else None,
         }
-        timeline = _timeline(requests, self.t0, t_end)
+        bins = timeline(requests, self.t0, t_end)
         return {
             "benchmark": "chaos",
             "time": time.time(),
@@ -497,7 +402,7 @@ class Chaos:
             "faults": [asdict(r) for r in results],
             "answered": answered,
             "requests": len(requests),
-            "timeline": timeline,
+            "timeline": bins,
             "launcher_events": self.events,
         }
 
@@ -517,75 +422,7 @@ def _leased(metrics_text: str) -> int:
                 total += float(line.rsplit(" ", 1)[1])
     return int(total)
 
-
-def _timeline(requests: list[Request], t0: float, t_end: float, bin_s: float = 5.0) -> list[dict[str, float]]:
-    """Answers/s and failures/s per ``bin_s`` bin of request end times."""
-    n = max(1, int((t_end - t0) / bin_s) + 1)
-    ok = [0] * n
-    bad = [0] * n
-    for r in requests:
-        if r.outcome == "running" or r.end < t0:
-            continue
-        i = min(n - 1, int((r.end - t0) / bin_s))
-        (ok if r.outcome == "ok" else bad)[i] += 1
-    return [{"t_s": i * bin_s, "answers_per_s": ok[i] / bin_s, "failures_per_s": bad[i] / bin_s} for i in range(n)]
     # t_s is each bin's start; the plot draws a bin at its middle.
-
-
-def plot(doc: dict[str, Any], out_png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tl = doc["timeline"]
-    fig, ax = plt.subplots(figsize=(14, 4.5))
-    bin_s = tl[1]["t_s"] - tl[0]["t_s"] if len(tl) > 1 else 5.0
-    xs = [b["t_s"] + bin_s / 2 for b in tl]
-    answers = [b["answers_per_s"] for b in tl]
-    # Closed-loop streams on a slow engine finish in waves, so 5 s bins alternate between bursts and
-    # nothing; a trailing 30 s mean shows the service level, the faint bins what happened when.
-    width = max(1, round(30 / bin_s))
-    smooth = [sum(answers[max(0, i - width + 1) : i + 1]) / min(width, i + 1) for i in range(len(answers))]
-    ax.plot(xs, answers, color="tab:blue", alpha=0.25, lw=0.8)
-    ax.plot(xs, smooth, label="answers/s (trailing 30 s)", color="tab:blue", lw=2)
-    ax.plot(xs, [b["failures_per_s"] for b in tl], label="failed requests/s", color="tab:red")
-    top = max(answers + [b["failures_per_s"] for b in tl] + [1.0])
-    for f in doc["faults"]:
-        ax.axvline(f["at_s"], color="black", lw=0.8, ls="--")
-        if f["recovery_s"] is not None:
-            ax.axvspan(f["at_s"], f["at_s"] + f["recovery_s"], color="orange", alpha=0.15)
-        ax.text(f["at_s"], top * 1.02, f["fault"].replace("_", " "), rotation=30, fontsize=7, va="bottom")
-    ax.set_xlabel("seconds since the load started")
-    ax.set_ylabel("per second (5 s bins)")
-    ax.set_ylim(0, top * 1.35)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
-    s = doc["summary"]
-    ax.set_title(
-        f"Tandem chaos: {s['survived']}/{s['faults']} faults survived, {s['failed_requests']} failed "
-        f"({s.get('failed_elsewhere', 0)} not on the killed component), {s['hung_streams']} hung, "
-        f"{s['lost_lake_rows']} lake rows lost (recovery shaded)",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-
-
-def result_line(summary: dict[str, Any]) -> str:
-    keys = (
-        "faults",
-        "survived",
-        "hung_streams",
-        "stranded_blocks",
-        "lost_lake_rows",
-        "failed_requests",
-        "failed_elsewhere",
-        "recovery_p50_s",
-        "recovery_max_s",
-    )
-    return "RESULT " + " ".join(f"{k}={summary[k]}" for k in keys)
 
 
 def run_chaos_bench(out: Path, cfg: ChaosConfig | None = None) -> dict[str, Any]:

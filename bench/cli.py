@@ -549,7 +549,8 @@ def bench_chaos(
     engines and a node agent killed, an engine stopped for 30 s, the router, the lake writer and Redis
     killed or restarted. Per fault: failed requests, recovery time; overall hung streams, stranded KV
     blocks, lost lake rows. ~15 min on 2 cores."""
-    from bench.chaos import FAULTS, ChaosConfig, result_line, run_chaos_bench
+    from bench.chaos import FAULTS, ChaosConfig, run_chaos_bench
+    from bench.chaos_report import result_line
 
     faults = tuple(fault or FAULTS)
     unknown = [f for f in faults if f not in FAULTS]

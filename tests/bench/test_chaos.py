@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.chaos import Chaos, ChaosConfig, FaultResult, Request, _leased, _timeline, plot, result_line
+from bench.chaos import Chaos, ChaosConfig, FaultResult, _leased
+from bench.chaos_report import plot, result_line, timeline
+from bench.chaos_workload import Request
 
 
 def _req(start: float, end: float, outcome: str, rid: str | None = None) -> Request:
@@ -14,7 +16,7 @@ def _req(start: float, end: float, outcome: str, rid: str | None = None) -> Requ
 
 def test_timeline_bins_answers_and_failures_by_end_time() -> None:
     reqs = [_req(0, 1, "ok"), _req(0, 4.9, "ok"), _req(3, 6, "status 502"), _req(5, 7, "running")]
-    tl = _timeline(reqs, t0=0.0, t_end=9.0, bin_s=5.0)
+    tl = timeline(reqs, t0=0.0, t_end=9.0, bin_s=5.0)
     assert tl == [
         {"t_s": 0.0, "answers_per_s": 0.4, "failures_per_s": 0.0},
         {"t_s": 5.0, "answers_per_s": 0.0, "failures_per_s": 0.2},
