@@ -25,40 +25,19 @@ The parts:
   decodes. With a measured profile the transfer is the whole handover: the prefill leg's answer
   back to the router, the decode leg opened, the pull. The client's first token is the first
   token the decode side produces.
-- The router: the real policy (``router.policies``, built by ``make_policy``) is given what the real
-  router gives it. Candidates are ``router.policies.Candidate`` of ``LiveNode`` records whose
-  ``NodeLoad`` (running, waiting, KV usage) is refreshed every ``heartbeat_s`` simulated seconds (the
-  real router re-reads the registry each second), plus the router's own in-flight count per node
-  (as ``router.fleet.Fleet.track``: on the prefill node during the prefill leg, on the decode node
-  until the answer ends); the pool choice is ``Orchestrator._select``'s (P/D when both pools
-  exist, else colocated, else decode: ``select_pools``, checked equal to the real one by a test);
-  ``on_prefilled`` is called at the first token (the router calls it when a stream's first event
-  arrives) and ``on_complete`` when the request ends. The prefix lookup (``SimLookup``) reads a
-  fleet-wide map of which node holds which key, kept by the pools as they store and evict, a
-  prompt's blocks entering it at the end of the step that computed them (vLLM publishes its KV events
-  after a step: a request routed while a shared prefix is still being computed does not see it there,
-  and in a recorded real run the router sent such a request to the other node): what the
-  router's ``FleetIndex`` would hold with every KV event applied (a test feeds the real index the
-  simulator's events and gets the same decisions).
-- Keys: a trace's chained hashes regrouped to the nodes' block size (``simulator.keys``);
-  decoded tokens' blocks get keys no prompt has.
+- The router (``simulator.sim_router.SimRouter``): the real policy objects, given what the real router
+  gives them; the prefix lookup (``SimLookup``) as the router's ``FleetIndex`` would hold it.
 
 Speed (what keeps a Mooncake-sized trace on hundreds of nodes within seconds): no Python work per
-token. A running request's progress is arithmetic on its node's step counter (``_Run.base``: at the
+token. A running request's progress is arithmetic on its node's step counter (``Work.base``: at the
 start of step s it holds ``prompt + s - base`` tokens); a node keeps, per future step, the requests
 that will need a new block then (every ``block_size`` steps) and those that will finish then, so a
 step touches only those. One heap event per step per node; arrivals are merged in from the sorted
 trace rather than pushed up front. Each token's time is the end of a step of its node, so the node
 records its step end times and a request's token times are read back afterwards
-(``FleetSim.token_times``), less the steps it waited for a block. Candidates are rebuilt only when
-a node's in-flight count or its heartbeat changes.
+(``FleetSim.token_times``), less the steps it waited for a block.
 
-Shared hosts: nodes with the same ``NodeSpec.host`` share a machine (two engines on two cores here:
-each pinned to a core, but one memory bus and one last-level cache). While another node of its host is
-mid-step, a step progresses ``StepModel.shared_slowdown`` times slower, processor sharing: a node that
-starts or stops computing changes the speed of its neighbours' running steps from that moment on,
-their end events move (the old ones go stale, ``SimNode.end_seq``). Nodes without a host (the
-planner's fleets) have no neighbours and pay nothing for this.
+Shared hosts: nodes of one ``NodeSpec.host`` slow each other's steps (``simulator.sim_nodes`` says how).
 
 Preemption: when no running request can get a block, the newest gives its blocks back and waits at
 the head of the queue (as vLLM does; the recomputation it costs there is not charged here).
@@ -81,12 +60,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
-from router.fleet import Pools
-from router.policies import Candidate, Decision, RoutingPolicy, RoutingRequest
-from simulator.block_pool import SimBlockPool
+from contracts.registry import LiveNode, NodeLoad, Role
+from router.policies import RoutingPolicy
 from simulator.keys import PreparedTrace, prepare
-from simulator.sim_nodes import NodeSpec, SimLookup, SimNode, SimRequest, Work
+from simulator.sim_nodes import NodeSpec, SimLookup, SimNode, SimRequest, Work, build_nodes
+from simulator.sim_router import LogEntry, SimRouter, select_pools
 from simulator.step_model import Profile, StepModel
 from traces.schema import Trace
 
@@ -95,20 +73,6 @@ SIMULATED = "SIMULATED"
 
 __all__ = ["SIMULATED", "FleetSim", "NodeSpec", "SimLookup", "SimRequest", "StepModel", "select_pools"]
 
-
-def select_pools(policy: RoutingPolicy, rr: RoutingRequest, pools: Pools) -> Decision:
-    """The pool choice of ``router.orchestrator.Orchestrator._select`` with no client preference."""
-    if pools.prefill and pools.decode:
-        return policy.select(rr, pools.prefill, pools.decode)
-    if pools.colocated:
-        return policy.select(rr, [], pools.colocated)
-    if pools.decode:
-        return policy.select(rr, [], pools.decode)
-    raise ValueError("no decode or colocated node in the simulated fleet")
-
-
-LogEntry = tuple[str, object]
-"""("route", (RoutingRequest, Pools, Decision)) | ("done", Decision) | ("kv", (node_id, "stored"|"removed", key))."""
 
 _STEP, _TRANSFER, _HEARTBEAT, _QUEUE = 0, 1, 2, 3
 
@@ -138,45 +102,14 @@ class FleetSim:
         profile = step if isinstance(step, Profile) else Profile(models={Role.BOTH: step or StepModel()})
         self.heartbeat_s = heartbeat_s
         self.lookup = SimLookup(model)
-        self.nodes: list[SimNode] = []
-        self._lists: dict[Role, list[Candidate]] = {Role.PREFILL: [], Role.DECODE: [], Role.BOTH: []}
-        for i, s in enumerate(specs):
-            node_id = f"{s.role.value}-{i}"
-            info = NodeInfo(
-                node_id=node_id,
-                role=s.role,
-                model=model,
-                url=f"sim://{node_id}",
-                block_size=s.block_size,
-                max_model_len=1 << 30,
-                kv_connector="sim" if s.role is not Role.BOTH else "none",
-                num_kv_blocks=s.num_blocks,
-            )
-            pool = SimBlockPool(
-                s.num_blocks,
-                s.block_size,
-                events=record,
-                index=self.lookup.index,
-                owner=node_id,
-                publish_on_compute=True,
-            )
-            node = SimNode(number=i, info=info, spec=s, pool=pool, step=profile.for_role(s.role))
-            node.slot = len(self._lists[s.role])
-            self._lists[s.role].append(Candidate(node=node.live))  # type: ignore[arg-type]
-            self.nodes.append(node)
+        self.nodes = build_nodes(specs, profile, model, self.lookup, record)
         self._by_id = {n.info.node_id: n for n in self.nodes}
-        hosts: dict[str, list[SimNode]] = {}
-        for n in self.nodes:
-            if n.spec.host is not None:
-                hosts.setdefault(n.spec.host, []).append(n)
-        for members in hosts.values():
-            for n in members:
-                n.neighbours = [m for m in members if m is not n]
-        self.policy = make_policy(self.lookup)
-        self.inflight: dict[str, int] = {}
         self.preemptions = 0
         self.record = record
         self.log: list[LogEntry] = []
+        self.router = SimRouter(self.nodes, make_policy(self.lookup), model, self.log if record else None)
+        self.policy = self.router.policy
+        self.inflight = self.router.inflight
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.now = 0.0
@@ -294,35 +227,15 @@ class FleetSim:
                 running=len(n.running), waiting=len(n.waiting), kv_usage=n.pool.usage, updated_at=self.now
             )
             n.live = LiveNode(info=n.info, load=n.load)
-            self._lists[n.info.role][n.slot] = Candidate(node=n.live, inflight=self.inflight.get(n.info.node_id, 0))
+            self.router.refresh(n)
         self._at(self.now + self.heartbeat_s, _HEARTBEAT, None)
 
     # --- routing --------------------------------------------------------------------------------
     def _track(self, node_id: str, delta: int) -> None:
-        left = self.inflight.get(node_id, 0) + delta
-        if left > 0:
-            self.inflight[node_id] = left
-        else:
-            self.inflight.pop(node_id, None)
-        n = self._by_id[node_id]
-        self._lists[n.info.role][n.slot] = Candidate(node=n.live, inflight=max(left, 0))  # type: ignore[arg-type]
+        self.router.track(self._by_id[node_id], delta)
 
     def _route(self, r: SimRequest) -> None:
-        lists = self._lists
-        if self.record:  # the log keeps what the policy saw, so it gets copies
-            pools = Pools(list(lists[Role.PREFILL]), list(lists[Role.DECODE]), list(lists[Role.BOTH]))
-        else:
-            pools = Pools(lists[Role.PREFILL], lists[Role.DECODE], lists[Role.BOTH])
-        rr = RoutingRequest(
-            request_id=r.request_id,
-            model=self.model,
-            prompt_token_ids=(0,) * r.prompt_tokens,
-            session_id=r.session_id,
-            block_keys=tuple(r.keys),
-        )
-        d = r.decision = select_pools(self.policy, rr, pools)
-        if self.record:
-            self.log.append(("route", (rr, pools, d)))
+        d = r.decision = self.router.route(r)
         self._track(d.decode.node_id, +1)
         if d.prefill is not None:
             self._track(d.prefill.node_id, +1)

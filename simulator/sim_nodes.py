@@ -7,8 +7,17 @@ node, and the prefix lookup the router's policy reads (see ``simulator.fleet`` f
   running work needs a block or finishes, the host's neighbours and the running step's speed).
 - Work (``Work``): one request's leg on one node (a P/D prefill leg, a whole request, or a decode
   leg with its KV moved in), its progress kept as arithmetic on the node's step counter.
+- Keys: a trace's chained hashes regrouped to the nodes' block size (``simulator.keys``);
+  decoded tokens' blocks get keys no prompt has.
 - The lookup (``SimLookup``): the router's ``PrefixLookup`` over a fleet-wide map of which node holds
   which key, kept by the pools as they store and evict.
+
+Shared hosts: nodes with the same ``NodeSpec.host`` share a machine (two engines on two cores here:
+each pinned to a core, but one memory bus and one last-level cache). While another node of its host is
+mid-step, a step progresses ``StepModel.shared_slowdown`` times slower, processor sharing: a node that
+starts or stops computing changes the speed of its neighbours' running steps from that moment on,
+their end events move (the old ones go stale, ``SimNode.end_seq``). Nodes without a host (the
+planner's fleets) have no neighbours and pay nothing for this.
 """
 
 from __future__ import annotations
@@ -23,9 +32,9 @@ import xxhash
 from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
 from router.policies import Decision
 from simulator.block_pool import SimBlockPool
-from simulator.step_model import StepModel
+from simulator.step_model import Profile, StepModel
 
-__all__ = ["NodeSpec", "SimLookup", "SimNode", "SimRequest", "Work"]
+__all__ = ["NodeSpec", "SimLookup", "SimNode", "SimRequest", "Work", "build_nodes"]
 
 
 @dataclass(frozen=True)
@@ -168,3 +177,36 @@ class SimLookup:
         for n in alive:
             out[n] = len(keys)
         return out
+
+
+def build_nodes(
+    specs: Sequence[NodeSpec], profile: Profile, model: str, lookup: SimLookup, record: bool
+) -> list[SimNode]:
+    """A node per spec (``{role}-{i}``, as the registry would list them), its pool publishing into
+    ``lookup``'s map, its step model the profile's for its role, and its host's other nodes as
+    neighbours."""
+    nodes = []
+    for i, s in enumerate(specs):
+        node_id = f"{s.role.value}-{i}"
+        info = NodeInfo(
+            node_id=node_id,
+            role=s.role,
+            model=model,
+            url=f"sim://{node_id}",
+            block_size=s.block_size,
+            max_model_len=1 << 30,
+            kv_connector="sim" if s.role is not Role.BOTH else "none",
+            num_kv_blocks=s.num_blocks,
+        )
+        pool = SimBlockPool(
+            s.num_blocks, s.block_size, events=record, index=lookup.index, owner=node_id, publish_on_compute=True
+        )
+        nodes.append(SimNode(number=i, info=info, spec=s, pool=pool, step=profile.for_role(s.role)))
+    hosts: dict[str, list[SimNode]] = {}
+    for n in nodes:
+        if n.spec.host is not None:
+            hosts.setdefault(n.spec.host, []).append(n)
+    for members in hosts.values():
+        for n in members:
+            n.neighbours = [m for m in members if m is not n]
+    return nodes
