@@ -68,8 +68,7 @@ from simulator.sim_router import LogEntry, SimRouter, select_pools
 from simulator.step_model import Profile, StepModel
 from traces.schema import Trace
 
-SIMULATED = "SIMULATED"
-"""The label on everything the simulator reports."""
+SIMULATED = "SIMULATED"  # the label on everything the simulator reports
 
 __all__ = ["SIMULATED", "FleetSim", "NodeSpec", "SimLookup", "SimRequest", "StepModel", "select_pools"]
 
@@ -109,7 +108,6 @@ class FleetSim:
         self.log: list[LogEntry] = []
         self.router = SimRouter(self.nodes, make_policy(self.lookup), model, self.log if record else None)
         self.policy = self.router.policy
-        self.inflight = self.router.inflight
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.now = 0.0
