@@ -28,7 +28,8 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from contracts.config import redis_url as configured_redis_url
-from telemetry.emitter import batch_to_ipc, build_batch, stream_key
+from telemetry.batches import batch_to_ipc, build_batch
+from telemetry.emitter import stream_key
 from telemetry.lake_writer import LakeWriter, WriterConfig
 from telemetry.metrics import TandemMetrics
 from telemetry.query import query

@@ -76,7 +76,7 @@ from router.settings import RouterSettings
 from router.tokenizer import PromptTokenizer
 from router.turns import TurnRecorder
 from telemetry import Emitter, EmitterConfig
-from telemetry.emitter import warm_batches
+from telemetry.batches import warm_batches
 from telemetry.tracing import tracer_provider
 
 T = TypeVar("T")

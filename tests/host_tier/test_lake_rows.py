@@ -14,7 +14,7 @@ from host_tier import messages as m
 from host_tier.arena import Arena
 from host_tier.lake import TierIdentity, TierLake, interval_row
 from host_tier.server import TierCore
-from telemetry.emitter import build_batch
+from telemetry.batches import build_batch
 from telemetry.schemas import SCHEMAS
 from tests.host_tier.test_arena_and_core import FP, SLOT, Clock, key, put
 

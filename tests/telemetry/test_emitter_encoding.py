@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from telemetry.emitter import SMALL_BATCH, batch_to_ipc, build_batch
+from telemetry.batches import SMALL_BATCH, batch_to_ipc, build_batch
 
 BASE = 1_764_590_000.0
 

@@ -11,7 +11,7 @@ import sys
 
 _PROBE = """
 import json, sys
-from telemetry.emitter import build_batch, warm_batches
+from telemetry.batches import build_batch, warm_batches
 from telemetry.schemas import SCHEMAS
 cold = set(sys.modules)
 warm_batches()
