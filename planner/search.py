@@ -145,25 +145,74 @@ def plan(
     on_try: Callable[[Tried], None] | None = None,
 ) -> Plan:
     started = time.monotonic()
-    arrivals = prep.arrival_s
-    duration = float(arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else 1.0
-    out = Plan(trace_requests=len(prep), trace_duration_s=duration, slo=slo)
-    cost_of = node_cost or {}
-    bs = prep.block_size
-    blocks = max(kv_tokens_per_node // bs, 2)
+    search = _Search(prep, profile, slo, kv_tokens_per_node, node_cost or {}, grid, max_nodes, on_try)
+    default_threshold = thresholds[0]
+    winners: list[Tried] = []
+    agg = search.smallest(lambda n: Layout(0, 0, n, default_threshold))
+    if agg:
+        winners.append(agg)
+    for share in p_shares:
 
-    memo: dict[Layout, Tried] = {}
+        def make(n: int, share: float = share) -> Layout:
+            p = min(max(1, round(n * share)), n - 1)
+            return Layout(p, n - p, 0, default_threshold)
 
-    def cost_of_layout(layout: Layout) -> float:
+        bound = min((t.cost for t in winners), default=math.inf)
+        w = search.smallest(make, bound)
+        if w:
+            winners.append(w)
+    out = search.out
+    if winners:
+        best = min(winners, key=lambda t: (t.cost, -t.attainment))
+        if best.layout.colocated == 0:  # 3. the conditional-disaggregation threshold
+            for th in thresholds[1:]:
+                for shrink in (1.0, 1 / grid):
+                    n = max(2, round(best.layout.nodes * shrink))
+                    p = min(max(1, round(n * best.layout.prefill / best.layout.nodes)), n - 1)
+                    t = search.run(Layout(p, n - p, 0, th))
+                    if t.meets:
+                        winners.append(t)
+        out.best = min(winners, key=lambda t: (t.cost, -t.attainment))
+    out.wall_s = time.monotonic() - started
+    return out
+
+
+class _Search:
+    """One ``plan`` call's state: every layout tried (each simulated once), the first size from the work,
+    and the grid search for the smallest layout of a shape that meets the targets."""
+
+    def __init__(
+        self,
+        prep: PreparedTrace,
+        profile: Profile,
+        slo: SLO,
+        kv_tokens_per_node: int,
+        cost_of: dict[Role, float],
+        grid: float,
+        max_nodes: int,
+        on_try: Callable[[Tried], None] | None,
+    ) -> None:
+        self.prep, self.profile, self.slo, self.cost_of = prep, profile, slo, cost_of
+        self.grid, self.max_nodes, self.on_try = grid, max_nodes, on_try
+        arrivals = prep.arrival_s
+        self.duration = float(arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else 1.0
+        self.out = Plan(trace_requests=len(prep), trace_duration_s=self.duration, slo=slo)
+        self.blocks = max(kv_tokens_per_node // prep.block_size, 2)
+        self.memo: dict[Layout, Tried] = {}
+        self.first = self._first_size()
+
+    def cost(self, layout: Layout) -> float:
         return (
-            layout.prefill * cost_of.get(Role.PREFILL, 1.0)
-            + layout.decode * cost_of.get(Role.DECODE, 1.0)
-            + layout.colocated * cost_of.get(Role.BOTH, 1.0)
+            layout.prefill * self.cost_of.get(Role.PREFILL, 1.0)
+            + layout.decode * self.cost_of.get(Role.DECODE, 1.0)
+            + layout.colocated * self.cost_of.get(Role.BOTH, 1.0)
         )
 
-    def run(layout: Layout) -> Tried:  # a layout two shares round to is simulated once
-        if layout in memo:
-            return memo[layout]
+    def run(self, layout: Layout) -> Tried:
+        """The layout simulated (a layout two shares round to is simulated once)."""
+        if layout in self.memo:
+            return self.memo[layout]
+        bs, blocks = self.prep.block_size, self.blocks
         specs = (
             [NodeSpec(Role.PREFILL, num_blocks=blocks, block_size=bs)] * layout.prefill
             + [NodeSpec(Role.DECODE, num_blocks=blocks, block_size=bs)] * layout.decode
@@ -171,36 +220,39 @@ def plan(
         )
         cfg = CacheAwareConfig(local_prefill_max_tokens=layout.local_prefill_max_tokens)
         t0 = time.monotonic()
-        sim = FleetSim(specs, lambda lookup: CacheAware(lookup, cfg), step=profile)
-        pct, att, good, hit = _measure(sim, prep, slo)
-        meets = all(pct[f"{m}_p{p:g}"] <= v for (m, p), v in slo.targets.items() if f"{m}_p{p:g}" in pct)
-        tried = Tried(layout, cost_of_layout(layout), pct, att, good / duration, hit, meets, time.monotonic() - t0)
-        out.tried.append(tried)
-        memo[layout] = tried
-        if on_try is not None:
-            on_try(tried)
+        sim = FleetSim(specs, lambda lookup: CacheAware(lookup, cfg), step=self.profile)
+        pct, att, good, hit = _measure(sim, self.prep, self.slo)
+        meets = all(pct[f"{m}_p{p:g}"] <= v for (m, p), v in self.slo.targets.items() if f"{m}_p{p:g}" in pct)
+        tried = Tried(layout, self.cost(layout), pct, att, good / self.duration, hit, meets, time.monotonic() - t0)
+        self.out.tried.append(tried)
+        self.memo[layout] = tried
+        if self.on_try is not None:
+            self.on_try(tried)
         return tried
 
-    # 1. a first size from the work
-    c = ceiling(prep.trace, bs)
-    uncached = c.prompt_tokens - c.hit_tokens
-    pm, dm = profile.for_role(Role.PREFILL), profile.for_role(Role.DECODE)
-    batch = 256
-    per_token_decode = dm.step_s(0, batch, batch * int(np.mean(prep.input_tokens))) / batch
-    n_p = max(1, math.ceil(uncached * pm.prefill_s_per_token / duration))
-    n_d = max(1, math.ceil(float(prep.output_tokens.sum()) * per_token_decode / duration))
-    first = n_p + n_d
+    def _first_size(self) -> int:
+        """1. a first size from the work: the prefill and decode nodes the trace's tokens keep busy."""
+        prep, profile = self.prep, self.profile
+        c = ceiling(prep.trace, prep.block_size)
+        uncached = c.prompt_tokens - c.hit_tokens
+        pm, dm = profile.for_role(Role.PREFILL), profile.for_role(Role.DECODE)
+        batch = 256
+        per_token_decode = dm.step_s(0, batch, batch * int(np.mean(prep.input_tokens))) / batch
+        n_p = max(1, math.ceil(uncached * pm.prefill_s_per_token / self.duration))
+        n_d = max(1, math.ceil(float(prep.output_tokens.sum()) * per_token_decode / self.duration))
+        return n_p + n_d
 
-    def smallest(make: Callable[[int], Layout], below: float = math.inf) -> Tried | None:
+    def smallest(self, make: Callable[[int], Layout], below: float = math.inf) -> Tried | None:
         """The smallest size on the grid whose layout meets the targets, among those costing less than
         ``below`` (None: none does)."""
-        sizes = sorted({max(2, round(first * grid**k)) for k in range(-8, 30)})
-        sizes = [s for s in sizes if s <= max_nodes and cost_of_layout(make(s)) < below]
+        first = self.first
+        sizes = sorted({max(2, round(first * self.grid**k)) for k in range(-8, 30)})
+        sizes = [s for s in sizes if s <= self.max_nodes and self.cost(make(s)) < below]
         if not sizes:
             return None
         if below < math.inf:  # a cheaper fleet than the best so far, or nothing: the dearest such one first
             i = len(sizes) - 1
-            if not run(make(sizes[i])).meets:
+            if not self.run(make(sizes[i])).meets:
                 return None
         else:
             i = min(range(len(sizes)), key=lambda k: abs(sizes[k] - first))
@@ -208,7 +260,7 @@ def plan(
 
         def at(k: int) -> Tried:
             if k not in seen:
-                seen[k] = run(make(sizes[k]))
+                seen[k] = self.run(make(sizes[k]))
             return seen[k]
 
         # lo: largest index known to fail (-1: none), hi: smallest known to meet
@@ -238,35 +290,6 @@ def plan(
             else:
                 lo = mid
         return seen[hi]
-
-    default_threshold = thresholds[0]
-    winners: list[Tried] = []
-    agg = smallest(lambda n: Layout(0, 0, n, default_threshold))
-    if agg:
-        winners.append(agg)
-    for share in p_shares:
-
-        def make(n: int, share: float = share) -> Layout:
-            p = min(max(1, round(n * share)), n - 1)
-            return Layout(p, n - p, 0, default_threshold)
-
-        bound = min((t.cost for t in winners), default=math.inf)
-        w = smallest(make, bound)
-        if w:
-            winners.append(w)
-    if winners:
-        best = min(winners, key=lambda t: (t.cost, -t.attainment))
-        if best.layout.colocated == 0:  # 3. the conditional-disaggregation threshold
-            for th in thresholds[1:]:
-                for shrink in (1.0, 1 / grid):
-                    n = max(2, round(best.layout.nodes * shrink))
-                    p = min(max(1, round(n * best.layout.prefill / best.layout.nodes)), n - 1)
-                    t = run(Layout(p, n - p, 0, th))
-                    if t.meets:
-                        winners.append(t)
-        out.best = min(winners, key=lambda t: (t.cost, -t.attainment))
-    out.wall_s = time.monotonic() - started
-    return out
 
 
 def plot(result: Plan, path: str) -> None:
