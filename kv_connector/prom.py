@@ -54,6 +54,32 @@ class TandemKVStats(KVConnectorStats):
         return not any(d.get(k) for k in (*LISTS, *COUNTS, "lease_outcomes", "changed"))
 
 
+_COUNTERS = {
+    "recv_bytes": ("tandem_kv_transfer_bytes", "KV bytes received (decode side)."),
+    "recv_blocks": ("tandem_kv_transfer_blocks", "KV blocks received (decode side)."),
+    "failed": ("tandem_kv_transfer_failures", "Pulls that failed (refused, timed out, bad checksum)."),
+    "unauthenticated": (
+        "tandem_kv_unauthenticated",
+        "KV control frames refused for a bad or missing MAC (prefill side).",
+    ),
+    "peer_refused": (
+        "tandem_kv_peer_refused",
+        "Pulls refused: an shm pull over tcp, or from a peer whose socket credentials differ from what it claims.",
+    ),
+}
+"""Counters per engine: key -> (metric name, help); ``observe`` says what each counts."""
+_GAUGES = {
+    "leases_active": ("tandem_kv_leases_active", "Leases held now (prefill side)."),
+    "leased_blocks": ("tandem_kv_leased_blocks", "KV blocks held under leases now (prefill side)."),
+    "leases_sending": ("tandem_kv_leases_sending", "Leases whose transfer is under way (prefill side)."),
+    "pulls_active": (
+        "tandem_kv_pulls_active",
+        "Pulls under way now (decode side; a layer-wise one while its prefill computes).",
+    ),
+}
+"""Gauges per engine (a level: the latest snapshot's wins): the snapshot's key -> (metric name, help)."""
+
+
 class TandemPromMetrics(KVConnectorPromMetrics):
     """``tandem_kv_*`` metrics in the engine's API-server process."""
 
@@ -83,70 +109,14 @@ class TandemPromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames,
             )
         )
-        self.recv_bytes = per_engine(
-            c(name="tandem_kv_transfer_bytes", documentation="KV bytes received (decode side).", labelnames=labelnames)
-        )
-        self.recv_blocks = per_engine(
-            c(
-                name="tandem_kv_transfer_blocks",
-                documentation="KV blocks received (decode side).",
-                labelnames=labelnames,
-            )
-        )
-        self.failed = per_engine(
-            c(
-                name="tandem_kv_transfer_failures",
-                documentation="Pulls that failed (refused, timed out, bad checksum).",
-                labelnames=labelnames,
-            )
-        )
-        self.unauthenticated = per_engine(
-            c(
-                name="tandem_kv_unauthenticated",
-                documentation="KV control frames refused for a bad or missing MAC (prefill side).",
-                labelnames=labelnames,
-            )
-        )
-        self.peer_refused = per_engine(
-            c(
-                name="tandem_kv_peer_refused",
-                documentation="Pulls refused: an shm pull over tcp, or from a peer whose "
-                "socket credentials differ from what it claims.",
-                labelnames=labelnames,
-            )
-        )
-        self.leases_active = per_engine(
-            g(
-                name="tandem_kv_leases_active",
-                multiprocess_mode="mostrecent",
-                documentation="Leases held now (prefill side).",
-                labelnames=labelnames,
-            )
-        )
-        self.leased_blocks = per_engine(
-            g(
-                name="tandem_kv_leased_blocks",
-                multiprocess_mode="mostrecent",
-                documentation="KV blocks held under leases now (prefill side).",
-                labelnames=labelnames,
-            )
-        )
-        self.leases_sending = per_engine(
-            g(
-                name="tandem_kv_leases_sending",
-                multiprocess_mode="mostrecent",
-                documentation="Leases whose transfer is under way (prefill side).",
-                labelnames=labelnames,
-            )
-        )
-        self.pulls_active = per_engine(
-            g(
-                name="tandem_kv_pulls_active",
-                multiprocess_mode="mostrecent",
-                documentation="Pulls under way now (decode side; a layer-wise one while its prefill computes).",
-                labelnames=labelnames,
-            )
-        )
+        self.counters = {
+            key: per_engine(c(name=name, documentation=doc, labelnames=labelnames))
+            for key, (name, doc) in _COUNTERS.items()
+        }
+        self.gauges = {
+            key: per_engine(g(name=name, multiprocess_mode="mostrecent", documentation=doc, labelnames=labelnames))
+            for key, (name, doc) in _GAUGES.items()
+        }
         self._outcome_counter = c(
             name="tandem_kv_lease_outcomes",
             documentation="Leases ended, by outcome.",
@@ -158,14 +128,16 @@ class TandemPromMetrics(KVConnectorPromMetrics):
         d = transfer_stats_data
         for s in d.get("recv_seconds", []):
             self.recv_seconds[engine_idx].observe(s)
-        self.recv_bytes[engine_idx].inc(sum(d.get("recv_bytes", [])))
-        self.recv_blocks[engine_idx].inc(d.get("recv_blocks", 0))
-        self.failed[engine_idx].inc(d.get("failed_transfers", 0) + d.get("recv_failed", 0))
-        self.unauthenticated[engine_idx].inc(d.get("unauthenticated", 0))
-        self.peer_refused[engine_idx].inc(d.get("peer_refused", 0))
-        self.leases_active[engine_idx].set(d.get("leases_active", 0))
-        self.leased_blocks[engine_idx].set(d.get("leased_blocks", 0))
-        self.leases_sending[engine_idx].set(d.get("leases_sending", 0))
-        self.pulls_active[engine_idx].set(d.get("pulls_active", 0))
+        counts = {
+            "recv_bytes": sum(d.get("recv_bytes", [])),
+            "recv_blocks": d.get("recv_blocks", 0),
+            "failed": d.get("failed_transfers", 0) + d.get("recv_failed", 0),
+            "unauthenticated": d.get("unauthenticated", 0),
+            "peer_refused": d.get("peer_refused", 0),
+        }
+        for key, n in counts.items():
+            self.counters[key][engine_idx].inc(n)
+        for key, per_engine in self.gauges.items():
+            per_engine[engine_idx].set(d.get(key, 0))
         for outcome, n in d.get("lease_outcomes", {}).items():
             self._outcome_counter.labels(*self._labels[engine_idx], outcome).inc(n)
