@@ -142,11 +142,16 @@ def consume(
         claim_idle_s=claim_idle_s,
         compression=compression,
     )
-    writer = LakeWriter(cfg)
     if metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port, addr="127.0.0.1")
+    _run_writer(cfg, once=once, recover_every_s=recover_every_s, priority=priority)
+
+
+def _run_writer(cfg: WriterConfig, *, once: bool, recover_every_s: float, priority: str) -> None:
+    """Drain once, or consume until SIGINT/SIGTERM; a store error exits 1 with its message."""
+    writer = LakeWriter(cfg)
     try:
         if once:
             s = writer.drain()
@@ -156,8 +161,8 @@ def consume(
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         _console.print(
-            f"consuming {', '.join(cfg.tables)} from {redacted(redis_url)} into {lake} as {group}/{consumer} "
-            f"(CPU priority: {priority})"
+            f"consuming {', '.join(cfg.tables)} from {redacted(cfg.redis_url)} into {cfg.lake} as "
+            f"{cfg.group}/{cfg.consumer} (CPU priority: {priority})"
         )
         total = writer.run(stop, recover_every_s=recover_every_s)
         _console.print(f"stopped: wrote {total.rows} events in {total.files} files")
