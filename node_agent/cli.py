@@ -15,67 +15,101 @@ from contracts.cli import clean_errors, setup_logging
 from contracts.registry import Role
 from kv_transfer import ConnectorKind
 
+_Role = Annotated[
+    Role | None,
+    typer.Option(
+        help="prefill: computes prompts and ships their KV; decode: loads "
+        "KV and generates; both (default): colocated, no transfer."
+    ),
+]
+
+_Model = Annotated[
+    str | None, typer.Option(help="Hugging Face model folder (default: the prepared SmolLM2-135M-Instruct).")
+]
+
+_ServedModelName = Annotated[
+    str | None, typer.Option(help="Name clients put in `model` (default: the model folder's name).")
+]
+
+_Port = Annotated[
+    int | None,
+    typer.Option(
+        help="Engine HTTP port (default 8100); port+1..port+3 are its "
+        "KV-event, event-replay and NIXL side-channel ports."
+    ),
+]
+
+_NodeId = Annotated[str | None, typer.Option(help="Registry id (default: host name + random suffix).")]
+
+_RedisUrl = Annotated[str | None, typer.Option(help="Registry Redis (default: $TANDEM_REDIS_URL).")]
+
+_Connector = Annotated[
+    ConnectorKind | None,
+    typer.Option(
+        help="KV connector (prefill/decode roles): tandem (ours, default), nixl (vLLM's NixlConnector, the "
+        "baseline) or none."
+    ),
+]
+
+_Dtype = Annotated[
+    str | None,
+    typer.Option(
+        help="auto (default: bfloat16 where the CPU has native bf16, else float32), bfloat16, or float32 "
+        "(bit-stable greedy output)."
+    ),
+]
+
+_KvCacheGib = Annotated[
+    int | None, typer.Option(help="KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE; default 1).")
+]
+
+_Cores = Annotated[str | None, typer.Option(help="CPU cores for the engine, e.g. 0 or 0-1.")]
+
+_MaxModelLen = Annotated[int | None, typer.Option(help="Context window in tokens (default 8192).")]
+
+_BlockSize = Annotated[int | None, typer.Option(help="KV block size (default: the engine's).")]
+
+_ToolCallParser = Annotated[
+    str | None, typer.Option(help="vLLM tool-call parser (default pythonic; '' turns tools off).")
+]
+
+_EngineArg = Annotated[list[str] | None, typer.Option(help="Extra `vllm serve` argument (repeatable).")]
+
+_HostTier = Annotated[
+    str | None,
+    typer.Option(help="Host tier control socket (`tandem tier serve`), e.g. ipc:///tmp/tandem-tier.sock."),
+]
+
+_PeerKv = Annotated[
+    bool | None,
+    typer.Option(
+        "--peer-kv/--no-peer-kv",
+        help="Role both: run our KV connector too, so peers load the prefixes this engine holds (and it "
+        "theirs) instead of computing them (the router's peer fetch). Default: off.",
+    ),
+]
+
+_LogDir = Annotated[Path | None, typer.Option(help="Write the engine's log here.")]
+
 
 def node(
-    role: Annotated[
-        Role | None,
-        typer.Option(
-            help="prefill: computes prompts and ships their KV; decode: loads "
-            "KV and generates; both (default): colocated, no transfer."
-        ),
-    ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Hugging Face model folder (default: the prepared SmolLM2-135M-Instruct).")
-    ] = None,
-    served_model_name: Annotated[
-        str | None, typer.Option(help="Name clients put in `model` (default: the model folder's name).")
-    ] = None,
-    port: Annotated[
-        int | None,
-        typer.Option(
-            help="Engine HTTP port (default 8100); port+1..port+3 are its "
-            "KV-event, event-replay and NIXL side-channel ports."
-        ),
-    ] = None,
-    node_id: Annotated[str | None, typer.Option(help="Registry id (default: host name + random suffix).")] = None,
-    redis_url: Annotated[str | None, typer.Option(help="Registry Redis (default: $TANDEM_REDIS_URL).")] = None,
-    connector: Annotated[
-        ConnectorKind | None,
-        typer.Option(
-            help="KV connector (prefill/decode roles): tandem (ours, default), nixl (vLLM's NixlConnector, the "
-            "baseline) or none."
-        ),
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            help="auto (default: bfloat16 where the CPU has native bf16, else float32), bfloat16, or float32 "
-            "(bit-stable greedy output)."
-        ),
-    ] = None,
-    kv_cache_gib: Annotated[
-        int | None, typer.Option(help="KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE; default 1).")
-    ] = None,
-    cores: Annotated[str | None, typer.Option(help="CPU cores for the engine, e.g. 0 or 0-1.")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Context window in tokens (default 8192).")] = None,
-    block_size: Annotated[int | None, typer.Option(help="KV block size (default: the engine's).")] = None,
-    tool_call_parser: Annotated[
-        str | None, typer.Option(help="vLLM tool-call parser (default pythonic; '' turns tools off).")
-    ] = None,
-    engine_arg: Annotated[list[str] | None, typer.Option(help="Extra `vllm serve` argument (repeatable).")] = None,
-    host_tier: Annotated[
-        str | None,
-        typer.Option(help="Host tier control socket (`tandem tier serve`), e.g. ipc:///tmp/tandem-tier.sock."),
-    ] = None,
-    peer_kv: Annotated[
-        bool | None,
-        typer.Option(
-            "--peer-kv/--no-peer-kv",
-            help="Role both: run our KV connector too, so peers load the prefixes this engine holds (and it "
-            "theirs) instead of computing them (the router's peer fetch). Default: off.",
-        ),
-    ] = None,
-    log_dir: Annotated[Path | None, typer.Option(help="Write the engine's log here.")] = None,
+    role: _Role = None,
+    model: _Model = None,
+    served_model_name: _ServedModelName = None,
+    port: _Port = None,
+    node_id: _NodeId = None,
+    redis_url: _RedisUrl = None,
+    connector: _Connector = None,
+    dtype: _Dtype = None,
+    kv_cache_gib: _KvCacheGib = None,
+    cores: _Cores = None,
+    max_model_len: _MaxModelLen = None,
+    block_size: _BlockSize = None,
+    tool_call_parser: _ToolCallParser = None,
+    engine_arg: _EngineArg = None,
+    host_tier: _HostTier = None,
+    peer_kv: _PeerKv = None,
+    log_dir: _LogDir = None,
     log_level: str = "info",
 ) -> None:
     """Run one vLLM engine for a role and keep it registered (heartbeats) until stopped."""
