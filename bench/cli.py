@@ -12,6 +12,14 @@ import typer
 from contracts.cli import clean_errors, console, interrupt
 from contracts.config import redis_url as _redis_url
 
+Out = Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")]
+RedisUrl = Annotated[
+    str | None,
+    typer.Option(
+        help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, a database of its own)."
+    ),
+]
+
 bench_app = typer.Typer(
     help="Benchmarks (write JSON results, render plots, print a RESULT line).", no_args_is_help=True
 )
@@ -27,26 +35,11 @@ def _bench_signals() -> None:
 
 @bench_app.command("pd")
 def bench_pd(
-    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-pd.json"
-    ),
+    out: Out = Path("results/bench-pd.json"),
     concurrency: Annotated[list[int] | None, typer.Option(help="Concurrency levels (repeatable).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
     requests: Annotated[int, typer.Option(help="Requests per level (0: max(8, 2 x concurrency)).")] = 0,
-    redis_url: Annotated[
-        str | None,
-        typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 9)."),
-    ] = None,
-    device: Annotated[
-        str, typer.Option(help="KV caches' device for --standalone: cuda, cuda:N, or cpu (a rehearsal).")
-    ] = "cpu",
-    standalone: Annotated[
-        bool,
-        typer.Option(
-            help="No engines: our connector's halves on KV caches of real models' shapes in two processes "
-            "(infra/device/kv_cuda_bench.py; the only way to measure CUDA caches where vLLM is absent)."
-        ),
-    ] = False,
+    redis_url: RedisUrl = None,
 ) -> None:
     """Disaggregated (1P+1D) vs colocated (1 node): TTFT, ITL, E2E p50/p99 and output tokens/s at
     concurrency 1, 8 and 32. Starts and stops its own clusters."""
@@ -70,9 +63,7 @@ def bench_pd(
 
 @bench_app.command("overhead")
 def bench_overhead(
-    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-overhead.json"
-    ),
+    out: Out = Path("results/bench-overhead.json"),
     rounds: Annotated[int, typer.Option(help="Rounds; each runs every arm on a fresh engine, order alternating.")] = 2,
     num_prompts: Annotated[int, typer.Option(help="vllm bench serve: prompts per arm and round.")] = 64,
     concurrency: Annotated[int, typer.Option(help="vllm bench serve: --max-concurrency.")] = 16,
@@ -121,9 +112,7 @@ def bench_overhead(
 
 @bench_app.command("kv-transfer")
 def bench_kv_transfer(
-    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-kv-transfer.json"
-    ),
+    out: Out = Path("results/bench-kv-transfer.json"),
     size: Annotated[
         list[int] | None, typer.Option(help="Prompt sizes in tokens (repeatable; default 1000, 4000, 7500).")
     ] = None,
@@ -143,10 +132,7 @@ def bench_kv_transfer(
             "(twice the bytes per token)."
         ),
     ] = "auto",
-    redis_url: Annotated[
-        str | None,
-        typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 9)."),
-    ] = None,
+    redis_url: RedisUrl = None,
     device: Annotated[
         str, typer.Option(help="KV caches' device for --standalone: cuda, cuda:N, or cpu (a rehearsal).")
     ] = "cpu",
@@ -185,9 +171,7 @@ def bench_kv_transfer(
 
 @bench_app.command("routing")
 def bench_routing(
-    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-routing.json"
-    ),
+    out: Out = Path("results/bench-routing.json"),
     repos: Annotated[int, typer.Option(help="Repositories (each context shared by its sessions).")] = 2,
     sessions_per_repo: Annotated[int, typer.Option(help="Agent sessions per repository.")] = 3,
     turns_min: Annotated[int, typer.Option(help="Fewest turns of a session.")] = 6,
@@ -215,10 +199,7 @@ def bench_routing(
         19000
     ),
     node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 19100,
-    redis_url: Annotated[
-        str | None,
-        typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 10)."),
-    ] = None,
+    redis_url: RedisUrl = None,
 ) -> None:
     """Cache-aware routing on a synthetic coding-agent workload: engine-confirmed hit rate, TTFT p50/p99
     and prefill tokens per policy on 2 prefill + 1 decode nodes, against an unlimited cache (ideal_hit);
@@ -267,9 +248,7 @@ def bench_routing(
 
 @bench_app.command("fleet")
 def bench_fleet(
-    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-fleet.json"
-    ),
+    out: Out = Path("results/bench-fleet.json"),
     nodes: Annotated[int, typer.Option(min=1, help="Colocated nodes (engines) of every arm.")] = 2,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds; each alternates the arm order, new content.")] = 2,
     arm: Annotated[
@@ -321,9 +300,7 @@ def bench_fleet(
 
 @bench_app.command("agents")
 def bench_agents(
-    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-agents.json"
-    ),
+    out: Out = Path("results/bench-agents.json"),
     api: Annotated[
         list[str] | None, typer.Option(help="APIs (repeatable; default: chat, responses, messages).")
     ] = None,
@@ -380,9 +357,7 @@ def bench_agents(
 
 @bench_app.command("kv-cache")
 def bench_kv_cache(
-    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-kv-cache.json"
-    ),
+    out: Out = Path("results/bench-kv-cache.json"),
     nodes: Annotated[int, typer.Option(help="Colocated nodes sharing the host's tier (at least 2).", min=2)] = 4,
     node_blocks: Annotated[int, typer.Option(help="Engine KV blocks per node (32 tokens each).")] = 96,
     tier_mib: Annotated[int, typer.Option(help="Host tier size, MiB (the bigger_cache arm splits it).")] = 192,
@@ -406,10 +381,7 @@ def bench_kv_cache(
         bool,
         typer.Option(help="A small workload (2 repositories x 2 sessions, short pauses, 2 probes): checks it runs."),
     ] = False,
-    redis_url: Annotated[
-        str | None,
-        typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 6)."),
-    ] = None,
+    redis_url: RedisUrl = None,
 ) -> None:
     """Host tier and session retention against the engines alone and against giving the engines the
     tier's memory as KV cache, on agent sessions whose shared context outgrows one node's cache, with
@@ -492,9 +464,7 @@ def bench_telemetry(
 
 @bench_app.command("admission")
 def bench_admission(
-    out: Annotated[Path, typer.Option(help="JSON results; a PNG plot is written beside it.")] = Path(
-        "results/bench-admission.json"
-    ),
+    out: Out = Path("results/bench-admission.json"),
     n: Annotated[int, typer.Option("-n", help="Fast-path samples (after 200 warm-up).")] = 5000,
     concurrency: Annotated[list[int] | None, typer.Option(help="Router concurrency levels (repeatable).")] = None,
     requests: Annotated[int, typer.Option(help="Timed router requests per level.")] = 1500,
@@ -597,10 +567,7 @@ def bench_sim(
             "and write the comparison to --out: for work on the simulator."
         ),
     ] = None,
-    redis_url: Annotated[
-        str | None,
-        typer.Option(help="Registry Redis for the benchmark's clusters (default: $TANDEM_REDIS_URL, database 8)."),
-    ] = None,
+    redis_url: RedisUrl = None,
 ) -> None:
     """The simulator against the real cluster, same trace: 1P+1D and two colocated nodes, each behind a
     router, each started fresh, profiled where it stands (a step model per node kind, the router's
