@@ -214,10 +214,9 @@ def _replicas(a: str, b: str) -> dict[str, Any]:
     return {"serving_replica": views[a], "idle_replica": views[b], "same_index": views[a] == views[b]}
 
 
-def _part_pd(cfg: RoutingBenchConfig, runner: _Runner) -> None:
-    spec = ClusterSpec(
-        prefill=2,
-        decode=1,
+def _spec(cfg: RoutingBenchConfig, part: str, **shape: Any) -> ClusterSpec:
+    """A part's cluster: its shape and policy, the benchmark's model, ports, Redis, cache and workdir."""
+    return ClusterSpec(
         model=cfg.model,
         router_port=cfg.router_port,
         node_base_port=cfg.node_base_port,
@@ -225,9 +224,13 @@ def _part_pd(cfg: RoutingBenchConfig, runner: _Runner) -> None:
         kv_cache_gib=cfg.kv_cache_gib,
         dtype=cfg.dtype,
         block_size=cfg.block_size,
-        policy=cfg.policies[0],
-        workdir=cfg.workdir / "pd",
+        workdir=cfg.workdir / part,
+        **shape,
     )
+
+
+def _part_pd(cfg: RoutingBenchConfig, runner: _Runner) -> None:
+    spec = _spec(cfg, "pd", prefill=2, decode=1, policy=cfg.policies[0])
     with _cluster(spec, "2 prefill + 1 decode nodes") as cluster:
         urls = {cfg.policies[0]: cluster.url}
         for i, policy in enumerate(cfg.policies[1:], start=1):
@@ -247,20 +250,8 @@ def _part_pd(cfg: RoutingBenchConfig, runner: _Runner) -> None:
 
 
 def _part_colocated(cfg: RoutingBenchConfig, runner: _Runner) -> None:
-    spec = ClusterSpec(
-        prefill=0,
-        decode=0,
-        both=2,
-        model=cfg.model,
-        router_port=cfg.router_port,
-        node_base_port=cfg.node_base_port,
-        redis_url=cfg.redis_url,
-        kv_cache_gib=cfg.kv_cache_gib,
-        dtype=cfg.dtype,
-        block_size=cfg.block_size,
-        policy="cache_aware",
-        workdir=cfg.workdir / "colocated",
-        extra_node_args=("--enable-scale-out",),
+    spec = _spec(
+        cfg, "colocated", prefill=0, decode=0, both=2, policy="cache_aware", extra_node_args=("--enable-scale-out",)
     )
     with _cluster(spec, "2 colocated nodes") as cluster:
         model = _model(cluster.url)
