@@ -59,6 +59,19 @@ class LevelStats:
         return asdict(self)
 
 
+def streamed_chat(model: str, messages: Any, max_tokens: int) -> dict[str, Any]:
+    """A benchmark's chat request: greedy, exactly ``max_tokens`` out (``ignore_eos``), streamed with usage."""
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 async def one_request(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
 ) -> RequestResult:
@@ -127,15 +140,7 @@ async def run_level(
                 i = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            body = {
-                "model": model,
-                "messages": prompts[i % len(prompts)],
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            body = streamed_chat(model, prompts[i % len(prompts)], max_tokens)
             results.append(await one_request(client, url, body, headers or {}))
             if on_done:
                 on_done()
@@ -218,15 +223,7 @@ async def run_sessions(
     async def turns(client: httpx.AsyncClient, s: SessionScript) -> None:
         late = max(0.0, time.perf_counter() - t0 - s.start_s)
         for i, messages in enumerate(s.turns):
-            body = {
-                "model": model,
-                "messages": messages,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            body = streamed_chat(model, messages, max_tokens)
             entry = SentRequest(
                 s.session_id,
                 i,

@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from bench.loadgen import RequestResult, one_request, percentile, run_level
+from bench.loadgen import RequestResult, one_request, percentile, run_level, streamed_chat
 from bench.pd import bench_prompts
 from contracts.errors import ConfigError
 from infra.launcher import Cluster, ClusterSpec
@@ -131,15 +131,7 @@ def _mixed_round(
                     one_request(
                         client,
                         f"{urls[mode]}/v1/chat/completions",
-                        {
-                            "model": model,
-                            "messages": messages,
-                            "max_tokens": max_tokens,
-                            "temperature": 0,
-                            "ignore_eos": True,
-                            "stream": True,
-                            "stream_options": {"include_usage": True},
-                        },
+                        streamed_chat(model, messages, max_tokens),
                         {},
                     )
                     for mode, messages in plan
@@ -218,6 +210,26 @@ def run_ttft_on_off(
         finally:
             os.killpg(off.pid, signal.SIGTERM)
             off.wait(30)
+    telemetry = {
+        "on_router_requests": on_requests,
+        "lake_request_rows": rows,
+        "lake_rows_when_rounds_ended": rows_at_end,
+        "every_request_in_lake": rows == on_requests,
+        "dropped_events": dropped,
+        "writer_cpu_s_during_rounds": round(writer_cpu, 2),
+        "writer_scheduling_policy": writer_policy,
+    }
+    return _summary(ttft, round_p50, sequence, concurrency, rounds, telemetry)
+
+
+def _summary(
+    ttft: dict[str, list[float]],
+    round_p50: dict[str, list[float]],
+    sequence: list[str],
+    concurrency: int,
+    rounds: int,
+    telemetry: dict[str, Any],
+) -> dict[str, Any]:
     on_ms, off_ms = percentile(ttft["on"], 0.5) * 1000, percentile(ttft["off"], 0.5) * 1000
     # Each round holds both modes, side by side.
     pairs = [100 * (round_p50["on"][i] - round_p50["off"][i]) / round_p50["off"][i] for i in range(rounds)]
@@ -235,13 +247,5 @@ def run_ttft_on_off(
         "round_p50_ms": {m: [round(v, 1) for v in vs] for m, vs in round_p50.items()},
         "pair_overhead_pct": [round(p, 2) for p in pairs],
         "pair_overhead_pct_median": round(statistics.median(pairs), 2),
-        "telemetry": {
-            "on_router_requests": on_requests,
-            "lake_request_rows": rows,
-            "lake_rows_when_rounds_ended": rows_at_end,
-            "every_request_in_lake": rows == on_requests,
-            "dropped_events": dropped,
-            "writer_cpu_s_during_rounds": round(writer_cpu, 2),
-            "writer_scheduling_policy": writer_policy,
-        },
+        "telemetry": telemetry,
     }
