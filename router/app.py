@@ -248,7 +248,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         housekeeping.start()
         app.state.fleet = fleet
         app.state.responses = responses
-        app.state.response_store = ResponseStore(redis)
+        app.state.response_store = ResponseStore(redis, cluster_prefix(settings.cluster))
         app.state.emitter = emitter
         app.state.admission = admission
         app.state.cache_salts = CacheSalts.from_cluster_secret(settings.shared_cache_tenants)

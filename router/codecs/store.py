@@ -1,7 +1,8 @@
 """Stored Responses: what ``previous_response_id``, ``GET /v1/responses/{id}`` and ``input_items`` read.
 
-A response is stored under its tenant (``tandem:resp:<tenant>:<id>``, one Redis value, 7 days), so another
-tenant's id is as unknown as one never made. The record keeps the whole conversation up to and including
+A response is stored under its cluster and tenant (``<cluster prefix>resp:<tenant>:<id>``, one Redis
+value, 7 days; the prefix of ``contracts.cluster``), so another cluster's or another tenant's id is as
+unknown as one never made. The record keeps the whole conversation up to and including
 the response's output (internal messages), the Response object as answered, and the chain's session key:
 a chain of responses is one session (affinity, retention, the lake), keyed by the session the first
 response had (a client header, or the first response's own id).
@@ -31,23 +32,24 @@ _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(StoredResponse)
 
 
-def _key(tenant_id: str | None, response_id: str) -> str:
-    return f"tandem:resp:{tenant_id or '-'}:{response_id}"
-
-
 class ResponseStore:
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, prefix: str = "tandem:") -> None:
         self.redis = redis
+        self.prefix = prefix
+        """The cluster's key prefix (``contracts.cluster.prefix``)."""
+
+    def _key(self, tenant_id: str | None, response_id: str) -> str:
+        return f"{self.prefix}resp:{tenant_id or '-'}:{response_id}"
 
     async def save(self, tenant_id: str | None, response_id: str, record: StoredResponse) -> None:
-        await self.redis.set(_key(tenant_id, response_id), _enc.encode(record), ex=TTL_S)
+        await self.redis.set(self._key(tenant_id, response_id), _enc.encode(record), ex=TTL_S)
 
     async def load(self, tenant_id: str | None, response_id: str, param: str = "response_id") -> StoredResponse:
-        raw = await self.redis.get(_key(tenant_id, response_id))
+        raw = await self.redis.get(self._key(tenant_id, response_id))
         if raw is None:
             raise NotFound(f"Response with id '{response_id}' not found.", param=param)
         return _dec.decode(raw)
 
     async def delete(self, tenant_id: str | None, response_id: str) -> None:
-        if not await self.redis.delete(_key(tenant_id, response_id)):
+        if not await self.redis.delete(self._key(tenant_id, response_id)):
             raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
