@@ -6,7 +6,8 @@ cache, and the telemetry streams all read it (a process may still be handed a UR
 take this URL with another database number (``redis_url(db=9)``).
 
 ``TANDEM_LAKE_DIR`` is the telemetry lake's one setting, read through ``lake_dir``: the ``--lake`` flag,
-else this variable, else ``.tandem/lake`` (where ``tandem up`` writes). The lake writer ``tandem up``
+else this variable, else ``<default workdir>/lake`` (where ``tandem up`` writes: ``.tandem/lake``, or
+``.tandem/<name>/lake`` for a cluster named by ``TANDEM_CLUSTER``). The lake writer ``tandem up``
 starts, ``tandem telemetry consume|compact`` and ``tandem lake query|report|questions`` all resolve it
 there, so every command sees the same lake.
 """
@@ -17,6 +18,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
+
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, validate
 
 REDIS_URL_ENV = "TANDEM_REDIS_URL"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -50,8 +53,16 @@ def with_db(url: str, db: int) -> str:
 # --- the telemetry lake -------------------------------------------------------------------------
 LAKE_DIR_ENV = "TANDEM_LAKE_DIR"
 DEFAULT_WORKDIR = Path(".tandem")
-"""``tandem up``'s working folder (logs, embedded Redis data, the lake)."""
+"""``tandem up``'s working folder (logs, embedded Redis data, the lake) for the cluster ``default``."""
 DEFAULT_LAKE_DIR = DEFAULT_WORKDIR / "lake"
+
+
+def default_workdir(cluster: str | None = None) -> Path:
+    """``tandem up``'s working folder for ``cluster`` (None: ``$TANDEM_CLUSTER``): ``.tandem`` for
+    ``default``, as before cluster names, and ``.tandem/<name>`` for a named one, so two clusters started
+    from one folder keep their logs, lakes, journals and SQLite stores apart."""
+    name = validate(cluster or os.environ.get(CLUSTER_ENV) or DEFAULT_CLUSTER)
+    return DEFAULT_WORKDIR if name == DEFAULT_CLUSTER else DEFAULT_WORKDIR / name
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +77,11 @@ class LakeLocation:
 def lake_dir(flag: Path | None = None, *, workdir: Path | None = None) -> LakeLocation:
     """The one lake resolver of every command that reads or writes the lake: the ``--lake`` flag when
     given, else ``$TANDEM_LAKE_DIR`` when set, else ``<workdir>/lake`` (``workdir`` defaults to
-    ``.tandem``, the folder ``tandem up`` uses, so ``tandem lake query`` finds what ``tandem up`` wrote)."""
+    ``default_workdir()``, the folder ``tandem up`` uses for the cluster of ``$TANDEM_CLUSTER``, so
+    ``tandem lake query`` finds what ``tandem up`` wrote)."""
     if flag is not None:
         return LakeLocation(Path(flag), "--lake")
     env = os.environ.get(LAKE_DIR_ENV)
     if env:
         return LakeLocation(Path(env), f"${LAKE_DIR_ENV}")
-    return LakeLocation((workdir or DEFAULT_WORKDIR) / "lake", "default")
+    return LakeLocation((workdir or default_workdir()) / "lake", "default")

@@ -19,7 +19,8 @@ Beside the routing keys, each agent keeps a status record for operators (``tande
 
     tandem:nodestatus:<id>   NodeStatus (serving / restarting / unhealthy, epoch, restarts, last exit)
 
-with a long TTL, so a node that gave up stays visible after its agent exited; routers never read it.
+with a long TTL, so a node that gave up stays visible after its agent exited, and a short one once it is
+stopped on purpose, so an ended cluster leaves the view by itself; routers never read it.
 
 Schema history: v1 the first; v2 adds ``NodeInfo.epoch`` (default 0, so v1 entries still decode and
 v1 readers ignore the field); v3 adds ``NodeInfo.kv_endpoints`` and ``kv_host_id``, the block server of a
@@ -63,6 +64,9 @@ NODES_SET = "tandem:nodes"
 """The default cluster's node set (``nodes_set`` names any cluster's)."""
 STATUS_TTL_S = 3600.0
 """How long a node's status record outlives its last update (an unhealthy node stays visible)."""
+STOPPED_TTL_S = 60.0
+"""How long the record of a node stopped on purpose stays: long enough to see it stop, short enough that an
+ended cluster leaves ``tandem cluster status`` by itself."""
 
 
 _LIVE_NODES_LUA = """
@@ -338,9 +342,8 @@ class NodeRegistry:
 
     async def set_status(self, status: NodeStatus) -> None:
         try:
-            await self._redis.set(
-                status_key(status.node_id, self.cluster), _encoder.encode(status), px=int(STATUS_TTL_S * 1000)
-            )
+            ttl = STOPPED_TTL_S if status.state is NodeState.STOPPED else STATUS_TTL_S
+            await self._redis.set(status_key(status.node_id, self.cluster), _encoder.encode(status), px=int(ttl * 1000))
         except RedisError as exc:
             raise StoreError(f"status write for node {status.node_id} failed: {exc}") from exc
 

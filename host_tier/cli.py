@@ -12,6 +12,7 @@ from pydantic import ByteSize, TypeAdapter
 from rich.console import Console
 
 from contracts.cli import clean_errors, interrupt, setup_logging
+from contracts.cluster import CLUSTER_ENV, validate
 
 tier_app = typer.Typer(
     help="The host tier: a shared-memory KV block store every engine on this host shares.", no_args_is_help=True
@@ -96,17 +97,28 @@ def stats(
 @tier_app.command()
 def clear(
     dir: Annotated[Path | None, typer.Option(help="Where the tier files are (env TANDEM_TIER_DIR).")] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option(envvar=CLUSTER_ENV, help="Remove this cluster's tier files only (default: `default`)."),
+    ] = None,
+    all_clusters: Annotated[bool, typer.Option(help="Remove every cluster's tier files (`tandem-tier-*`).")] = False,
     force: Annotated[bool, typer.Option(help="Remove a file even while a process has it mapped.")] = False,
 ) -> None:
-    """Remove the tier files (``tandem-tier-*``) and give their RAM back. A tier's blocks outlive every
-    process by design, so nothing else removes them; a file some process still maps (a running tier or
-    engine) is kept unless --force (the processes keep their mapping; new ones start empty)."""
+    """Remove a cluster's tier files and give their RAM back. A tier's blocks outlive every process by
+    design, so nothing else removes them; a file some process still maps (a running tier or engine) is
+    kept unless --force (the processes keep their mapping; new ones start empty). Other clusters' files
+    on the host are left alone unless --all-clusters."""
     from host_tier.settings import TierSettings
 
     with clean_errors():
-        folder = dir or TierSettings().dir
+        try:
+            update = {"dir": dir or TierSettings().dir, "cluster": validate(cluster or TierSettings().cluster)}
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--cluster") from exc
+        settings = TierSettings().model_copy(update=update)
+        paths = sorted(settings.dir.glob("tandem-tier-*")) if all_clusters else settings.own_files()
         kept = 0
-        for path in sorted(folder.glob("tandem-tier-*")):
+        for path in paths:
             users = _mapped_by(path.resolve())
             if users and not force:
                 console.print(f"kept {path}: mapped by pid {', '.join(map(str, users))} (stop them, or --force)")

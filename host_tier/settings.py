@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from pydantic import ByteSize, Field
@@ -53,6 +54,13 @@ class TierSettings(BaseSettings):
 
     def path_for(self, layout: BlockLayout) -> Path:
         return self.dir / f"tandem-tier{suffix(self.cluster)}-{layout.fingerprint().hex()[:16]}"
+
+    def own_files(self) -> list[Path]:
+        """This cluster's tier files in ``dir``, of any model (``path_for``'s names): what ``tandem tier
+        clear`` removes. Another cluster's (``tandem-tier-NAME-...``) never match, the default cluster's
+        included."""
+        name = re.compile(rf"tandem-tier{re.escape(suffix(self.cluster))}-[0-9a-f]{{16}}")
+        return sorted(p for p in self.dir.glob("tandem-tier-*") if name.fullmatch(p.name))
 
     def n_slots(self, layout: BlockLayout) -> int:
         n = int(self.size) // layout.block_bytes

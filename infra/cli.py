@@ -6,17 +6,20 @@ import asyncio
 import signal
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from contracts.cli import clean_errors, console, interrupt
-from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, DEFAULT_ROUTER_PORT
-from contracts.config import lake_dir
+from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, DEFAULT_ROUTER_PORT, validate
+from contracts.config import default_workdir, lake_dir
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError, TandemError
 from kv_transfer import ConnectorKind
+
+if TYPE_CHECKING:
+    from infra.launcher import Cluster, ModelSpec
 
 model_app = typer.Typer(help="Prepare and inspect models.", no_args_is_help=True)
 
@@ -35,94 +38,150 @@ def model_prepare(
     console.print(f"{'prepared' if result.created else 'already prepared'}: {result.path}")
 
 
+def _cluster_name(value: str | None) -> str | None:
+    """``--cluster`` checked where it is given: a bad name is a usage error, not a traceback."""
+    try:
+        return None if value is None else validate(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+_UpPrefill = Annotated[int, typer.Option(help="Number of prefill nodes.")]
+
+_UpDecode = Annotated[int, typer.Option(help="Number of decode nodes.")]
+
+_UpBoth = Annotated[int, typer.Option(help="Number of colocated (prefill+decode) nodes.")]
+
+_UpColocated = Annotated[bool, typer.Option(help="Colocated mode: one `both` node, no P/D pair.")]
+
+_UpModel = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="Model folder (default: prepared SmolLM2-135M-Instruct); or, repeated, NAME=PATH for several "
+        "served models, each with its own nodes (PATH empty: the default model under NAME)."
+    ),
+]
+
+_UpModels = Annotated[
+    Path | None,
+    typer.Option(
+        help="Models file (TOML, router.model_table): nodes for each [served] model, and the routers' "
+        "aliases, fallbacks and canaries (TANDEM_ROUTER_MODELS)."
+    ),
+]
+
+_UpPort = Annotated[int, typer.Option(help="Router port.")]
+
+_UpClusterName = Annotated[
+    str | None,
+    typer.Option(
+        "--cluster",
+        envvar=CLUSTER_ENV,
+        help="Cluster name: every Redis key and host file of this cluster is under it, so clusters sharing "
+        "a host and a Redis stay apart. Default: `default` (the keys a cluster wrote before names existed); "
+        "a second cluster on the same host and Redis needs its own name.",
+        callback=_cluster_name,
+    ),
+]
+
+_UpRouters = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Router replicas sharing the port (SO_REUSEPORT): if one dies another keeps serving while it "
+        "restarts. Each holds about 0.7 GB. Default: 1 on a host of 2 cores or fewer, else 2.",
+    ),
+]
+
+_UpNodeBasePort = Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")]
+
+_UpRedisUrl = Annotated[
+    str | None,
+    typer.Option(help="Use this Redis (default: $TANDEM_REDIS_URL if it answers, else start an embedded one)."),
+]
+
+_UpDtype = Annotated[
+    str | None,
+    typer.Option(
+        help="Engine dtype of every node (default: the node's own setting, TANDEM_NODE_DTYPE, else auto: "
+        "bfloat16 where the CPU has native bf16, else float32)."
+    ),
+]
+
+_UpKvCacheGib = Annotated[
+    int | None, typer.Option(help="KV cache per node, GiB (default: the node's own setting, else 1).")
+]
+
+_UpConnector = Annotated[
+    ConnectorKind | None, typer.Option(help="KV connector: tandem (ours, default) or nixl (baseline).")
+]
+
+_UpWorkdir = Annotated[
+    Path | None,
+    typer.Option(
+        help="Logs, the telemetry lake, journals, the SQLite store and embedded Redis data (default: .tandem, "
+        "or .tandem/NAME for a cluster named NAME)."
+    ),
+]
+
+_UpLake = Annotated[
+    Path | None,
+    typer.Option(
+        help="Parquet lake for telemetry (default: $TANDEM_LAKE_DIR, else <workdir>/lake, which is where "
+        "`tandem lake query|report` look by default)."
+    ),
+]
+
+_UpPolicy = Annotated[
+    str | None,
+    typer.Option(
+        help="Routing policy: cache_aware (default), least_loaded or round_robin (default: TANDEM_ROUTER_POLICY)."
+    ),
+]
+
+_UpHostTier = Annotated[
+    str | None,
+    typer.Option(
+        help="Give every node a shared host tier of this size (e.g. 2GiB, in /dev/shm): finished prompts' "
+        "KV blocks are kept there and loaded instead of recomputed (`tandem tier serve`). Default: none."
+    ),
+]
+
+_UpPeerKv = Annotated[
+    bool,
+    typer.Option(
+        help="Colocated nodes run our KV connector: a node loads a prompt prefix another node holds instead "
+        "of computing it, when the router measures that faster (peer fetch). Default: off."
+    ),
+]
+
+_UpKeepHostTier = Annotated[
+    bool,
+    typer.Option(help="Keep the host tier's file (and its RAM) after the cluster stops, for the next start."),
+]
+
+
 def up(
-    prefill: Annotated[int, typer.Option(help="Number of prefill nodes.")] = 1,
-    decode: Annotated[int, typer.Option(help="Number of decode nodes.")] = 1,
-    both: Annotated[int, typer.Option(help="Number of colocated (prefill+decode) nodes.")] = 0,
-    colocated: Annotated[bool, typer.Option(help="Colocated mode: one `both` node, no P/D pair.")] = False,
-    model: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Model folder (default: prepared SmolLM2-135M-Instruct); or, repeated, NAME=PATH for several "
-            "served models, each with its own nodes (PATH empty: the default model under NAME)."
-        ),
-    ] = None,
-    models: Annotated[
-        Path | None,
-        typer.Option(
-            help="Models file (TOML, router.model_table): nodes for each [served] model, and the routers' "
-            "aliases, fallbacks and canaries (TANDEM_ROUTER_MODELS)."
-        ),
-    ] = None,
-    port: Annotated[int, typer.Option(help="Router port.")] = 8000,
-    cluster_name: Annotated[
-        str | None,
-        typer.Option(
-            "--cluster",
-            envvar=CLUSTER_ENV,
-            help="Cluster name: every Redis key and host file of this cluster is under it, so clusters sharing "
-            "a host and a Redis stay apart. Default: `default` (the keys a cluster wrote before names existed); "
-            "a second cluster on the same host and Redis needs its own name.",
-        ),
-    ] = None,
-    routers: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Router replicas sharing the port (SO_REUSEPORT): if one dies another keeps serving while it "
-            "restarts. Each holds about 0.7 GB. Default: 1 on a host of 2 cores or fewer, else 2.",
-        ),
-    ] = None,
-    node_base_port: Annotated[int, typer.Option(help="First node port; node i uses base+10*i.")] = 8100,
-    redis_url: Annotated[
-        str | None,
-        typer.Option(help="Use this Redis (default: $TANDEM_REDIS_URL if it answers, else start an embedded one)."),
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            help="Engine dtype of every node (default: the node's own setting, TANDEM_NODE_DTYPE, else auto: "
-            "bfloat16 where the CPU has native bf16, else float32)."
-        ),
-    ] = None,
-    kv_cache_gib: Annotated[
-        int | None, typer.Option(help="KV cache per node, GiB (default: the node's own setting, else 1).")
-    ] = None,
-    connector: Annotated[
-        ConnectorKind | None, typer.Option(help="KV connector: tandem (ours, default) or nixl (baseline).")
-    ] = None,
-    workdir: Annotated[Path, typer.Option(help="Logs, the telemetry lake and embedded Redis data.")] = Path(".tandem"),
-    lake: Annotated[
-        Path | None,
-        typer.Option(
-            help="Parquet lake for telemetry (default: $TANDEM_LAKE_DIR, else <workdir>/lake, which is where "
-            "`tandem lake query|report` look by default)."
-        ),
-    ] = None,
-    policy: Annotated[
-        str | None,
-        typer.Option(
-            help="Routing policy: cache_aware (default), least_loaded or round_robin (default: TANDEM_ROUTER_POLICY)."
-        ),
-    ] = None,
-    host_tier: Annotated[
-        str | None,
-        typer.Option(
-            help="Give every node a shared host tier of this size (e.g. 2GiB, in /dev/shm): finished prompts' "
-            "KV blocks are kept there and loaded instead of recomputed (`tandem tier serve`). Default: none."
-        ),
-    ] = None,
-    peer_kv: Annotated[
-        bool,
-        typer.Option(
-            help="Colocated nodes run our KV connector: a node loads a prompt prefix another node holds instead "
-            "of computing it, when the router measures that faster (peer fetch). Default: off."
-        ),
-    ] = False,
-    keep_host_tier: Annotated[
-        bool,
-        typer.Option(help="Keep the host tier's file (and its RAM) after the cluster stops, for the next start."),
-    ] = False,
+    prefill: _UpPrefill = 1,
+    decode: _UpDecode = 1,
+    both: _UpBoth = 0,
+    colocated: _UpColocated = False,
+    model: _UpModel = None,
+    models: _UpModels = None,
+    port: _UpPort = 8000,
+    cluster_name: _UpClusterName = None,
+    routers: _UpRouters = None,
+    node_base_port: _UpNodeBasePort = 8100,
+    redis_url: _UpRedisUrl = None,
+    dtype: _UpDtype = None,
+    kv_cache_gib: _UpKvCacheGib = None,
+    connector: _UpConnector = None,
+    workdir: _UpWorkdir = None,
+    lake: _UpLake = None,
+    policy: _UpPolicy = None,
+    host_tier: _UpHostTier = None,
+    peer_kv: _UpPeerKv = False,
+    keep_host_tier: _UpKeepHostTier = False,
 ) -> None:
     """Start a local cluster (Redis if needed, nodes, router) and run it until Ctrl-C or SIGTERM."""
     from infra.launcher import Cluster, ClusterSpec, models_from_file, parse_model_option
@@ -135,6 +194,7 @@ def up(
         served = (*(models_from_file(models) if models else ()), *(parse_model_option(m) for m in named))
         if len(folders) > 1 or (folders and served):
             raise ConfigError("give one --model FOLDER, or NAME=PATH models (repeated, or [served] in --models)")
+    workdir = workdir or default_workdir(cluster_name)
     spec = ClusterSpec(
         prefill=prefill,
         decode=decode,
@@ -157,7 +217,11 @@ def up(
         keep_host_tier=keep_host_tier,
         peer_kv=peer_kv,
     )
-    cluster = Cluster(spec)
+    _run_cluster(Cluster(spec), f"{prefill}P + {decode}D + {both} colocated", served)
+
+
+def _run_cluster(cluster: Cluster, shape: str, served: tuple[ModelSpec, ...]) -> None:
+    """Start ``cluster``, say READY, keep it up until Ctrl-C or SIGTERM, then stop all of it."""
     # Ctrl-C and SIGTERM unwind from wherever the launcher is (start-up included) into the `finally`,
     # which stops every child; further signals are ignored so that stop itself is not interrupted.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -168,7 +232,7 @@ def up(
             with console.status("starting cluster…") as status:
                 cluster.wait_ready(on_progress=lambda msg: status.update(f"starting cluster… {msg}"))
         console.print(
-            f"Tandem is up: {cluster.url}/v1 ({prefill}P + {decode}D + {both} colocated"
+            f"Tandem is up: {cluster.url}/v1 ({shape}"
             f"{' per model: ' + ', '.join(m.name for m in served) if served else ''}; "
             f"logs in {cluster.logs}, telemetry lake in {cluster.lake})"
         )
@@ -271,15 +335,16 @@ async def _supervision_state(redis_url: str, cluster: str, port: int) -> tuple[l
 
     from contracts.errors import StoreError
     from contracts.registry import NodeRegistry
+    from infra.launcher import launcher_key
 
     client = aioredis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
     try:
         statuses = await NodeRegistry(client, cluster=cluster).statuses()
         launchers: dict[str, dict[str, dict]] = {}
-        async for key in client.scan_iter(match=f"tandem:launcher:{port}"):
-            raw = await client.hgetall(key)
-            name = key.decode() if isinstance(key, bytes) else key
-            launchers[name] = {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in raw.items()}
+        key = launcher_key(port, cluster)
+        raw = await client.hgetall(key)
+        if raw:
+            launchers[key] = {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in raw.items()}
         return statuses, launchers
     except RedisError as exc:
         raise StoreError(f"Redis at {redis_url} unreadable: {exc}") from exc

@@ -515,7 +515,7 @@ class Cluster:
         if self._state_client is None:
             self._state_client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
         try:
-            key = launcher_key(self.spec.router_port)
+            key = launcher_key(self.spec.router_port, self.name)
             with self._state_client.pipeline(transaction=True) as pipe:
                 pipe.delete(key)
                 pipe.hset(key, mapping={c.name: json.dumps(c.state()) for c in self.children})
@@ -607,7 +607,7 @@ class Cluster:
                 self.redis_url, socket_timeout=1, socket_connect_timeout=1
             )
             try:
-                client.delete(launcher_key(self.spec.router_port))
+                client.delete(launcher_key(self.spec.router_port, self.name))
             finally:
                 client.close()
                 self._state_client = None

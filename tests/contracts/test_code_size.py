@@ -31,7 +31,6 @@ OVER_FUNCTIONS = {
     "bench/admission.py::_router_rps": 81,
     "bench/overhead.py::router_ceiling": 123,
     "bench/overhead.py::run_overhead_bench": 82,
-    "infra/cli.py::up": 150,
     "infra/launcher.py::Cluster.start": 85,
     "node_agent/supervisor.py::EngineSupervisor._serve": 84,
     "router/app.py::create_app": 294,

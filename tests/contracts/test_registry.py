@@ -102,3 +102,14 @@ async def test_epochs_count_up_per_node_and_survive_deregistration(registry: Nod
     await registry.deregister("e")
     assert await registry.next_epoch("e") == 3
     assert await registry.next_epoch("other") == 1
+
+
+async def test_a_stopped_nodes_status_leaves_soon_a_failed_ones_stays(registry: NodeRegistry) -> None:
+    """An ended cluster leaves ``tandem cluster status`` by itself; a node that gave up stays visible."""
+    from contracts.registry import STATUS_TTL_S, STOPPED_TTL_S, NodeState, NodeStatus, status_key
+
+    await registry.set_status(NodeStatus(node_id="gone", state=NodeState.STOPPED))
+    await registry.set_status(NodeStatus(node_id="sick", state=NodeState.UNHEALTHY))
+    ttl = {n: await registry._redis.pttl(status_key(n, registry.cluster)) / 1000 for n in ("gone", "sick")}
+    assert 0 < ttl["gone"] <= STOPPED_TTL_S < 600 and ttl["sick"] > STOPPED_TTL_S
+    assert ttl["sick"] <= STATUS_TTL_S

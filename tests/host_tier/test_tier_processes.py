@@ -284,6 +284,9 @@ def test_metrics_show_what_the_tier_holds_and_clear_gives_the_ram_back_only_when
         assert 'tandem_tier_evictions_total{reason="lru"} 2.0' in text
         assert f"tandem_tier_pinned_bytes {2 * t.layout.block_bytes}.0" in text
         client.close()
+        # another cluster's tier on the same host: never this cluster's to clear
+        other = tmp_path / f"tandem-tier-other-{'ab' * 8}"
+        other.write_bytes(b"x")
         clear = [sys.executable, "-m", "tandem", "tier", "clear", "--dir", str(tmp_path)]
         kept = subprocess.run(clear, capture_output=True, text=True, env=t.env)
         assert kept.returncode == 1 and "mapped by pid" in kept.stdout  # the running tier maps it
@@ -292,6 +295,9 @@ def test_metrics_show_what_the_tier_holds_and_clear_gives_the_ram_back_only_when
         t.kill()
     removed = subprocess.run(clear, capture_output=True, text=True, env=t.env)
     assert removed.returncode == 0 and "removed" in removed.stdout, removed.stdout + removed.stderr
+    assert list(tmp_path.glob("tandem-tier-*")) == [other]
+    everyone = subprocess.run([*clear, "--all-clusters"], capture_output=True, text=True, env=t.env)
+    assert everyone.returncode == 0 and "removed" in everyone.stdout, everyone.stdout
     assert not list(tmp_path.glob("tandem-tier-*"))
 
 

@@ -289,3 +289,34 @@ def _health_any(procs: list[psutil.Process]) -> bool:
         except psutil.Error:
             pass
     return False
+
+
+def test_a_named_cluster_keeps_its_state_under_its_name_and_leaves_the_status_when_stopped(tmp_path: Path) -> None:
+    """``tandem up --cluster NAME``: the launcher's record of its processes and the node agent's status are
+    under the cluster's prefix (``tandem cluster status`` finds them there, by the name the router gives);
+    a clean stop deletes the launcher's record and leaves the node's status to lapse within a minute."""
+    from contracts.cluster import key
+    from contracts.registry import STOPPED_TTL_S, status_key
+
+    with run_up(ROOT, "--cluster", "sup-a", "--workdir", str(tmp_path)) as u:
+        r = redis.Redis.from_url(REDIS_URL)
+        # the launcher writes its record once it supervises, just after READY
+        assert wait_for(lambda: r.exists(launcher_key(u.router_port, "sup-a")), timeout_s=30)
+        assert not r.exists(launcher_key(u.router_port))
+        status = subprocess.run(
+            [PY, "-m", "tandem", "cluster", "status", "--url", u.url, "--redis-url", REDIS_URL],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={k: v for k, v in {**os.environ, "COLUMNS": "200"}.items() if k != "TANDEM_CLUSTER"},
+        )
+        assert status.returncode == 0, status.stderr
+        assert "Tandem cluster sup-a" in status.stdout and "Processes of tandem up" in status.stdout
+        assert u.node_id in status.stdout
+        u.proc.send_signal(signal.SIGTERM)
+        assert u.proc.wait(timeout=60) == 0
+    assert not r.exists(launcher_key(u.router_port, "sup-a"))
+    ttl_ms = r.pttl(status_key(u.node_id, "sup-a"))
+    assert 0 < ttl_ms <= STOPPED_TTL_S * 1000, f"the stopped node's status stays {ttl_ms} ms"
+    assert not list(r.scan_iter(match=key("sup-a", "node", "*")))  # deregistered

@@ -110,3 +110,17 @@ def test_a_command_pointed_at_no_lake_says_so_and_fails(argv, monkeypatch, tmp_p
     assert res.exit_code == 2 and f"no lake at {tmp_path / 'typo'}" in res.stderr
     assert "(from --lake)" in res.stderr
     assert not (tmp_path / "rep").exists() and not (tmp_path / "typo").exists()
+
+
+def test_a_named_cluster_has_its_own_default_workdir_and_lake(monkeypatch, tmp_path):
+    """Two clusters started from one folder keep their logs, lakes and journals apart; ``default`` keeps
+    ``.tandem`` as before cluster names, and a lake command under ``TANDEM_CLUSTER`` reads that cluster's."""
+    monkeypatch.delenv("TANDEM_CLUSTER", raising=False)
+    spec = _spec_of_up(monkeypatch, "--cluster", "staging")
+    assert spec.workdir == Path(".tandem/staging") and spec.lake == Path(".tandem/staging/lake")
+    assert _spec_of_up(monkeypatch).workdir == Path(".tandem")
+    assert _spec_of_up(monkeypatch, "--cluster", "staging", "--workdir", str(tmp_path)).lake == tmp_path / "lake"
+    monkeypatch.setenv("TANDEM_CLUSTER", "staging")
+    assert lake_dir().path == Path(".tandem/staging/lake") == _spec_of_up(monkeypatch).lake
+    res = runner.invoke(app, ["up", "--cluster", "Not_A_Name"])
+    assert res.exit_code == 2 and "cluster name" in res.output
