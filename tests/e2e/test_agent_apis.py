@@ -186,3 +186,13 @@ def test_errors_in_each_apis_shape(cluster: LiveCluster) -> None:
         timeout=120,
     )
     assert over.status_code == 400 and over.json()["error"]["type"] == "invalid_request_error", over.text
+    # past the context window on the other two APIs too, in OpenAI's shape (the engine refuses; the router
+    # passes its 400 on)
+    long = "word " * 40000
+    for path, body in (
+        ("/v1/responses", {"model": cluster.model, "input": long, "max_output_tokens": 5}),
+        ("/v1/chat/completions", {"model": cluster.model, "messages": [{"role": "user", "content": long}]}),
+    ):
+        over = httpx.post(f"{cluster.url}{path}", json=body, timeout=120)
+        assert over.status_code == 400, (path, over.text)
+        assert over.json()["error"]["type"] == "invalid_request_error" and over.json()["error"]["message"], over.text

@@ -257,3 +257,53 @@ def test_each_kind_of_miss_is_attributed_as_such(mc: MissCluster) -> None:
             miss["elsewhere_reason"],
         )
         assert (row["miss_evicted_node"], row["miss_evicted_tier"]) == (miss["evicted_node"], miss["evicted_tier"])
+
+
+AGENT_APIS = {
+    "chat": (
+        "/v1/chat/completions",
+        lambda model, text: {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": text}]},
+    ),
+    "responses": ("/v1/responses", lambda model, text: {"model": model, "input": text, "max_output_tokens": 1}),
+    "messages": (
+        "/v1/messages",
+        lambda model, text: {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": text}]},
+    ),
+}
+
+
+def test_every_apis_rows_name_it_and_keep_the_hit_breakdown_and_miss_attribution(mc: MissCluster) -> None:
+    """The same turn sent twice on each API (Chat Completions, Responses, Messages): each row names its API;
+    the first is a cold miss whole, the second reuses the first's blocks on the node that holds them, and
+    in both the miss kinds sum to the uncached tokens."""
+    for n, (api, (path, body)) in enumerate(AGENT_APIS.items()):
+        text = _prompt(200 + n, words=300)
+        for _ in range(2):
+            r = httpx.post(
+                f"{mc.url}{path}", json=body(mc.model, text), headers={"x-session-id": f"api-{api}"}, timeout=300
+            )
+            assert r.status_code == 200, (api, r.text)
+    writer = LakeWriter(WriterConfig(lake=mc.workdir / "lake", redis_url=REDIS_URL, consumer="miss-e2e-apis"))
+    cols = "session_id, api, t_arrival, uncached_tokens, engine_cached_tokens, routed_cached_tokens, "
+    cols += "local_cached_tokens, " + ", ".join(f"miss_{k}_tokens" for k in KINDS)
+
+    def rows() -> dict[str, list[dict[str, Any]]]:
+        writer.drain()
+        got = query(mc.workdir / "lake", f"SELECT {cols} FROM requests WHERE session_id LIKE 'api-%'").to_pylist()
+        out: dict[str, list[dict[str, Any]]] = {}
+        for row in sorted(got, key=lambda r: r["t_arrival"]):
+            out.setdefault(row["session_id"].removeprefix("api-"), []).append(row)
+        return out
+
+    try:
+        assert wait_for(lambda: all(len(rows().get(a, [])) == 2 for a in AGENT_APIS), 60), rows()
+        by_api = rows()
+    finally:
+        writer.close()
+    for api, (first, second) in by_api.items():
+        assert first["api"] == second["api"] == api
+        for row in (first, second):
+            assert sum(row[f"miss_{k}_tokens"] for k in KINDS) == row["uncached_tokens"], (api, row)
+        assert first["miss_cold_tokens"] == first["uncached_tokens"] > 0, (api, first)
+        assert second["engine_cached_tokens"] > 0 and second["routed_cached_tokens"] > 0, (api, second)
+        assert second["local_cached_tokens"] > 0 and second["uncached_tokens"] < first["uncached_tokens"], (api, second)
