@@ -91,7 +91,8 @@ def bench_overhead(
     load from `vllm bench serve` and the agent workload; then the router's SSE chunks/s on one core
     over a stand-in engine. ~15 min on 2 cores."""
     redis_url = redis_url or _redis_url(db=6)
-    from bench.overhead import OverheadBenchConfig, result_line, run_overhead_bench
+    from bench.overhead import OverheadBenchConfig, run_overhead_bench
+    from bench.overhead_report import result_line
 
     cfg = OverheadBenchConfig(
         rounds=rounds,
@@ -104,7 +105,6 @@ def bench_overhead(
         redis_url=redis_url,
         routers=routers,
     )
-    signal.signal(signal.SIGTERM, interrupt)  # SIGTERM unwinds like Ctrl-C: every arm's processes stop
     with clean_errors():
         result = run_overhead_bench(out, cfg)
     print(result_line(result), flush=True)
@@ -240,7 +240,6 @@ def bench_routing(
     )
     # SIGTERM unwinds like Ctrl-C, so the benchmark's clusters are stopped (a shell's background job
     # ignores SIGINT, so a script can only stop it with SIGTERM).
-    signal.signal(signal.SIGTERM, interrupt)
     with clean_errors():
         s = run_routing_bench(out, cfg)
     print("RESULT " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
@@ -416,7 +415,6 @@ def bench_kv_cache(
         workload=workload,
         redis_url=redis_url or _redis_url(db=6),
     )
-    signal.signal(signal.SIGTERM, interrupt)
     with clean_errors():
         s = run_kv_cache_bench(out, cfg)
     print(result_line(s), flush=True)

@@ -55,7 +55,7 @@ import psutil
 
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
 from bench.loadgen import SentRequest, percentile, run_sessions
-from bench.overhead import _sched_cpu_s, _wait_http
+from bench.procs import sched_cpu_s, wait_http
 from bench.routing import _Tokens
 from bench.vllm_router import PeerWorker, VllmRouter
 from contracts.config import redis_url as configured_redis_url
@@ -320,7 +320,7 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
             for e in engines:
                 e.start()
             for e in engines:
-                _wait_http(f"{e.settings.url}/health", _alive(e))
+                wait_http(f"{e.settings.url}/health", _alive(e))
             urls = [e.settings.url for e in engines]
             model = _model_name(urls[0])
             with VllmRouter(
@@ -375,7 +375,7 @@ def _scrape(served: Served) -> tuple[dict[float, float], float, dict[str, float]
         for k, c in b.items():
             buckets[k] = buckets.get(k, 0.0) + c
         total += s
-    cpu = {name: _sched_cpu_s(pid) for name, pid in served.others.items()}
+    cpu = {name: sched_cpu_s(pid) for name, pid in served.others.items()}
     return buckets, total, cpu
 
 

@@ -35,18 +35,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
-import psutil
 
 from bench.loadgen import percentile
-from bench.standin_engine import STANDIN_LABEL, free_port
+from bench.overhead_report import ARMS, plot, summarize, targets
+from bench.procs import cpu_s, wait_http
+from bench.router_ceiling import router_ceiling
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.registry import Role
@@ -55,8 +54,6 @@ from infra.launcher import Cluster, ClusterSpec
 from node_agent.model import resolve_model
 from node_agent.node import EngineProcess
 from node_agent.settings import NodeSettings
-
-ARMS = ("plain", "peer", "node", "tandem")
 
 
 @dataclass(frozen=True)
@@ -97,48 +94,6 @@ def _cores() -> str:
     return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
 
 
-def _wait_http(url: str, alive: Callable[[], bool], timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not alive():
-            raise ConfigError(f"process behind {url} exited during start-up")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.5)  # polling a child that has no readiness callback
-    raise ConfigError(f"{url} not ready after {timeout_s:.0f} s")
-
-
-def _cpu_s(pid: int) -> float:
-    """User+system seconds of a process and its children (vllm-router runs in one process; the
-    Tandem router too), 0 when it is gone."""
-    try:
-        p = psutil.Process(pid)
-        total = sum(p.cpu_times()[:2])
-        for c in p.children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                total += sum(c.cpu_times()[:2])
-        return total
-    except psutil.NoSuchProcess:
-        return 0.0
-
-
-def _sched_cpu_s(pid: int) -> float:
-    """CPU seconds of every thread of ``pid`` from the scheduler's nanosecond counters
-    (``/proc/<pid>/task/*/schedstat``): for windows of a few tens of ms, where ``cpu_times``'s 10 ms
-    ticks would be most of the figure. Falls back to ``_cpu_s`` where there is no such file."""
-    total = 0
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return _cpu_s(pid)
-    for tid in tasks:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-    return total / 1e9
-
-
 class _CpuMeter:
     """Samples the CPU seconds of one or more process trees (every router replica) every 100 ms in a
     thread, so that their CPU over any window of the run can be read afterwards."""
@@ -163,7 +118,7 @@ class _CpuMeter:
         self.samples.append((time.monotonic(), self._total()))
 
     def _total(self) -> float:
-        return sum(_cpu_s(pid) for pid in self.pids)
+        return sum(cpu_s(pid) for pid in self.pids)
 
     def between(self, start: float, end: float) -> float:
         """CPU seconds used between two monotonic times (to the nearest samples)."""
@@ -198,7 +153,7 @@ def _plain_engine(cfg: OverheadBenchConfig, port: int, logs: Path) -> Iterator[s
     engine = EngineProcess(settings)
     engine.start()
     try:
-        _wait_http(f"{settings.url}/health", lambda: engine.exited() is None)
+        wait_http(f"{settings.url}/health", lambda: engine.exited() is None)
         yield settings.url
     finally:
         engine.stop()
@@ -364,269 +319,9 @@ def agent_sessions(served: Served, cfg: OverheadBenchConfig, salt: str) -> dict[
 
 
 # -- the router's ceiling -------------------------------------------------------------------------------
-async def _count_chunks(url: str, model: str, streams: int, tokens: int) -> int:
-    import aiohttp
-
-    async def one(session: aiohttp.ClientSession, i: int) -> int:
-        body = {
-            "model": model,
-            "stream": True,
-            "max_tokens": tokens,
-            "messages": [{"role": "user", "content": f"ceiling {uuid.uuid4().hex} {i}"}],
-        }
-        n = 0
-        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-            if resp.status != 200:
-                raise ConfigError(f"ceiling stream failed: {resp.status} {(await resp.read())[:200]!r}")
-            async for block in resp.content.iter_any():
-                n += block.count(b"data: ")
-        return n - 1  # [DONE]
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=streams + 4)) as session:
-        counts = await asyncio.gather(*(one(session, i) for i in range(streams)))
-    return sum(counts)
-
-
-def _standin(port: int, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    """A stand-in engine process on ``port`` (``bench.standin_engine`` options in ``args``), answering."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.standin_engine", "--port", str(port), *args],
-        stdout=open(log, "ab"),  # noqa: SIM115
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health", lambda: proc.poll() is None, 60)
-    except BaseException:
-        proc.kill()  # not yet among the caller's processes to stop
-        proc.wait()
-        raise
-    return proc
-
-
-def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
-    """SSE chunks relayed per second by the router process alone on one core (the first), over the
-    stand-in engine and the load client on the others."""
-    from contracts.registry import NodeInfo, NodeRegistry
-    from node_agent.model import default_model_dir
-
-    cores = sorted(os.sched_getaffinity(0))
-    router_core, other = {cores[0]}, set(cores[1:]) or {cores[0]}
-    engine_port, router_port = free_port(), free_port()
-    model = f"standin-ceiling-{uuid.uuid4().hex[:8]}"
-    logs = cfg.workdir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    node = NodeInfo(
-        node_id=f"standin-{model}",
-        role=Role.BOTH,
-        model=model,
-        url=f"http://127.0.0.1:{engine_port}",
-        block_size=128,
-        max_model_len=1 << 20,
-        kv_connector="none",
-        model_path=str(default_model_dir()),
-    )
-    procs: list[subprocess.Popen[bytes]] = []
-    me = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, other)  # the client, and the children started from here, stay off the router's core
-        procs.append(_standin(engine_port, logs / "ceiling-standin.log", "--stream-tokens", str(cfg.ceiling_tokens)))
-        paced_port = free_port()
-        paced_node = msgspec.structs.replace(
-            node, node_id=f"{node.node_id}-paced", model=f"{model}-paced", url=f"http://127.0.0.1:{paced_port}"
-        )
-        procs.append(
-            _standin(
-                paced_port,
-                logs / "ceiling-standin-paced.log",
-                *("--stream-tokens", "32", "--token-interval-ms", str(cfg.paced_interval_ms)),
-            )
-        )
-        for n in (node, paced_node):
-            asyncio.run(NodeRegistry(_async_redis(cfg.redis_url), ttl_s=3600).register(n))
-        env = {**os.environ, "TANDEM_DATABASE_URL": f"sqlite:///{cfg.workdir}/ceiling-router.db"}
-        router = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tandem",
-                "router",
-                "--port",
-                str(router_port),
-                "--redis-url",
-                cfg.redis_url,
-                "--log-level",
-                "warning",
-            ],
-            env=env,
-            stdout=open(logs / "ceiling-router.log", "ab"),
-            stderr=subprocess.STDOUT,
-        )  # noqa: SIM115
-        procs.append(router)
-        os.sched_setaffinity(router.pid, router_core)
-        url = f"http://127.0.0.1:{router_port}"
-        _wait_http(f"{url}/health", lambda: router.poll() is None, 120)
-        for t in psutil.Process(router.pid).threads():  # threads started before the pin above
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(t.id, router_core)
-        asyncio.run(_count_chunks(url, model, 4, 50))  # warm-up: tokenizer loaded, pool open
-        runs = []
-        for _ in range(cfg.ceiling_rounds):
-            cpu0, t0 = _cpu_s(router.pid), time.perf_counter()
-            chunks = asyncio.run(_count_chunks(url, model, cfg.ceiling_streams, cfg.ceiling_tokens))
-            wall, cpu = time.perf_counter() - t0, _cpu_s(router.pid) - cpu0
-            runs.append(
-                {
-                    "chunks": chunks,
-                    "wall_s": round(wall, 3),
-                    "router_cpu_s": round(cpu, 3),
-                    "chunks_per_s": round(chunks / wall),
-                    "chunks_per_router_cpu_s": round(chunks / max(cpu, 1e-9)),
-                }
-            )
-            _log(
-                f"ceiling: {chunks} chunks in {wall:.2f} s = {chunks / wall:,.0f}/s "
-                f"(router CPU {cpu:.2f} s, {chunks / max(cpu, 1e-9):,.0f} chunks per CPU-second)"
-            )
-        best = max(runs, key=lambda x: x["chunks_per_s"])
-        streams = 16
-        cpu0 = _sched_cpu_s(router.pid)
-        chunks = asyncio.run(_count_chunks(url, paced_node.model, streams, 32))
-        cpu = _sched_cpu_s(router.pid) - cpu0
-        paced_run = {
-            "token_interval_ms": cfg.paced_interval_ms,
-            "streams": streams,
-            "chunks": chunks,
-            "router_cpu_s": round(cpu, 4),
-            "router_cpu_us_per_chunk": round(cpu * 1e6 / max(1, chunks), 1),
-            "router_cpu_ms_per_32_token_request": round(cpu * 1000 / streams, 2),
-        }
-        _log(
-            f"paced ({cfg.paced_interval_ms:g} ms per token): {chunks} chunks, router CPU "
-            f"{paced_run['router_cpu_us_per_chunk']:.0f} µs per chunk, "
-            f"{paced_run['router_cpu_ms_per_32_token_request']:.2f} ms per 32-token request"
-        )
-        return {
-            "paced": paced_run,
-            "engine": STANDIN_LABEL,
-            "streams": cfg.ceiling_streams,
-            "tokens_per_stream": cfg.ceiling_tokens,
-            "router_core": sorted(router_core),
-            "runs": runs,
-            "chunks_per_s": best["chunks_per_s"],
-            "chunks_per_router_cpu_s": best["chunks_per_router_cpu_s"],
-        }
-    finally:
-        os.sched_setaffinity(0, me)
-        for p in reversed(procs):
-            p.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(20)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for node_id in (node.node_id, f"{node.node_id}-paced"):
-            asyncio.run(NodeRegistry(_async_redis(cfg.redis_url), ttl_s=3600).deregister(node_id))
-
-
-def _async_redis(url: str) -> Any:
-    import redis.asyncio as aioredis
-
-    return aioredis.from_url(url)
 
 
 # -- the run ---------------------------------------------------------------------------------------------
-def _mean(values: list[float]) -> float:
-    return round(sum(values) / len(values), 3) if values else float("nan")
-
-
-def summarize(rounds: list[dict[str, Any]], arms: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Per arm: the mean over rounds of each figure, with its range."""
-    out: dict[str, dict[str, Any]] = {}
-    for arm in arms:
-        runs = [r["arms"][arm] for r in rounds if arm in r["arms"]]
-        serve = [x["vllm_bench"] for x in runs]
-        s: dict[str, Any] = {}
-        for key in ("req_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "router_cpu_ms_per_req"):
-            vals = [x[key] for x in serve if x.get(key) is not None]
-            if vals:
-                s[key] = _mean(vals)
-                s[f"{key}_range"] = [min(vals), max(vals)]
-        agents = [x["agent"] for x in runs if x.get("agent")]
-        if agents:
-            s["agent_req_s"] = _mean([a["req_s"] for a in agents])
-            s["agent_ttft_p50_ms"] = _mean([a["ttft_p50_ms"] for a in agents if a["ttft_p50_ms"] is not None])
-            s["agent_failed"] = sum(a["failed"] for a in agents)
-        s["failed"] = sum(x["failed"] for x in serve)
-        out[arm] = s
-    return out
-
-
-def targets(result: dict[str, float]) -> dict[str, dict[str, Any]]:
-    plain, peer, node, tandem = (result[k] for k in ("plain_rps", "peer_rps", "node_rps", "tandem_rps"))
-    checks = {
-        "tandem_rps >= 0.95 * plain_rps": tandem >= 0.95 * plain,
-        "tandem_rps >= peer_rps": tandem >= peer,
-        "node_rps >= 0.97 * plain_rps": node >= 0.97 * plain,
-        "tandem_ttft_p50_ms <= 1.10 * plain_ttft_p50_ms": result["tandem_ttft_p50_ms"]
-        <= 1.10 * result["plain_ttft_p50_ms"],
-        "router_cpu_ms_per_req <= 8": result["router_cpu_ms_per_req"] <= 8,
-        "router_chunks_per_s >= 20000": result["router_chunks_per_s"] >= 20000,
-    }
-    return {k: {"met": bool(v)} for k, v in checks.items()}
-
-
-def plot(doc: dict[str, Any], out_png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arms = [a for a in ARMS if a in doc["summary"]]
-    s = doc["summary"]
-    colors = {"plain": "#4c72b0", "peer": "#8172b2", "node": "#55a868", "tandem": "#dd8452"}
-    fig, axes = plt.subplots(1, 4, figsize=(17, 4.4))
-    panels = (
-        ("req_s", "requests/s (vllm bench serve)"),
-        ("ttft_p50_ms", "TTFT p50, ms"),
-        ("tpot_p50_ms", "TPOT p50, ms"),
-        ("router_cpu_ms_per_req", "router CPU ms / request"),
-    )
-    for ax, (key, title) in zip(axes, panels, strict=True):
-        xs = [a for a in arms if key in s[a]]
-        vals = [s[a][key] for a in xs]
-        err = [
-            [max(0.0, v - s[a][f"{key}_range"][0]) for a, v in zip(xs, vals, strict=True)],
-            [max(0.0, s[a][f"{key}_range"][1] - v) for a, v in zip(xs, vals, strict=True)],
-        ]  # rounding
-        ax.bar(xs, vals, yerr=err, capsize=4, color=[colors[a] for a in xs])
-        for i, (a, v) in enumerate(zip(xs, vals, strict=True)):
-            top = s[a][f"{key}_range"][1]  # above the range whisker, not on it
-            ax.annotate(
-                f"{v:.2f}" if v < 100 else f"{v:.0f}",
-                (i, top),
-                xytext=(0, 3),
-                textcoords="offset points",
-                ha="center",
-                va="bottom",
-                fontsize=9,
-            )
-        if key == "req_s" and "plain" in s:
-            ax.axhline(0.95 * s["plain"]["req_s"], color="k", linestyle=":", label="95% of plain")
-            ax.legend(fontsize=8, loc="lower right")
-        if key == "router_cpu_ms_per_req":
-            ax.axhline(8, color="k", linestyle=":", label="target 8 ms")
-            ax.legend(fontsize=8)
-        ax.set_title(title)
-    r = doc["result"]
-    fig.suptitle(
-        f"tandem bench overhead: {doc['config']['num_prompts']} prompts × {doc['config']['rounds']} rounds, "
-        f"{doc['config']['input_len']} in / {doc['config']['output_len']} out, concurrency "
-        f"{doc['config']['concurrency']}, {doc['host']['cpus']} cores — router ceiling "
-        f"{r['router_chunks_per_s']:,.0f} chunks/s on one core (stand-in engine)"
-    )
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
 
 
 def run_overhead_bench(out: Path, cfg: OverheadBenchConfig | None = None) -> dict[str, float]:
@@ -711,7 +406,3 @@ def run_overhead_bench(out: Path, cfg: OverheadBenchConfig | None = None) -> dic
         + ", ".join(f"{k}: {'met' if v['met'] else 'MISSED'}" for k, v in doc["targets"].items())
     )
     return result
-
-
-def result_line(result: dict[str, float]) -> str:
-    return "RESULT " + " ".join(f"{k}={v}" for k, v in result.items())

@@ -7,7 +7,8 @@ import os
 import time
 from pathlib import Path
 
-from bench.overhead import ARMS, _CpuMeter, plot, summarize, targets
+from bench.overhead import _CpuMeter
+from bench.overhead_report import ARMS, plot, summarize, targets
 
 
 def _round(rps: dict[str, float], cpu: float) -> dict:
