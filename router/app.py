@@ -51,6 +51,7 @@ from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
+from router.admission.rejections import RejectedRecords
 from router.background import TaskSet
 from router.cache_salt import CacheSalts
 from router.codecs.routes import agent_router
@@ -161,6 +162,12 @@ def document_api(schema: dict[str, Any]) -> dict[str, Any]:
         "GetSession": {"operationId": get_session["operationId"], "parameters": same_session}
     }
     return schema
+
+
+def _export_admission(metrics: RouterMetrics, admission: AdmissionContext, fleet: Fleet) -> None:
+    """Scrape-time views of admission: the per-node queues and the Redis content refused."""
+    metrics.admission.source = admission.controller.snapshot
+    metrics.registry.register(RejectedRecords(lambda: admission.keys.rejected, fleet.skipped_entries))
 
 
 async def _any_key(ctx: AdmissionContext) -> bool:
@@ -280,7 +287,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             models=models_table,
             peers=peers,
         )
-        metrics.admission.source = admission.controller.snapshot
+        _export_admission(metrics, admission, fleet)
         app.state.index, app.state.subscribers = index, subscribers
         try:
             yield

@@ -22,7 +22,6 @@ OVER_FILES = {
     "bench/overhead.py": 717,
     "infra/launcher.py": 649,
     "prefill_nodes/block_server.py": 644,
-    "router/admission/keys.py": 504,
     "router/orchestrator.py": 910,
 }
 """Files over the limit, with their lines now."""
