@@ -167,7 +167,7 @@ def document_api(schema: dict[str, Any]) -> dict[str, Any]:
 def _export_admission(metrics: RouterMetrics, admission: AdmissionContext, fleet: Fleet) -> None:
     """Scrape-time views of admission: the per-node queues and the Redis content refused."""
     metrics.admission.source = admission.controller.snapshot
-    metrics.registry.register(RejectedRecords(lambda: admission.keys.rejected, fleet.skipped_entries))
+    metrics.registry.register(RejectedRecords(lambda: admission.keys.rejected, lambda: fleet.skipped_entries))
 
 
 async def _any_key(ctx: AdmissionContext) -> bool:
@@ -314,7 +314,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     # The router's one periodic loop: fleet refresh, KV activity rows, the server's Date header.
     app.state.housekeeping = Housekeeping()
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, **BodyLimit.settings_of(settings))
 
     async def tenant_of(request: Request, *, admin: bool = False) -> Tenant:
         """The request's tenant (401 while auth is on and the key is missing or bad); with ``admin``,

@@ -7,7 +7,9 @@ admission fixtures of tests/router/admission/support.py)."""
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, generate_latest
@@ -17,6 +19,7 @@ from contracts.registry import NodeInfo, NodeRegistry, Role, registry_proof_key
 from router.admission import AdmissionContext, Priority, hash_key
 from router.admission.key_records import record_mac, record_mac_key
 from router.admission.rejections import RejectedRecords
+from tests.security.support import REDIS_URL, router
 
 UNKNOWN_KEY = "tdm-deadbeef-" + "A" * 43
 
@@ -129,3 +132,18 @@ async def test_rejections_are_on_the_metrics(ctx: AdmissionContext, redis_a: aio
         assert 'tandem_store_rejected_total{kind="registry_unproven"} 1.0' in text
     finally:
         await forger.deregister("forged")
+
+
+async def test_a_routers_metrics_count_a_forged_record(tmp_path: Path) -> None:
+    async with router(tmp_path, engine=False) as r, httpx.AsyncClient(base_url=r.url, timeout=30) as client:
+        admin = await r.create_key("ops", admin=True)
+        forged = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            rkey = f"{r.admission.key_prefix}key:{hash_key(UNKNOWN_KEY)}"
+            await forged.hset(rkey, mapping=_forged_fields("ops", admin=True))
+        finally:
+            await forged.aclose()
+        refused = await client.get("/metrics", headers={"Authorization": f"Bearer {UNKNOWN_KEY}"})
+        assert refused.status_code == 401
+        text = (await client.get("/metrics", headers=admin)).text
+        assert 'tandem_store_rejected_total{kind="key_record"} 1.0' in text
