@@ -164,6 +164,17 @@ def document_api(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def _redis_client(settings: RouterSettings) -> aioredis.Redis:
+    """The registry's and the response index's Redis, with the admission clients' timeouts: a Redis that
+    accepts and never answers fails each read (the fleet keeps its last view) instead of freezing it."""
+    adm = settings.admission or AdmissionSettings(redis_url=settings.redis_url, cluster=settings.cluster)
+    return aioredis.from_url(
+        settings.redis_url,
+        socket_timeout=adm.redis_socket_timeout_s,
+        socket_connect_timeout=adm.redis_connect_timeout_s,
+    )
+
+
 def _export_admission(metrics: RouterMetrics, admission: AdmissionContext, fleet: Fleet) -> None:
     """Scrape-time views of admission: the per-node queues and the Redis content refused."""
     metrics.admission.source = admission.controller.snapshot
@@ -204,7 +215,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = aioredis.from_url(settings.redis_url)
+        redis = _redis_client(settings)
         # The engines' API key derives from the cluster secret; the per-user default file is accepted here
         # (as for cache salts): nodes on other hosts need an explicit secret, which the router then shares.
         client = NodeClient(
