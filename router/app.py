@@ -51,6 +51,7 @@ from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
+from router.admission.rejections import RejectedRecords
 from router.background import TaskSet
 from router.cache_salt import CacheSalts
 from router.codecs.routes import agent_router
@@ -163,6 +164,23 @@ def document_api(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def _redis_client(settings: RouterSettings) -> aioredis.Redis:
+    """The registry's and the response index's Redis, with the admission clients' timeouts: a Redis that
+    accepts and never answers fails each read (the fleet keeps its last view) instead of freezing it."""
+    adm = settings.admission or AdmissionSettings(redis_url=settings.redis_url, cluster=settings.cluster)
+    return aioredis.from_url(
+        settings.redis_url,
+        socket_timeout=adm.redis_socket_timeout_s,
+        socket_connect_timeout=adm.redis_connect_timeout_s,
+    )
+
+
+def _export_admission(metrics: RouterMetrics, admission: AdmissionContext, fleet: Fleet) -> None:
+    """Scrape-time views of admission: the per-node queues and the Redis content refused."""
+    metrics.admission.source = admission.controller.snapshot
+    metrics.registry.register(RejectedRecords(lambda: admission.keys.rejected, lambda: fleet.skipped_entries))
+
+
 async def _any_key(ctx: AdmissionContext) -> bool:
     """Whether the key store holds a key (also sets Redis's auth flag from it)."""
     return await ctx.keys.refresh_flag()
@@ -197,7 +215,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = aioredis.from_url(settings.redis_url)
+        redis = _redis_client(settings)
         # The engines' API key derives from the cluster secret; the per-user default file is accepted here
         # (as for cache salts): nodes on other hosts need an explicit secret, which the router then shares.
         client = NodeClient(
@@ -280,7 +298,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
             models=models_table,
             peers=peers,
         )
-        metrics.admission.source = admission.controller.snapshot
+        _export_admission(metrics, admission, fleet)
         app.state.index, app.state.subscribers = index, subscribers
         try:
             yield
@@ -307,7 +325,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     # The router's one periodic loop: fleet refresh, KV activity rows, the server's Date header.
     app.state.housekeeping = Housekeeping()
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, **BodyLimit.settings_of(settings))
 
     async def tenant_of(request: Request, *, admin: bool = False) -> Tenant:
         """The request's tenant (401 while auth is on and the key is missing or bad); with ``admin``,

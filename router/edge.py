@@ -3,11 +3,18 @@
 Every check here is O(body size) at most and needs no Redis round trip, so it costs a normal request
 microseconds (the router's CPU budget is a few milliseconds per request):
 
-    bytes on the socket ──► BodyLimit (ASGI): Content-Length over the limit → 413 before a byte is read;
+    bytes on the socket ──► BodyLimit (ASGI): headers over ``max_header_bytes`` in all → 431;
+                            Content-Length over the limit → 413 before a byte is read;
                             a chunked body is counted as it arrives and refused (413) at the limit, so
-                            the router never holds more than ``max_body_bytes`` of one request
+                            the router never holds more than ``max_body_bytes`` of one request; a body
+                            not complete within ``body_read_timeout_s`` of the request's start → 408
+                            (a trickled upload would otherwise hold its stream slot for as long as
+                            the client likes; the slot goes back with the error, as on every exit)
     body bytes ─────────► parse_json: invalid → 400 ``invalid_json``; nested deeper than the C decoder
-                            can go (RecursionError) or than ``max_json_depth`` → 400 ``json_too_deep``
+                            can go (RecursionError) or than ``max_json_depth`` → 400 ``json_too_deep``;
+                            an id-like field (``model``, ``user``, ...) over ``MAX_ID_CHARS`` → 400
+                            ``string_too_long`` (a 10 MB model name was echoed in the 404 and stored
+                            twice per request row in Redis)
     parsed request ─────► check_chat: message count and per-message size (400 ``too_many_messages``,
                             ``message_too_large``); a client ``chat_template`` unless the operator
                             trusts them (400 ``chat_template_not_allowed``, as vLLM's
@@ -23,27 +30,57 @@ and 3 GB of RSS for 100 MB.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from contracts.errors import InvalidRequest, PayloadTooLarge
+from contracts.errors import InvalidRequest, PayloadTooLarge, RequestError
 from router.openai_errors import error_from_exception
+
+if TYPE_CHECKING:
+    from router.settings import RouterSettings
+
+MAX_ID_CHARS = 256
+"""Longest ``model``, ``user`` or other id-like top-level string a body may carry (model ids on the
+Hugging Face Hub are under 100 characters)."""
+ID_FIELDS = ("model", "user", "previous_response_id", "prompt_cache_key", "safety_identifier", "service_tier")
+
+
+class HeadersTooLarge(RequestError):
+    status_code = 431
+    code = "request_header_fields_too_large"
+
+
+class BodyReadTimeout(RequestError):
+    status_code = 408
+    code = "request_timeout"
 
 
 class BodyLimit:
     """Pure ASGI middleware (no per-request task or copy, unlike Starlette's BaseHTTPMiddleware):
-    refuses a body over ``max_bytes`` before the application reads it all."""
+    refuses headers over ``max_header_bytes``, a body over ``max_bytes`` before the application reads it
+    all, and a body still arriving ``read_timeout_s`` after the request began (0: no deadline)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, max_header_bytes: int = 64 * 1024, read_timeout_s: float = 0.0
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        anthropic = scope["path"].startswith("/v1/messages")
+        header_bytes = sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+        if header_bytes > self.max_header_bytes:
+            await _send_error(send, self._headers_too_large(header_bytes), anthropic=anthropic)
             return
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -53,15 +90,24 @@ class BodyLimit:
                     declared = 0  # the server (h11/httptools) refuses a malformed length itself
                 if declared > self.max_bytes:
                     # Answer at once: the body stays unread in the socket, and the server drops it.
-                    await _send_error(send, self._too_large(), anthropic=scope["path"].startswith("/v1/messages"))
+                    await _send_error(send, self._too_large(), anthropic=anthropic)
                     return
                 break
         received = 0
+        deadline = time.monotonic() + self.read_timeout_s if self.read_timeout_s > 0 else None
 
         async def bounded() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, deadline
+            if deadline is None:
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+                except TimeoutError:
+                    raise self._read_timeout() from None
             if message["type"] == "http.request":
+                if not message.get("more_body", False):
+                    deadline = None  # the body is in: later reads wait for the client's disconnect
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     # Raised inside the route's body read, so the router's own error handler answers.
@@ -70,15 +116,36 @@ class BodyLimit:
 
         await self.app(scope, bounded, send)
 
+    @staticmethod
+    def settings_of(settings: RouterSettings) -> dict[str, Any]:
+        """This middleware's arguments from ``RouterSettings``."""
+        return {
+            "max_bytes": settings.max_body_bytes,
+            "max_header_bytes": settings.max_header_bytes,
+            "read_timeout_s": settings.body_read_timeout_s,
+        }
+
+    def _headers_too_large(self, size: int) -> HeadersTooLarge:
+        return HeadersTooLarge(
+            f"request headers are {size} bytes, more than this router's limit of {self.max_header_bytes} "
+            "(TANDEM_ROUTER_MAX_HEADER_BYTES)"
+        )
+
+    def _read_timeout(self) -> BodyReadTimeout:
+        return BodyReadTimeout(
+            f"request body not received within {self.read_timeout_s:g} s (TANDEM_ROUTER_BODY_READ_TIMEOUT_S)"
+        )
+
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(
             f"request body is larger than this router's limit of {self.max_bytes} bytes (TANDEM_ROUTER_MAX_BODY_BYTES)"
         )
 
 
-async def _send_error(send: Send, exc: PayloadTooLarge, *, anthropic: bool = False) -> None:
-    """The 413 in the route's API shape (the Messages API's is Anthropic's)."""
-    shape = {"type": "error", "error": {"type": "request_too_large", "message": exc.message}}
+async def _send_error(send: Send, exc: RequestError, *, anthropic: bool = False) -> None:
+    """The 413 or 431 in the route's API shape (the Messages API's is Anthropic's)."""
+    kind = "request_too_large" if exc.status_code == 413 else "invalid_request_error"
+    shape = {"type": "error", "error": {"type": kind, "message": exc.message}}
     body = json.dumps(shape if anthropic else error_from_exception(exc)).encode()
     await send(
         {
@@ -103,7 +170,21 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
     except ValueError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     check_depth(data, max_depth)
+    if isinstance(data, dict):
+        check_ids(data)
     return data
+
+
+def check_ids(data: dict[str, Any]) -> None:
+    """Bound the id-like strings a client names things with (they are echoed, logged and stored)."""
+    for name in ID_FIELDS:
+        value = data.get(name)
+        if isinstance(value, str) and len(value) > MAX_ID_CHARS:
+            raise InvalidRequest(
+                f"{name} has {len(value)} characters, more than this router's limit of {MAX_ID_CHARS}",
+                param=name,
+                code="string_too_long",
+            )
 
 
 def check_depth(data: Any, max_depth: int) -> None:

@@ -118,6 +118,12 @@ class RouterSettings(BaseSettings):
     """Largest request body (bytes) on any route: a larger Content-Length is refused with 413 before the
     body is read, a chunked body at the byte that passes it. 10 MiB holds a full 128k-token context
     with room to spare, and bounds the router's tokenizing to seconds of CPU."""
+    max_header_bytes: int = 64 * 1024
+    """Most bytes of request headers in all (names and values; 431 beyond it). Clients send a few
+    hundred; a multi-megabyte header would be held, parsed and maybe stored like any other."""
+    body_read_timeout_s: float = 30.0
+    """Longest a request's body may take to arrive, from the request's start (408 past it, and the
+    stream slot it holds goes back). 10 MiB takes well under a second on any real link. 0: unbounded."""
     max_json_depth: int = 64
     """Deepest nesting of objects and arrays in a body (400 beyond it). OpenAI's schemas need under ten
     levels; tool schemas a few more."""

@@ -10,9 +10,9 @@ Where keys live
     The persistent store (PostgreSQL, or SQLite by default) is the source of truth: tables
     ``tandem_tenants`` (limits, priority) and ``tandem_api_keys`` (hash, tenant, revoked). Redis holds
     the fast-path copy, one hash per key, ``<prefix>key:<sha256>`` with fields
-    t=tenant, k=key_id, r=requests/min, m=tokens/min, p=priority, x=revoked (0/1), a=admin (0/1); or n=1 for a
-    *negative* entry (no such key), which expires after ``negative_ttl_s``. Losing Redis loses nothing:
-    a miss reads the store and refills Redis.
+    t=tenant, k=key_id, r=requests/min, m=tokens/min, p=priority, x=revoked (0/1), a=admin (0/1),
+    h=HMAC; or n=1 for a *negative* entry (no such key), which expires after ``negative_ttl_s``. Losing
+    Redis loses nothing: a miss reads the store and refills Redis.
 
 Admin keys
     ``tandem keys create --admin``: a key listed in ``tandem_admin_keys`` (a table of its own, so a store
@@ -25,18 +25,16 @@ When auth is on
     absent (Redis lost or new), re-derived from the store. "0" expires after ``flag_off_ttl_s`` so a key
     created while Redis was unreachable turns auth on within that time. Mode ``auto`` (the local
     default): auth on iff a key exists. Mode ``required``: always on. There is deliberately no mode that
-    keeps auth off while keys exist.
+    keeps auth off while keys exist. Redis is checked, not trusted: ``key_records`` says how.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
+import hmac
 import logging
 import re
-import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import msgspec
@@ -44,15 +42,25 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from contracts.errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError, Unavailable
+from contracts.secret import load_cluster_secret
+from router.admission.key_records import (
+    AUTH_LUA,
+    KEY_SHAPE,
+    AuthCode,
+    _s,
+    bearer_token,
+    generate_key,
+    hash_key,
+    record_mac,
+    record_mac_key,
+)
 from router.admission.priority_class import Priority
 from router.sessions.sql import Database
 
 log = logging.getLogger("tandem.router.keys")
 
-KEY_PREFIX = "tdm-"
 ANONYMOUS_TENANT = "anonymous"
 _TENANT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_KEY_SHAPE = re.compile(r"^tdm-([0-9a-f]{8})-[A-Za-z0-9_-]{43}$")
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS tandem_tenants (
@@ -106,63 +114,6 @@ class ApiKeyInfo:
     admin: bool = False
 
 
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def generate_key() -> tuple[str, str]:
-    """(key_id, full key)."""
-    key_id = secrets.token_hex(4)
-    secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
-    return key_id, f"{KEY_PREFIX}{key_id}-{secret}"
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    """The token of ``Authorization: Bearer <token>``; None when absent or not a bearer header."""
-    if not authorization:
-        return None
-    scheme, _, token = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
-
-
-# Authentication as a Lua fragment, shared by the auth-only script below and the admission script in
-# ``ratelimit`` (auth and limits in one round trip). KEYS[1] = key record, KEYS[2] = exist flag;
-# ARGV[1] = "1" when mode is required; ARGV[2] = "1" for a well-formed bearer token, "2" for a malformed
-# one (rejected without a store lookup), "0" for none.
-# Returns {code, ...}: see ``AuthCode``.
-AUTH_LUA = """
-local function tandem_auth()
-  local flag = redis.call('GET', KEYS[2])
-  if not flag then return {4} end
-  if ARGV[1] ~= '1' and flag ~= '1' then return {1} end
-  if ARGV[2] == '0' then return {6} end
-  if ARGV[2] == '2' then return {7} end
-  local rec = redis.call('HMGET', KEYS[1], 't', 'k', 'r', 'm', 'p', 'x', 'n', 'a')
-  if rec[7] then return {7} end
-  if not rec[1] then return {2} end
-  if rec[6] == '1' then return {3, rec[1], rec[2]} end
-  return {0, rec[1], rec[2], rec[3], rec[4], rec[5], rec[8] or '0'}
-end
-"""
-
-
-class AuthCode:
-    OK = 0
-    AUTH_OFF = 1
-    KEY_NOT_CACHED = 2
-    REVOKED = 3
-    FLAG_UNKNOWN = 4
-    RATE_LIMITED = 5
-    MISSING = 6
-    UNKNOWN_KEY = 7
-
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 class KeyStore:
     """Keys and tenants: management (CLI), the Redis fast-path copy, and ``authenticate``."""
 
@@ -177,8 +128,17 @@ class KeyStore:
         negative_ttl_s: float = 10.0,
         flag_off_ttl_s: float = 10.0,
         outage_grace_s: float = 60.0,
+        cluster_secret: bytes | None = None,
     ) -> None:
         self._redis = redis
+        self._mac_key = record_mac_key(cluster_secret or load_cluster_secret(loopback_only=True))
+        self.rejected: Counter[str] = Counter()
+        """Redis content refused since start: ``record`` (a key record whose HMAC fails), ``flag`` (an
+        auth flag of "0" while the store holds keys)."""
+        self._keys_ever = False
+        """A key has existed (store or verified record): auth is on for good in this process."""
+        self._no_keys_at: float | None = None
+        """When the store last said it holds no key (what makes a "0" flag believable)."""
         self.outage_grace_s = outage_grace_s
         self._confirmed: OrderedDict[str, tuple[Tenant, float]] = OrderedDict()
         """Key hash → (its tenant, when Redis last confirmed it): what ``during_outage`` may vouch for."""
@@ -212,11 +172,12 @@ class KeyStore:
         token = bearer_token(authorization)
         if token is None:
             shape, key_hash = "0", "-"
-        elif _KEY_SHAPE.match(token):
+        elif KEY_SHAPE.match(token):
             shape, key_hash = "1", hash_key(token)
         else:
             shape, key_hash = "2", "-"
-        return [self.record_key(key_hash), self.flag_key], ["1" if self.require_auth else "0", shape]
+        required = self.require_auth or self._keys_ever
+        return [self.record_key(key_hash), self.flag_key], ["1" if required else "0", shape]
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an ``Authorization`` header value. Raises ``AuthenticationFailed`` for a
@@ -256,6 +217,8 @@ class KeyStore:
         script again"."""
         code = int(reply[0])
         if code == AuthCode.OK:
+            if not await self._verified(reply, authorization):
+                return None
             tenant = Tenant(
                 tenant_id=_s(reply[1]),
                 key_id=_s(reply[2]),
@@ -267,6 +230,8 @@ class KeyStore:
             self._confirm(authorization, tenant)
             return tenant
         if code == AuthCode.AUTH_OFF:
+            if not await self._flag_off_confirmed():
+                return None
             self._auth_off_at = time.monotonic()
             return self.anonymous
         if code == AuthCode.MISSING:
@@ -285,6 +250,45 @@ class KeyStore:
             await self.refill(hash_key(token))
             return None
         raise StoreError(f"unexpected authentication reply {reply!r}")
+
+    async def _verified(self, reply: list, authorization: str | None) -> bool:
+        """Whether an OK reply's record carries a valid ``h``; if not, count it and replace the record
+        from the store (the caller runs the script again)."""
+        token = bearer_token(authorization)
+        if token is None:  # cannot happen: the script only reads a record for a given token
+            raise StoreError("a key record was read without a key")
+        key_hash = hash_key(token)
+        fields = [_s(v) for v in reply[1:6]] + ["0", _s(reply[6])]
+        if hmac.compare_digest(_s(reply[7]), record_mac(self._mac_key, key_hash, fields)):
+            self._keys_ever = True
+            return True
+        self.rejected["record"] += 1
+        log.warning("key record %s in Redis fails its HMAC: ignored, replaced from the store", _s(reply[2])[:16])
+        await self.refill(key_hash)
+        return False
+
+    async def _flag_off_confirmed(self) -> bool:
+        """Whether "auth off" may stand: the store said "no key" within ``flag_off_ttl_s``. A "0"
+        contradicted by the store is counted, overwritten, and auth stays on for good."""
+        now = time.monotonic()
+        if self._no_keys_at is not None and now - self._no_keys_at <= self._flag_off_ttl_ms / 1000:
+            return True
+        if not await self._store_has_keys():
+            self._no_keys_at = now
+            return True
+        self.rejected["flag"] += 1
+        log.warning("Redis says no API key exists but the store holds keys: auth stays on")
+        try:
+            await self._redis.set(self.flag_key, "1")
+        except RedisError as exc:
+            raise StoreError(f"cannot write the auth flag: {exc}") from exc
+        return False
+
+    async def _store_has_keys(self) -> bool:
+        rows = await self._db.fetch("SELECT COUNT(*) FROM tandem_api_keys")
+        exists = bool(rows and rows[0][0])
+        self._keys_ever = self._keys_ever or exists
+        return exists
 
     # -- while the store is unreachable -------------------------------------------------------------
     MAX_CONFIRMED = 100_000
@@ -308,14 +312,14 @@ class KeyStore:
             seen = self._confirmed.get(hash_key(token))
             if seen is not None and now - seen[1] <= self.outage_grace_s:
                 return seen[0]
-        if not self.require_auth and self._auth_off_at is not None and now - self._auth_off_at <= self.outage_grace_s:
+        off = self._auth_off_at
+        if not (self.require_auth or self._keys_ever) and off is not None and now - off <= self.outage_grace_s:
             return self.anonymous
         return None
 
     # -- refilling Redis from the store ------------------------------------------------------------
     async def refresh_flag(self) -> bool:
-        rows = await self._db.fetch("SELECT COUNT(*) FROM tandem_api_keys")
-        exists = bool(rows and rows[0][0])
+        exists = await self._store_has_keys()
         try:
             if exists:
                 await self._redis.set(self.flag_key, "1")
@@ -363,20 +367,11 @@ class KeyStore:
         *,
         admin: bool = False,
     ) -> None:
+        fields = [tenant_id, key_id, str(rpm), str(tpm), str(priority), str(int(revoked)), str(int(admin))]
+        mac = record_mac(self._mac_key, rkey.removeprefix(self.record_key("")), fields)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(rkey)
-            pipe.hset(
-                rkey,
-                mapping={
-                    "t": tenant_id,
-                    "k": key_id,
-                    "r": rpm,
-                    "m": tpm,
-                    "p": priority,
-                    "x": int(revoked),
-                    "a": int(admin),
-                },
-            )
+            pipe.hset(rkey, mapping={**dict(zip("tkrmpxa", fields, strict=True)), "h": mac})
             await pipe.execute()
 
     # -- management (the CLI) ----------------------------------------------------------------------

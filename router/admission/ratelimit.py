@@ -49,7 +49,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from contracts.errors import InvalidRequest, RateLimited, StoreError, Unavailable
-from router.admission.keys import AUTH_LUA, AuthCode, KeyStore, Tenant
+from router.admission.key_records import AUTH_LUA, AuthCode
+from router.admission.keys import KeyStore, Tenant
 from router.admission.priority_class import Priority, resolve_priority
 
 log = logging.getLogger("tandem.router.admission")

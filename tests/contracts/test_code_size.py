@@ -21,7 +21,6 @@ OVER_FILES = {
     "bench/fleet.py": 502,
     "infra/launcher.py": 649,
     "prefill_nodes/block_server.py": 644,
-    "router/admission/keys.py": 504,
     "router/orchestrator.py": 910,
 }
 """Files over the limit, with their lines now."""

@@ -64,15 +64,17 @@ async def router(
     max_model_len: int = 4096,
     admission_overrides: dict[str, object] | None = None,
     engine_wrapper: Callable[[Any], Any] | None = None,
+    redis_url: str = REDIS_URL,
     **settings: object,
 ) -> AsyncIterator[Router]:
     """A router (in a uvicorn thread) over at most one stand-in engine; ``settings`` override
     ``RouterSettings`` fields, ``admission_overrides`` ``AdmissionSettings`` fields;
-    ``engine_wrapper`` wraps the engine's ASGI app (vLLM's own middleware, say)."""
+    ``engine_wrapper`` wraps the engine's ASGI app (vLLM's own middleware, say); ``redis_url``: the
+    router's Redis (the same database reached another way, say through a proxy)."""
     tag = uuid.uuid4().hex[:10]
     model, prefix = f"sec-{tag}", f"sec-{tag}:"
     adm = AdmissionSettings(
-        redis_url=REDIS_URL,
+        redis_url=redis_url,
         key_prefix=prefix,
         database_url=f"sqlite:///{tmp_path}/{tag}.db",
         region="local",
@@ -102,7 +104,9 @@ async def router(
                 await r.aclose()
             stack.push_async_callback(_deregister, node.node_id)
         app = create_app(
-            RouterSettings(redis_url=REDIS_URL, registry_refresh_s=60, telemetry=False, admission=adm, **settings)
+            RouterSettings(
+                **{"redis_url": redis_url, "registry_refresh_s": 60, "telemetry": False, "admission": adm, **settings}
+            )
         )  # type: ignore[arg-type]
         url = stack.enter_context(ServerThread(app))
         yield Router(url=url, model=model, admission=adm, engine=eng, app=app, node=node)

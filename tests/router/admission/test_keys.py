@@ -6,7 +6,8 @@ import pytest
 
 from contracts.errors import AuthenticationFailed, InvalidRequest, NotFound
 from router.admission import Priority, hash_key
-from router.admission.keys import ANONYMOUS_TENANT, bearer_token
+from router.admission.key_records import bearer_token
+from router.admission.keys import ANONYMOUS_TENANT
 from tests.router.admission.support import REDIS_A, delete_prefix
 
 
