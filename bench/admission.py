@@ -45,6 +45,7 @@ import redis.asyncio as aioredis
 import uvloop
 
 from bench.loadgen import one_request, percentile
+from bench.procs import router_command
 from bench.standin_engine import STANDIN_LABEL, free_port
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
@@ -287,18 +288,7 @@ def _router_rps(cfg: AdmissionBenchConfig, prefix: str, tmp: Path) -> dict[str, 
         _wait_http(f"{node.url}/health", eng, engine_log)
         asyncio.run(_register(cfg.redis_url, node))
         try:
-            cmd = [
-                sys.executable,
-                "-m",
-                "tandem",
-                "router",
-                "--port",
-                str(router_port),
-                "--redis-url",
-                cfg.redis_url,
-                "--log-level",
-                "warning",
-            ]
+            cmd = [*router_command(router_port, cfg.redis_url), "--log-level", "warning"]
             with _process(cmd, router_log, env) as router:
                 url = f"http://127.0.0.1:{router_port}"
                 _wait_http(f"{url}/health", router, router_log)

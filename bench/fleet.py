@@ -55,7 +55,7 @@ import psutil
 
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
 from bench.loadgen import SentRequest, percentile, run_sessions
-from bench.procs import sched_cpu_s, wait_http
+from bench.procs import sched_cpu_s, served_model, wait_http
 from bench.routing import _Tokens
 from bench.vllm_router import PeerWorker, VllmRouter
 from contracts.config import redis_url as configured_redis_url
@@ -299,12 +299,6 @@ def plain_env(settings: NodeSettings) -> dict[str, str]:
     return env
 
 
-def _model_name(url: str) -> str:
-    resp = httpx.get(f"{url}/v1/models", headers=engine_auth_headers(loopback_only=True), timeout=10)
-    resp.raise_for_status()
-    return str(resp.json()["data"][0]["id"])
-
-
 def _alive(engine: EngineProcess) -> Callable[[], bool]:
     return lambda: engine.exited() is None
 
@@ -322,7 +316,7 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
             for e in engines:
                 wait_http(f"{e.settings.url}/health", _alive(e))
             urls = [e.settings.url for e in engines]
-            model = _model_name(urls[0])
+            model = served_model(urls[0])
             with VllmRouter(
                 port=router_port,
                 policy=arm.removeprefix("vllm_router_"),
@@ -363,7 +357,7 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
         with contextlib.suppress(psutil.Error, StopIteration, IndexError):  # recorded only
             agent = next(p for name, p in cluster.procs if name.startswith("both"))
             command = psutil.Process(agent.pid).children()[0].cmdline()
-        yield Served(cluster.url, _model_name(urls[0]), urls, others, command)
+        yield Served(cluster.url, served_model(urls[0]), urls, others, command)
 
 
 def _scrape(served: Served) -> tuple[dict[float, float], float, dict[str, float]]:

@@ -40,16 +40,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.loadgen import percentile
 from bench.overhead_report import ARMS, plot, summarize, targets
-from bench.procs import cpu_s, wait_http
+from bench.procs import cpu_s, served_model, wait_http
 from bench.router_ceiling import router_ceiling
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
 from contracts.registry import Role
-from contracts.secret import engine_auth_headers
 from infra.launcher import Cluster, ClusterSpec
 from node_agent.model import resolve_model
 from node_agent.node import EngineProcess
@@ -159,13 +156,6 @@ def _plain_engine(cfg: OverheadBenchConfig, port: int, logs: Path) -> Iterator[s
         engine.stop()
 
 
-def _model_name(url: str) -> str:
-    # A Tandem node's engine takes the cluster's engine key (an open engine ignores the header).
-    resp = httpx.get(f"{url}/v1/models", headers=engine_auth_headers(loopback_only=True), timeout=10)
-    resp.raise_for_status()
-    return str(resp.json()["data"][0]["id"])
-
-
 @contextlib.contextmanager
 def serve_arm(arm: str, cfg: OverheadBenchConfig, slot: int) -> Iterator[Served]:
     """Start one arm on fresh processes; everything it started is stopped on exit."""
@@ -173,7 +163,7 @@ def serve_arm(arm: str, cfg: OverheadBenchConfig, slot: int) -> Iterator[Served]
     logs = cfg.workdir / "logs"
     if arm in ("plain", "peer"):
         with _plain_engine(cfg, port, logs) as url:
-            model = _model_name(url)
+            model = served_model(url)
             if arm == "plain":
                 yield Served(url, model)
                 return
@@ -206,7 +196,7 @@ def serve_arm(arm: str, cfg: OverheadBenchConfig, slot: int) -> Iterator[Served]
     )
     with Cluster(spec) as cluster:
         node_url = cluster.role_urls("both")[0]
-        model = _model_name(node_url)
+        model = served_model(node_url)
         if arm == "node":
             yield Served(node_url, model)
         else:

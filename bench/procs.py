@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -54,3 +55,19 @@ def sched_cpu_s(pid: int) -> float:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 total += int(f.read().split()[0])
     return total / 1e9
+
+
+def router_command(port: int, redis_url: str) -> list[str]:
+    """A Tandem router process as benchmarks start it: on ``port``, its registry in ``redis_url`` (the caller
+    adds options, and gives its settings as environment)."""
+    return [sys.executable, "-m", "tandem", "router", "--port", str(port), "--redis-url", redis_url]
+
+
+def served_model(url: str) -> str:
+    """The first model an engine or router at ``url`` serves. A Tandem node's engine takes the cluster's
+    engine key (an open engine ignores the header)."""
+    from contracts.secret import engine_auth_headers
+
+    resp = httpx.get(f"{url}/v1/models", headers=engine_auth_headers(loopback_only=True), timeout=10)
+    resp.raise_for_status()
+    return str(resp.json()["data"][0]["id"])

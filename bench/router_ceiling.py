@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import psutil
 
-from bench.procs import cpu_s, sched_cpu_s, wait_http
+from bench.procs import cpu_s, router_command, sched_cpu_s, wait_http
 from bench.standin_engine import STANDIN_LABEL, free_port
 from contracts.errors import ConfigError
 from contracts.registry import Role
@@ -143,9 +143,8 @@ def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
 def _start_router(cfg: OverheadBenchConfig, port: int, core: set[int], logs: Path) -> subprocess.Popen[bytes]:
     """A router process pinned to ``core`` (every thread), answering."""
     env = {**os.environ, "TANDEM_DATABASE_URL": f"sqlite:///{cfg.workdir}/ceiling-router.db"}
-    cmd = [sys.executable, "-m", "tandem", "router", "--port", str(port), "--redis-url", cfg.redis_url]
     router = subprocess.Popen(
-        [*cmd, "--log-level", "warning"],
+        [*router_command(port, cfg.redis_url), "--log-level", "warning"],
         env=env,
         stdout=open(logs / "ceiling-router.log", "ab"),  # noqa: SIM115 - the child holds it
         stderr=subprocess.STDOUT,

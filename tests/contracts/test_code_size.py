@@ -18,7 +18,6 @@ MAX_FUNCTION_LINES = 80
 
 OVER_FILES = {
     "bench/cli.py": 596,
-    "bench/fleet.py": 502,
     "infra/launcher.py": 649,
     "prefill_nodes/block_server.py": 644,
     "router/orchestrator.py": 910,
@@ -26,7 +25,6 @@ OVER_FILES = {
 """Files over the limit, with their lines now."""
 
 OVER_FUNCTIONS = {
-    "bench/admission.py::_router_rps": 81,
     "bench/overhead.py::run_overhead_bench": 82,
     "infra/launcher.py::Cluster.start": 85,
     "node_agent/supervisor.py::EngineSupervisor._serve": 84,
