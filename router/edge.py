@@ -161,8 +161,16 @@ async def _send_error(send: Send, exc: RequestError, *, anthropic: bool = False)
     await send({"type": "http.response.body", "body": body})
 
 
-def parse_json(raw: bytes, max_depth: int) -> Any:
-    """The body as JSON, refused (400) when invalid or nested deeper than ``max_depth``."""
+def parse_json(raw: bytes, max_depth: int, max_containers: int = 200_000) -> Any:
+    """The body as JSON, refused (400) when invalid, nested deeper than ``max_depth`` or holding more than
+    ``max_containers`` arrays and objects (an upper bound counted before parsing: two C scans, about a
+    millisecond a megabyte, where parsing 10 MiB of ``[],`` takes seconds of the event loop)."""
+    if len(raw) > max_containers and raw.count(b"[") + raw.count(b"{") > max_containers:
+        raise InvalidRequest(
+            f"request body holds more than {max_containers} JSON arrays and objects "
+            "(TANDEM_ROUTER_MAX_JSON_CONTAINERS)",
+            code="too_many_containers",
+        )
     try:
         data = json.loads(raw)
     except RecursionError as exc:  # deeper than the C decoder's recursion limit: never a 500

@@ -65,7 +65,8 @@ kept forever). The lake's ``requested_model`` keeps what the client sent."""
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     raw = await request.body()  # bounded by BodyLimit: never more than max_body_bytes
-    data = parse_json(raw, request.app.state.settings.max_json_depth)
+    settings = request.app.state.settings
+    data = parse_json(raw, settings.max_json_depth, settings.max_json_containers)
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
     try:
@@ -206,7 +207,7 @@ class Exchange:
         # One of the tenant's stream slots, held until ``_exit`` (every way a request ends goes through it).
         self.holds.callback(ctx.streams.acquire(admission.tenant.tenant_id))
         if self.api is not None:
-            raw = parse_json(await request.body(), self.settings.max_json_depth)
+            raw = parse_json(await request.body(), self.settings.max_json_depth, self.settings.max_json_containers)
             headers_in = {k: v for k, v in request.headers.items()}
             store: ResponseStore = request.app.state.response_store
             self.intake = await decode(self.api, raw, headers_in, store, admission.tenant.tenant_id)

@@ -127,6 +127,11 @@ class RouterSettings(BaseSettings):
     max_json_depth: int = 64
     """Deepest nesting of objects and arrays in a body (400 beyond it). OpenAI's schemas need under ten
     levels; tool schemas a few more."""
+    max_json_containers: int = 200_000
+    """Most ``[`` and ``{`` in a body, counted before it is parsed (400 beyond it): parsing and checking
+    millions of tiny arrays (10 MiB of ``[],``) would hold the event loop, and every stream on it, for
+    seconds. Brackets inside strings count too, so the limit leaves room for a megabyte of dense code
+    in a prompt."""
     max_messages: int = 4096
     """Most messages in one chat request (400 beyond it)."""
     max_message_chars: int = 2 * 1024 * 1024

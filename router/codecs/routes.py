@@ -107,7 +107,8 @@ def agent_router() -> APIRouter:
     async def count_tokens(request: Request) -> JSONResponse:
         try:
             await _tenant(request)
-            body = parse_json(await request.body(), request.app.state.settings.max_json_depth)
+            settings = request.app.state.settings
+            body = parse_json(await request.body(), settings.max_json_depth, settings.max_json_containers)
             check_schema("count_tokens", body)
             body = {**body, "max_tokens": 1, "stream": False}
             internal = decode_body("messages", body, {})

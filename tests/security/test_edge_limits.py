@@ -155,3 +155,43 @@ def test_feedback_is_bounded(served: tuple[str, int]) -> None:
 def test_auth_required_refuses_to_start_without_a_key(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="router exited"), router_process(tmp_path, TANDEM_AUTH="required"):
         pass
+
+
+def _probe_while(url: str, work: threading.Thread) -> float:
+    """The slowest ``/health`` answer while ``work`` runs: how long the router's event loop was held."""
+    worst = 0.0
+    with httpx.Client(timeout=30) as client:
+        work.start()
+        while work.is_alive():
+            t0 = time.monotonic()
+            client.get(url + "/health")
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.01)
+    work.join()
+    return worst
+
+
+@pytest.mark.parametrize("shape", ["10 MiB of [],", "1 MB of tool-call arguments"])
+def test_a_body_built_to_be_slow_to_parse_never_holds_the_loop(served: tuple[str, int], shape: str) -> None:
+    """Millions of tiny arrays are refused from a count of their brackets before any parse (parsing them
+    took seconds of the event loop); a megabyte of tool-call arguments is one string, parsed at once.
+    Meanwhile the same router answers ``/health`` as fast as ever."""
+    url, _ = served
+    if shape.startswith("10 MiB"):
+        body = b'{"model": "m", "messages": [' + b"[]," * (10 * MB // 3 - 20) + b"[]]}"
+    else:
+        call = {"id": "c1", "type": "function", "function": {"name": "write", "arguments": "x" * MB}}
+        msgs = [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "go"}]
+        body = httpx.Request("POST", "/", json={"model": f"m-{uuid.uuid4().hex[:6]}", "messages": msgs}).read()
+    got: dict[str, httpx.Response] = {}
+
+    def attack() -> None:
+        got["r"] = httpx.post(url + CHAT, content=body, headers={"content-type": "application/json"}, timeout=60)
+
+    worst = _probe_while(url, threading.Thread(target=attack))
+    r = got["r"]
+    if shape.startswith("10 MiB"):
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_containers", r.text[:300]
+    else:
+        assert r.status_code == 404, r.text[:300]  # parsed, validated, and only then: no node serves the model
+    assert worst < 0.5, f"/health took {worst:.2f} s while the router handled the body"
