@@ -297,7 +297,8 @@ async def run_node(settings: NodeSettings, *, ready: asyncio.Event | None = None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    redis = aioredis.from_url(settings.redis_url)
+    timeout = settings.redis_timeout_s
+    redis = aioredis.from_url(settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
     proof_key = registry_proof_key(load_cluster_secret(loopback_only=settings.is_loopback), settings.cluster)
     registry = NodeRegistry(redis, ttl_s=settings.registry_ttl_s, cluster=settings.cluster, proof_key=proof_key)
 

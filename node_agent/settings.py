@@ -113,6 +113,10 @@ class NodeSettings(BaseSettings):
     closing ("Server disconnected without sending a response")."""
     heartbeat_s: float = 2.0
     """How often the agent writes the engine's load to the registry and probes the engine's health."""
+    redis_timeout_s: float = Field(default=2.0, gt=0.0)
+    """Longest a registry call may wait for Redis (connect, and each reply). A Redis that accepts and
+    never answers then costs a heartbeat, not the agent: it keeps probing, restarting and stopping its
+    engine, and beats again once Redis answers."""
     registry_ttl_s: float = 15.0
     """Lifetime of the node's registry entry, refreshed every heartbeat. It must outlast the longest
     heartbeat round (``heartbeat_s`` plus the two probe timeouts), or one slow probe of a busy but live
