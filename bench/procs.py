@@ -13,6 +13,7 @@ import httpx
 import psutil
 
 from contracts.errors import ConfigError
+from contracts.secret import engine_auth_headers
 
 
 def wait_http(url: str, alive: Callable[[], bool], timeout_s: float = 600.0) -> None:
@@ -66,8 +67,6 @@ def router_command(port: int, redis_url: str) -> list[str]:
 def served_model(url: str) -> str:
     """The first model an engine or router at ``url`` serves. A Tandem node's engine takes the cluster's
     engine key (an open engine ignores the header)."""
-    from contracts.secret import engine_auth_headers
-
     resp = httpx.get(f"{url}/v1/models", headers=engine_auth_headers(loopback_only=True), timeout=10)
     resp.raise_for_status()
     return str(resp.json()["data"][0]["id"])

@@ -86,6 +86,18 @@ class PayloadTooLarge(RequestError):
     code = "request_too_large"
 
 
+class HeadersTooLarge(RequestError):
+    status_code = 431
+    code = "request_header_fields_too_large"
+
+
+class BodyReadTimeout(RequestError):
+    """The body did not arrive within the router's read deadline."""
+
+    status_code = 408
+    code = "request_timeout"
+
+
 class ModelNotFound(RequestError):
     status_code = 404
     code = "model_not_found"

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from contracts.errors import InvalidRequest, PayloadTooLarge, RequestError
+from contracts.errors import BodyReadTimeout, HeadersTooLarge, InvalidRequest, PayloadTooLarge, RequestError
 from router.openai_errors import error_from_exception
 
 if TYPE_CHECKING:
@@ -48,16 +48,6 @@ MAX_ID_CHARS = 256
 """Longest ``model``, ``user`` or other id-like top-level string a body may carry (model ids on the
 Hugging Face Hub are under 100 characters)."""
 ID_FIELDS = ("model", "user", "previous_response_id", "prompt_cache_key", "safety_identifier", "service_tier")
-
-
-class HeadersTooLarge(RequestError):
-    status_code = 431
-    code = "request_header_fields_too_large"
-
-
-class BodyReadTimeout(RequestError):
-    status_code = 408
-    code = "request_timeout"
 
 
 class BodyLimit:
