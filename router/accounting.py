@@ -85,6 +85,7 @@ class Accounting:
             note_rates(self.rates, trace)
         record = request_record(trace, endpoint=endpoint, http_status=http_status, error_type=error_type)
         self.metrics.common.observe_request(record)
+        self.metrics.transports.labels(endpoint, trace.transport).inc()
         if self.tracer is not None:
             # span objects only; the provider's thread exports them. The ids are those the legs'
             # traceparent named (Orchestrator._headers), so the engines' spans nest under these.

@@ -46,6 +46,7 @@ from router.codecs.intake import Intake, decode, error_response
 from router.codecs.internal import Api, Completion
 from router.codecs.openapi import document_agent_routes
 from router.codecs.relay import CodecRelay, build_answer, completion_from_chat, output_messages, stream_encoder
+from router.codecs.socket_turn import SocketTurn
 from router.codecs.store import ResponseStore, StoredResponse
 from router.disconnect import DisconnectWatch
 from router.edge import check_chat, parse_json
@@ -133,9 +134,14 @@ class Exchange:
     """One request's life (see the module docstring). ``run`` is the list of steps; ``_exit`` is the
     one place that lets go of what the request holds."""
 
-    def __init__(self, request: Request, kind: Kind, endpoint: str, api: Api | None = None) -> None:
+    def __init__(
+        self, request: Request, kind: Kind, endpoint: str, api: Api | None = None, socket: SocketTurn | None = None
+    ) -> None:
         state = request.app.state
         self.api = api
+        self.socket = socket
+        """The WebSocket this request is one message of (``router.codecs.websocket``); None: plain HTTP."""
+        self.store: ResponseStore = socket.responses if socket is not None else state.response_store
         """The edge API when not chat/completions (``router.codecs``): decoded at the edge, encoded back."""
         self.intake: Intake | None = None
         self.request = request
@@ -208,9 +214,7 @@ class Exchange:
         self.holds.callback(ctx.streams.acquire(admission.tenant.tenant_id))
         if self.api is not None:
             raw = parse_json(await request.body(), self.settings.max_json_depth, self.settings.max_json_containers)
-            headers_in = {k: v for k, v in request.headers.items()}
-            store: ResponseStore = request.app.state.response_store
-            self.intake = await decode(self.api, raw, headers_in, store, admission.tenant.tenant_id)
+            self.intake = await decode(self.api, raw, dict(request.headers), self.store, admission.tenant.tenant_id)
             req = self.intake.chat
         else:
             req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
@@ -225,10 +229,9 @@ class Exchange:
         deadline = request_deadline(
             request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s, arrival=arrival
         )
-        session_header = request.headers.get(SESSION_HEADER)
-        if self.intake is not None:
-            session_header = self.intake.session_id
-        session = await session_params(session_header, request.headers.get(HISTORY_HEADER))
+        session_header = self.intake.session_id if self.intake is not None else request.headers.get(SESSION_HEADER)
+        socket_session = self.socket.session_id if self.socket is not None else None
+        session = await session_params(session_header or socket_session, request.headers.get(HISTORY_HEADER))
         # A request that names no session is sessionless, as with OpenAI or vLLM: storing a session and
         # a turn for each such request cost a Redis read and four writes plus a database row every time,
         # for ids that no client ever sent back. In server-history mode the router keeps the history,
@@ -239,6 +242,7 @@ class Exchange:
             kind=self.kind,
             model=req.model,
             stream=req.stream,
+            transport="http" if self.socket is None else "websocket",
             session_id=session_id,
             tenant_id=admission.tenant.tenant_id,
             priority=admission.priority,
@@ -303,9 +307,9 @@ class Exchange:
                 self._store(self.codec.done(), final)
 
     def _store(self, done: Completion, answer: dict[str, Any]) -> None:
-        """A Responses answer the client may chain on (``previous_response_id``), unless ``store`` is false."""
+        """A Responses answer the client may chain on (``previous_response_id``)."""
         intake = self.intake
-        if intake is None or intake.internal.api != "responses" or intake.internal.store is False:
+        if intake is None or intake.internal.api != "responses":
             return
         trace = self.trace
         record = StoredResponse(
@@ -314,9 +318,9 @@ class Exchange:
             response=answer,
             session_id=(trace.session_id if trace is not None else None) or intake.response_id,
         )
-        store: ResponseStore = self.request.app.state.response_store
         tenant = trace.tenant_id if trace is not None else None
-        self.spawn(store.save(tenant, intake.response_id, record))
+        # ``store: false`` keeps nothing, but a socket's own last response (OpenAI's WebSocket mode).
+        self.spawn(self.store.save(tenant, intake.response_id, record, durable=intake.internal.store is not False))
 
     def _abandon(self, reason: str) -> None:
         """The answer will not come from the planned legs: free the prefill node's lease now."""

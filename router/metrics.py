@@ -121,5 +121,18 @@ class RouterMetrics:
             registry=r,
         )
         self.live_nodes = Gauge("tandem_live_nodes", "Live nodes by role", ["role"], registry=r)
+        self.transports = Counter(
+            "tandem_requests_by_transport",
+            "Finished requests by endpoint and the transport they came by (http, websocket)",
+            ["endpoint", "transport"],
+            registry=r,
+        )
+        self.ws_open = Gauge("tandem_ws_open", "WebSockets open on this router, by API", ["api"], registry=r)
+        self.ws_upgrades = Counter(
+            "tandem_ws_upgrades_total",
+            "WebSocket upgrades by API and outcome (accepted, or the refusal's error)",
+            ["api", "outcome"],
+            registry=r,
+        )
         self.admission = AdmissionCollector()
         r.register(self.admission)

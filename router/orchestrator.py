@@ -57,7 +57,7 @@ from router.node_client import NodeClient
 from router.peer_fetch import FetchPlan, FetchRates, PeerFetch
 from router.policies.base import Candidate, Decision, ReasonCode, RoutingPolicy, RoutingRequest
 from router.policies.least_loaded import LeastLoaded
-from router.retention import RETAIN_FIELD, retention_for
+from router.retention import RETAIN_FIELD, retention_default, retention_for
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import FallbackPolicy, RouterSettings
 from router.sse_upstream import SseStream
@@ -119,6 +119,7 @@ class RequestTrace:
     """The uncached tokens by kind, once the engine said what it reused (``settle_miss``)."""
     fallback: bool = False
     stream: bool = False
+    transport: str = "http"  # or websocket: one message on a socket (router.codecs.websocket)
     session_id: str | None = None
     tenant_id: str | None = None
     retention_s: float | None = None
@@ -238,10 +239,8 @@ class Orchestrator:
             # Every decode node is gone (a crash, a restart): a prefill engine runs the whole request
             # itself (its connector is kv_both, and with no kv_transfer_params it is a plain engine).
             return self.policy.select(rr, [], pools.prefill)
-        raise Unavailable(
-            f"no node can serve `{rr.model}` now (no node of it is live)",
-            retry_after=self.settings.retry_after_s,
-        )
+        live = "no node of it is live"
+        raise Unavailable(f"no node can serve `{rr.model}` now ({live})", retry_after=self.settings.retry_after_s)
 
     def _pinned(self, model: str, node_id: str) -> Decision:
         """The operator's choice (``x-tandem-node``): that node alone, whatever the policy would pick."""
@@ -319,7 +318,7 @@ class Orchestrator:
             body,
             trace.session_id,
             trace.tenant_id,
-            self.settings.session_retention_s,
+            retention_default(self.settings, trace.transport),
             self.settings.session_retention_max_s,
         )
         if hint is not None:

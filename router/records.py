@@ -47,6 +47,7 @@ def request_record(
         "endpoint": endpoint,
         "api": endpoint,  # every API's route is named after it (router.app)
         "stream": trace.stream,
+        "transport": trace.transport,
         "prefill_node": trace.prefill_node if trace.mode == "disaggregated" else None,
         "decode_node": trace.decode_node,
         "t_arrival": trace.arrival,

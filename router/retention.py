@@ -70,6 +70,16 @@ def _cache_controls(messages: Any) -> Iterable[Any]:
                     yield part.get("cache_control")
 
 
+def retention_default(settings: Any, transport: str) -> float:
+    """The TTL a request asks for when its messages name none: ``session_retention_s``; on a WebSocket
+    (``router.codecs.websocket``) at least the socket's idle timeout, as the tool pause a socket allows
+    is that long and its pins must outlive it. 0 stays 0 (retention off)."""
+    default_s: float = settings.session_retention_s
+    if transport == "websocket" and default_s > 0:
+        return max(default_s, settings.ws_idle_timeout_s)
+    return default_s
+
+
 def retention_for(
     body: dict[str, Any], session_id: str | None, tenant_id: str | None, default_s: float, max_s: float
 ) -> Retention | None:

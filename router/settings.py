@@ -163,3 +163,14 @@ class RouterSettings(BaseSettings):
     route_header: Literal["auto", "always", "never"] = "auto"
     """Who may force the path with ``x-tandem-route`` or pin a request to a node with ``x-tandem-node``:
     auto (default) while auth is off or for admin keys; always; never. A request that may not gets 403."""
+    ws_idle_timeout_s: float = Field(default=600.0, gt=0.0)
+    """How long a WebSocket (``GET /v1/responses`` or ``/v1/chat/completions`` upgraded,
+    ``router.codecs.websocket``) may stay open with no response in flight and no message from its
+    client; past it the router closes it (1000). A socket's turns ask the host tier to keep their
+    context this long (at most ``session_retention_max_s``), so a tool pause the socket allows never
+    outlives its pins."""
+    ws_max_age_s: float = Field(default=3600.0, gt=0.0)
+    """Longest one socket lives: past it, once no response is in flight, an ``error`` event
+    (``websocket_connection_limit_reached``, as OpenAI's) and a close with 1000; clients reconnect."""
+    ws_max_per_tenant: int = Field(default=64, ge=1)
+    """Most sockets one tenant holds open on one router replica; the next upgrade is refused with 429."""

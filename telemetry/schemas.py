@@ -46,13 +46,14 @@ filling added fields with nulls):
        peer_cached_tokens: router.kv_index.attribution).
     5  host_tier: a new table, one row per host tier per interval (host_tier.lake).
     6  requests: api, the API the client spoke (chat, completions, responses, messages: router.codecs).
+    7  requests: transport, how the request came (http, or websocket: router.codecs.websocket).
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 TS = pa.timestamp("us", tz="UTC")
 
@@ -78,6 +79,7 @@ _REQUESTS = [
     _f("endpoint", pa.string(), "The route: chat, completions, responses or messages."),
     _f("api", pa.string(), "The API the client spoke: chat, completions, responses or messages."),
     _f("stream", pa.bool_(), "True if the client asked for SSE streaming."),
+    _f("transport", pa.string(), "How the request came: http (JSON or SSE) or websocket (a socket message)."),
     _f("prefill_node", pa.string(), "Node that ran the prefill; null when decode prefilled itself."),
     _f("decode_node", pa.string(), "Node that decoded."),
     _f("t_arrival", TS, "Request received by the router."),

@@ -22,6 +22,7 @@ from router.admission.keys import Tenant
 from router.codecs.intake import check_schema, decode_body, error_response
 from router.codecs.internal import Message, to_chat_body
 from router.codecs.store import ResponseStore
+from router.codecs.websocket import socket_router
 from router.edge import parse_json
 from router.openai_errors import error_responses
 
@@ -65,6 +66,7 @@ def _input_item(i: int, m: Message) -> list[dict[str, Any]]:
 
 def agent_router() -> APIRouter:
     router = APIRouter()
+    router.include_router(socket_router())  # GET /v1/responses and /v1/chat/completions as WebSockets
     errors = error_responses(401, 404)
 
     def store(request: Request) -> ResponseStore:

@@ -41,7 +41,10 @@ class ResponseStore:
     def _key(self, tenant_id: str | None, response_id: str) -> str:
         return f"{self.prefix}resp:{tenant_id or '-'}:{response_id}"
 
-    async def save(self, tenant_id: str | None, response_id: str, record: StoredResponse) -> None:
+    async def save(self, tenant_id: str | None, response_id: str, record: StoredResponse, durable: bool = True) -> None:
+        """Store the record; ``durable=False`` (the request said ``store: false``): nothing to keep."""
+        if not durable:
+            return
         await self.redis.set(self._key(tenant_id, response_id), _enc.encode(record), ex=TTL_S)
 
     async def load(self, tenant_id: str | None, response_id: str, param: str = "response_id") -> StoredResponse:
@@ -53,3 +56,21 @@ class ResponseStore:
     async def delete(self, tenant_id: str | None, response_id: str) -> None:
         if not await self.redis.delete(self._key(tenant_id, response_id)):
             raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+
+
+class SocketResponses(ResponseStore):
+    """The store as one WebSocket sees it: its last response in memory, every other from Redis."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        super().__init__(store.redis, store.prefix)
+        self._last: tuple[str | None, str, StoredResponse] | None = None
+
+    async def save(self, tenant_id: str | None, response_id: str, record: StoredResponse, durable: bool = True) -> None:
+        self._last = (tenant_id, response_id, record)
+        await super().save(tenant_id, response_id, record, durable)
+
+    async def load(self, tenant_id: str | None, response_id: str, param: str = "response_id") -> StoredResponse:
+        last = self._last
+        if last is not None and last[0] == tenant_id and last[1] == response_id:
+            return last[2]
+        return await super().load(tenant_id, response_id, param)

@@ -20,7 +20,7 @@ OVER_FILES = {
     "bench/cli.py": 596,
     "infra/launcher.py": 649,
     "prefill_nodes/block_server.py": 644,
-    "router/orchestrator.py": 910,
+    "router/orchestrator.py": 909,
 }
 """Files over the limit, with their lines now."""
 

@@ -1,0 +1,20 @@
+"""What a response asked for on a WebSocket brings to the one generation path (``router.exchange``).
+
+A socket is one agent session (``router.codecs.websocket``): every response on it runs through the same
+``Exchange`` as an HTTP request, with three differences carried here: the store it chains through keeps
+the socket's last response in memory (``SocketResponses``), a response naming no session belongs to the
+socket's, and its record says it came by ``websocket``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.codecs.store import SocketResponses
+
+
+@dataclass(frozen=True, slots=True)
+class SocketTurn:
+    responses: SocketResponses
+    session_id: str
+    """The socket's session: the upgrade's ``x-session-id``, else one made for the socket."""
