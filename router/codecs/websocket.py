@@ -21,7 +21,8 @@ body per message, the SSE ``data:`` payloads back one per message, ``[DONE]`` la
     age          past ``ws_max_age_s``, between responses: ``websocket_connection_limit_reached``,
                  closed with 1000 (clients reconnect)
     stalled      a client that reads nothing for ``client_send_timeout_s``: its response is cut and
-                 its engine work freed (the relay's own rule), the socket closed with 1008
+                 its engine work freed (the relay's own rule), the connection dropped with what it did
+                 not read (a close frame would wait behind it): the client sees 1006 and may reconnect
     restart      a router replica that stops closes its sockets with 1012 (uvicorn's shutdown), a code
                  the OpenAI SDKs reconnect on
 
@@ -40,7 +41,10 @@ So the exchange's whole contract (slots, leases, engine aborts, one record) hold
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import struct
 import time
 import uuid
 from collections import Counter
@@ -251,8 +255,9 @@ class SocketSession:
         if bridge.cancelled:
             await self._event(error_event("response_cancelled", "the response was cancelled", None))
         elif not bridge.ended:
-            # The relay cut a client that read nothing for client_send_timeout_s: it cannot be talked to.
-            await self._close(CLOSE_POLICY, "the client stopped reading")
+            # The relay cut a client that read nothing for client_send_timeout_s: a close frame would
+            # queue behind what it does not read, so the connection is dropped with its buffer.
+            self._abort()
             return False
         if time.monotonic() - self.opened > self.settings.ws_max_age_s:
             await self._event(
@@ -277,6 +282,21 @@ class SocketSession:
                 await asyncio.wait_for(self.ws.close(code, reason), 5.0)
             except (TimeoutError, RuntimeError, OSError):
                 pass
+
+    def _abort(self) -> None:
+        """Drop the connection now, unsent bytes and all (uvicorn's transport, found as the relay finds
+        it: ``router.direct_write``). Under another server the handler just returns and the server
+        closes the connection its own way."""
+        protocol = getattr(self.ws.scope.get(RAW_SEND), "__self__", None)
+        transport = getattr(protocol, "transport", None)
+        if transport is not None and hasattr(transport, "abort"):
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                # Linger 0: the kernel resets the connection and frees its send buffer (megabytes the
+                # client would otherwise still trickle in) instead of sending it before the close.
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
 
     async def _drop(self) -> None:
         """The socket is done: a response still in flight is cancelled, as an SSE client leaving cancels."""

@@ -35,6 +35,8 @@ class StandInCluster:
     node_ids: dict[str, str]
     """Registry node id per node name."""
     admission: AdmissionSettings
+    router_server: ServerThread | None = None
+    """The router's uvicorn (a test may stop it: ``router_server.server.should_exit = True``)."""
     admin_headers: dict[str, str] = field(default_factory=dict)
     """``Authorization`` of an admin key (for /metrics and /cluster), once ``create_key`` turned auth on."""
 
@@ -138,8 +140,11 @@ async def standin_cluster(
             policy=policy,
             **(router or {}),  # type: ignore[arg-type]
         )
-        url = stack.enter_context(ServerThread(create_app(router_settings)))
-        yield StandInCluster(url=url, model=model, engines=engines, node_ids=node_ids, admission=settings)
+        server = ServerThread(create_app(router_settings))
+        url = stack.enter_context(server)
+        yield StandInCluster(
+            url=url, model=model, engines=engines, node_ids=node_ids, admission=settings, router_server=server
+        )
 
 
 def metric(text: str, name: str, **labels: str) -> float | None:

@@ -7,7 +7,12 @@ at a time; cancelling frees the engine's stream; refusals come in the API's shap
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import json
+import os
+import socket
+import time
 from typing import Any
 
 import httpx
@@ -64,7 +69,7 @@ async def test_sdk_websocket_mode_chains_on_the_socket(tmp_path) -> None:
 
 
 async def test_one_response_at_a_time_and_cancel(tmp_path) -> None:
-    engine = {"stream_tokens": 200, "token_interval_s": 0.05}
+    engine: dict[str, object] = {"stream_tokens": 200, "token_interval_s": 0.05}
     async with standin_cluster(tmp_path, {"n": Role.BOTH}, engine=engine) as c:
         async with websockets.connect(_ws_url(c.url, "/v1/responses")) as ws:
             create = {"type": "response.create", "model": c.model, "input": "long", "max_output_tokens": 200}
@@ -131,3 +136,100 @@ async def test_chat_over_a_socket_and_transport_recorded(tmp_path) -> None:
         assert metric(text, "tandem_requests_by_transport_total", endpoint="chat", transport="websocket") == 3.0
         assert metric(text, "tandem_ws_upgrades_total", api="chat", outcome="accepted") == 1.0
         assert metric(text, "tandem_ws_open", api="chat") == 0.0
+
+
+async def test_idle_socket_closed_and_tenant_cap(tmp_path) -> None:
+    router: dict[str, object] = {"ws_idle_timeout_s": 0.5, "ws_max_per_tenant": 1}
+    async with standin_cluster(tmp_path, {"n": Role.BOTH}, engine={"stream_tokens": 4}, router=router) as c:
+        async with websockets.connect(_ws_url(c.url, "/v1/responses")) as ws:
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                async with websockets.connect(_ws_url(c.url, "/v1/chat/completions")):
+                    pass
+            assert refused.value.response.status_code == 429
+            assert json.loads(refused.value.response.body)["error"]["type"] == "rate_limit_error"
+            with pytest.raises(websockets.ConnectionClosedOK):
+                await asyncio.wait_for(ws.recv(), 30)  # nothing in flight, nothing sent: closed when idle
+            assert ws.close_code == 1000 and ws.close_reason == "idle timeout"
+        # Its slot was given back: a new socket opens.
+        async with websockets.connect(_ws_url(c.url, "/v1/responses")) as ws:
+            await ws.send(json.dumps({"type": "response.create", "model": c.model, "input": "hi"}))
+            assert (await _events_until_end(ws))[-1]["type"] in ("response.completed", "response.incomplete")
+
+
+async def test_age_limit_between_responses(tmp_path) -> None:
+    engine: dict[str, object] = {"stream_tokens": 10, "token_interval_s": 0.1}
+    async with standin_cluster(tmp_path, {"n": Role.BOTH}, engine=engine, router={"ws_max_age_s": 0.5}) as c:
+        async with websockets.connect(_ws_url(c.url, "/v1/responses")) as ws:
+            await ws.send(json.dumps({"type": "response.create", "model": c.model, "input": "hi"}))
+            # The response in flight when the age passes is answered whole; then the socket ends.
+            assert (await _events_until_end(ws))[-1]["type"] in ("response.completed", "response.incomplete")
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            assert ev["error"]["code"] == "websocket_connection_limit_reached"
+            with pytest.raises(websockets.ConnectionClosedOK):
+                await asyncio.wait_for(ws.recv(), 30)
+
+
+async def _raw_socket(url: str, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket client that reads nothing unless told to (the ``websockets`` client keeps reading
+    into its own buffers whatever its queue size, so it cannot stall a server)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(
+        f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    status = await reader.readuntil(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 101"), status
+    return reader, writer
+
+
+def _client_text_frame(payload: bytes) -> bytes:
+    """One masked text frame, as a client must send it (RFC 6455 5.2)."""
+    mask = os.urandom(4)
+    n = len(payload)
+    length = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    return b"\x81" + length + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+async def test_a_client_that_stops_reading_is_cut(tmp_path) -> None:
+    # Paced so the whole answer would take over 25 s: the engine's stream ending sooner is the cut.
+    engine: dict[str, object] = {"stream_tokens": 200_000, "burst": 16, "token_interval_s": 0.002}
+    router: dict[str, object] = {"client_send_timeout_s": 1.0}
+    async with standin_cluster(tmp_path, {"n": Role.BOTH}, engine=engine, router=router, max_model_len=300_000) as c:
+        reader, writer = await _raw_socket(c.url, "/v1/responses")
+        create = {"type": "response.create", "model": c.model, "input": "x", "max_output_tokens": 200_000}
+        writer.write(_client_text_frame(json.dumps(create).encode()))
+        engine_side = c.engines["n"]
+        started = time.monotonic()
+        await wait_until(lambda: engine_side.streams_open == 1)
+        await wait_until(lambda: engine_side.streams_open == 0)  # cut: the engine's work freed
+        assert time.monotonic() - started < 20
+        # The router dropped the connection with what it had not sent: the client's read ends (EOF or a
+        # reset) after the little its own small buffer holds.
+        with contextlib.suppress(ConnectionResetError):
+            while await asyncio.wait_for(reader.read(1 << 16), 30):
+                pass
+        writer.close()
+        async with httpx.AsyncClient(base_url=c.url) as client:
+            assert metric((await client.get("/metrics")).text, "tandem_ws_open", api="responses") == 0.0
+        # The replica serves on.
+        async with websockets.connect(_ws_url(c.url, "/v1/responses")) as ws:
+            await ws.send(json.dumps({**create, "max_output_tokens": 3}))
+            assert (await _events_until_end(ws))[-1]["type"] in ("response.completed", "response.incomplete")
+
+
+async def test_a_stopping_router_closes_with_a_code_clients_retry_on(tmp_path) -> None:
+    async with standin_cluster(tmp_path, {"n": Role.BOTH}, engine={"stream_tokens": 4}) as c:
+        async with websockets.connect(_ws_url(c.url, "/v1/responses")) as ws:
+            assert c.router_server is not None
+            c.router_server.server.should_exit = True
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 30)
+            # 1012 (service restart) is one the OpenAI SDK reconnects on.
+            assert ws.close_code == 1012
+            from openai.types.websocket_reconnection import is_recoverable_close
+
+            assert is_recoverable_close(ws.close_code)
