@@ -200,9 +200,14 @@ def _anthropic_usage(u: dict[str, Any], usage: Usage) -> None:
 
 
 async def one_turn(
-    client: httpx.AsyncClient, api: str, url: str, body: dict[str, Any], headers: dict[str, str]
+    client: httpx.AsyncClient,
+    api: str,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    ids: list[str] | None = None,
 ) -> RequestResult:
-    """Send one streamed turn and time it as the client sees it."""
+    """Send one streamed turn and time it as the client sees it; a Responses answer's id goes to ``ids``."""
     start = time.perf_counter()
     first = last = None
     itl: list[float] = []
@@ -214,9 +219,12 @@ async def one_turn(
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                text, error = read_event(api, json.loads(line[6:]), usage)
+                event = json.loads(line[6:])
+                text, error = read_event(api, event, usage)
                 if error is not None:
                     return RequestResult(ok=False, error=error)
+                if ids is not None and event.get("type") in ("response.completed", "response.incomplete"):
+                    ids.append(event["response"]["id"])
                 if text:
                     now = time.perf_counter()
                     if first is None:

@@ -17,9 +17,16 @@ repository, then turns that each add the agent's answer with a tool call and the
 whole history resent; pauses while the tool runs; at most ``concurrency`` sessions at once. Every arm
 has its own content (a salt in the system prompt), so no arm warms another; rounds alternate the order.
 
+Two more arms compare the transports on the same sessions (``bench.agent_socket``):
+``tandem_responses-chain`` (SSE, chained by ``previous_response_id``) and ``tandem_responses-ws`` (the
+same chain on one WebSocket per session).
+
 Per arm (every round pooled): TTFT p50/p99, ITL p50/p99 (gaps between text deltas as the client reads
 them), session completion time p50/p99 (first turn sent to last answer read), hit (cached prompt tokens
-over prompt tokens, from each API's own usage), errors and the first error messages.
+over prompt tokens, from each API's own usage), errors and the first error messages; and the per-turn
+overhead: mean TTFT minus the engines' own time before the first token per request (the growth of their
+``vllm:request_queue_time_seconds`` and ``vllm:request_prefill_time_seconds`` sums over the arm, every
+engine, divided by the arm's answered turns): what the path between client and engines adds.
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import websockets
 
 from bench.agent_apis import APIS, BODIES, PATHS, SESSION_HEADERS, one_turn, structure
+from bench.agent_socket import CHAINED, chained_body, new_items, socket_turn
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
 from bench.loadgen import RequestResult, SessionScript, percentile
 from bench.routing import _Tokens
@@ -48,6 +57,7 @@ from contracts.secret import engine_auth_headers
 from infra.launcher import Cluster, ClusterSpec
 
 TARGETS = ("tandem", "engine")
+ENGINE_TIME = ("vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum")
 
 
 def _workload() -> AgentWorkloadConfig:
@@ -68,7 +78,7 @@ def _workload() -> AgentWorkloadConfig:
 
 @dataclass(frozen=True)
 class AgentsBenchConfig:
-    apis: tuple[str, ...] = APIS
+    apis: tuple[str, ...] = (*APIS, *CHAINED)
     targets: tuple[str, ...] = TARGETS
     rounds: int = 1
     workload: AgentWorkloadConfig = field(default_factory=_workload)
@@ -86,7 +96,8 @@ class AgentsBenchConfig:
 
     @property
     def arms(self) -> tuple[str, ...]:
-        return tuple(f"{t}_{a}" for a in self.apis for t in self.targets)
+        # A chain or a socket needs the router (the engines keep no chain without a store, and no socket).
+        return tuple(f"{t}_{a}" for a in self.apis for t in self.targets if t == "tandem" or a not in CHAINED)
 
 
 @dataclass
@@ -106,6 +117,8 @@ class ArmRun:
     session_s: dict[str, float]
     """Session id -> seconds from its first turn sent to its last answer read (complete sessions only)."""
     wall_s: float
+    engine_s: float = 0.0
+    """The engines' queue + prefill seconds over the run (every engine's own histograms)."""
 
 
 # -- summaries -------------------------------------------------------------------------------------------
@@ -122,6 +135,9 @@ def summarize(runs: Sequence[ArmRun]) -> dict[str, Any]:
     prompt = sum((x.usage or {}).get("prompt_tokens", 0) for x in ok)
     cached = sum((x.usage or {}).get("cached_tokens", 0) for x in ok)
     errors = [x.error or "" for x in done if not x.ok]
+    overhead = None
+    if ok:
+        overhead = round((sum(x.ttft_s for x in ok) - sum(r.engine_s for r in runs)) / len(ok) * 1000, 1)
     return {
         "requests": len(done),
         "errors": len(errors),
@@ -134,12 +150,13 @@ def summarize(runs: Sequence[ArmRun]) -> dict[str, Any]:
         "session_p50_s": round(percentile(sessions, 0.5), 2) if sessions else None,
         "session_p99_s": round(percentile(sessions, 0.99), 2) if sessions else None,
         "hit": round(cached / prompt, 3) if prompt else None,
+        "overhead_ms": overhead,
         "prompt_tokens": prompt,
         "wall_s": round(sum(r.wall_s for r in runs), 1),
     }
 
 
-RESULT_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "session_p50_s", "hit", "errors")
+RESULT_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "session_p50_s", "hit", "overhead_ms", "errors")
 
 
 def result_line(result: dict[str, Any]) -> str:
@@ -168,6 +185,8 @@ async def run_arm(
     slots = asyncio.Semaphore(cfg.concurrency)
 
     async def session(client: httpx.AsyncClient, k: int, s: SessionScript) -> None:
+        if api in CHAINED:
+            return await chained(client, target.urls[k % len(target.urls)], s)
         url = target.urls[k % len(target.urls)] + PATHS[api]
         headers = {**target.headers, SESSION_HEADERS[api]: s.session_id}
         async with slots:
@@ -178,6 +197,30 @@ async def run_arm(
                 result = await one_turn(client, api, url, body, headers)
                 turns.append(Turn(s.session_id, i, result))
                 if not result.ok:
+                    return
+                if i < len(s.think_s):
+                    await asyncio.sleep(min(s.think_s[i], cfg.max_think_s))
+            session_s[s.session_id] = time.perf_counter() - start
+
+    async def chained(client: httpx.AsyncClient, base: str, s: SessionScript) -> None:
+        headers = {**target.headers, SESSION_HEADERS["responses"]: s.session_id}
+        async with slots, contextlib.AsyncExitStack() as stack:
+            ws = None
+            if api == "responses-ws":
+                url = base.replace("http://", "ws://") + PATHS["responses"]
+                ws = await stack.enter_async_context(websockets.connect(url, additional_headers=headers))
+            start, previous = time.perf_counter(), None
+            for i, messages in enumerate(s.turns):
+                system, items = structure(messages)
+                body = chained_body(model, system, items, new_items(messages), previous, cfg.max_tokens, ws is None)
+                if ws is not None:
+                    result, previous = await socket_turn(ws, body)
+                else:
+                    ids: list[str] = []
+                    result = await one_turn(client, "responses", base + PATHS["responses"], body, headers, ids)
+                    previous = ids[-1] if ids else None
+                turns.append(Turn(s.session_id, i, result))
+                if not result.ok or previous is None:
                     return
                 if i < len(s.think_s):
                     await asyncio.sleep(min(s.think_s[i], cfg.max_think_s))
@@ -209,6 +252,18 @@ def _cluster(cfg: AgentsBenchConfig) -> Iterator[Cluster]:
     )
     with Cluster(spec) as cluster:
         yield cluster
+
+
+def _engine_seconds(engines: Sequence[str]) -> float:
+    """Seconds every engine has spent queueing and prefilling requests so far (its own histograms)."""
+    auth = engine_auth_headers(loopback_only=True)
+    total = 0.0
+    for url in engines:
+        for line in httpx.get(f"{url}/metrics", headers=auth, timeout=10).text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name.split("{", 1)[0] in ENGINE_TIME:
+                total += float(value)
+    return total
 
 
 def _warm(cluster: Cluster, engines: Sequence[str], model: str) -> None:
@@ -251,12 +306,15 @@ def run_agents_bench(out: Path, cfg: AgentsBenchConfig | None = None) -> dict[st
                 salt = f"agents-{nonce}-r{rnd}-{arm}"
                 scripts = build_sessions(cfg.workload, salt, tokens.text, lambda m: len(tokens.prompt(m)))
                 _log(f"r{rnd} {arm}: {len(scripts)} sessions (load {os.getloadavg()[0]:.2f})")
+                before = _engine_seconds(engines)
                 run = asyncio.run(run_arm(arm, rnd, targets[arm.split("_", 1)[0]], model, scripts, cfg))
+                run.engine_s = _engine_seconds(engines) - before
                 runs.append(run)
                 one = summarize([run])
                 _log(
                     f"r{rnd} {arm}: {run.wall_s:.1f} s, TTFT p50/p99 {one['ttft_p50_ms']}/{one['ttft_p99_ms']} ms, "
                     f"ITL p50 {one['itl_p50_ms']} ms, session p50 {one['session_p50_s']} s, hit {one['hit']}, "
+                    f"overhead {one['overhead_ms']} ms, "
                     f"errors {one['errors']} {one['error_samples'][:1]}"
                 )
     load["after"] = os.getloadavg()
@@ -287,6 +345,7 @@ def plot(arms: dict[str, dict[str, Any]], png: Path) -> None:
         ("ITL p50 / p99 (ms)", ["itl_p50_ms", "itl_p99_ms"]),
         ("session completion p50 / p99 (s)", ["session_p50_s", "session_p99_s"]),
         ("hit rate (cached / prompt tokens)", ["hit"]),
+        ("per-turn overhead (ms): TTFT - engine queue+prefill", ["overhead_ms"]),
         ("errors", ["errors"]),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4.5))

@@ -18,6 +18,10 @@ Codex CLI, ``codex exec PROMPT``
     plus ``x-codex-window-id`` and ``x-codex-turn-metadata`` (JSON); ``store: false``, ``include:
     ["reasoning.encrypted_content"]``, ``parallel_tool_calls``, nine function tools and its instructions
     as a ``developer`` message: about 4.5k prompt tokens of SmolLM2's tokenizer.
+    With ``supports_websockets = true`` on the provider it opens ``GET /v1/responses`` as a WebSocket
+    instead (``OpenAI-Beta: responses_websockets=2026-02-06``) and sends each model call as a
+    ``response.create`` message on it; a refused upgrade makes it fall back to HTTP, so only the
+    router's record says which transport served it.
 
 Claude Code, ``claude -p PROMPT``
     ``ANTHROPIC_BASE_URL`` (no ``/v1``), ``ANTHROPIC_API_KEY`` (sent as ``x-api-key``; a gateway token
@@ -134,9 +138,9 @@ def install(cache: Path | None = None, timeout_s: float = 600.0) -> AgentClients
     return bins
 
 
-def codex_config(base_url: str, model: str, key_env: str = "TANDEM_API_KEY") -> str:
+def codex_config(base_url: str, model: str, key_env: str = "TANDEM_API_KEY", websockets: bool = False) -> str:
     """``config.toml`` of a Codex home whose default provider is ``base_url`` (an OpenAI-style base
-    ending in ``/v1``)."""
+    ending in ``/v1``); ``websockets``: the provider says it serves the Responses WebSocket mode."""
     return (
         f'model = "{model}"\n'
         'model_provider = "tandem"\n'
@@ -149,6 +153,7 @@ def codex_config(base_url: str, model: str, key_env: str = "TANDEM_API_KEY") -> 
         'wire_api = "responses"\n'
         "request_max_retries = 0\n"
         "stream_max_retries = 0\n"
+        f"supports_websockets = {'true' if websockets else 'false'}\n"
     )
 
 
@@ -168,12 +173,20 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> Ag
 
 
 def run_codex(
-    clients: AgentClients, base_url: str, model: str, prompt: str, workdir: Path, api_key: str, timeout_s: float = 600
+    clients: AgentClients,
+    base_url: str,
+    model: str,
+    prompt: str,
+    workdir: Path,
+    api_key: str,
+    timeout_s: float = 600,
+    websockets: bool = False,
 ) -> AgentRun:
-    """``codex exec PROMPT`` in ``workdir`` against ``base_url`` (``…/v1``), with a Codex home of its own."""
+    """``codex exec PROMPT`` in ``workdir`` against ``base_url`` (``…/v1``), with a Codex home of its own;
+    ``websockets``: over the Responses WebSocket mode."""
     home = workdir / ".codex-home"
     home.mkdir(parents=True, exist_ok=True)
-    (home / "config.toml").write_text(codex_config(base_url, model))
+    (home / "config.toml").write_text(codex_config(base_url, model, websockets=websockets))
     cmd = [str(clients.codex), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", prompt]
     return _run(cmd, workdir, {"CODEX_HOME": str(home), "TANDEM_API_KEY": api_key}, timeout_s)
 

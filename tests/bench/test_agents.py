@@ -108,3 +108,36 @@ def test_summary_pools_rounds_and_counts_errors() -> None:
     line = result_line({"arms": {"tandem_messages": s, "engine_chat": empty}})
     assert line.startswith("RESULT agents tandem_messages_ttft_p50_ms=200.0 ")
     assert "tandem_messages_hit=0.375" in line and line.endswith("engine_chat_errors=1")
+
+
+def test_summary_overhead_is_ttft_less_the_engines_time() -> None:
+    run = ArmRun(
+        "tandem_responses-ws", 0, [Turn("s", 0, _ok(0.3, [], 10, 0)), Turn("s", 1, _ok(0.5, [], 10, 0))], {}, 1.0
+    )
+    run.engine_s = 0.6  # the engines queued and prefilled for 0.6 s of the 0.8 s of TTFT
+    assert summarize([run])["overhead_ms"] == pytest.approx(100.0)
+
+
+async def test_chained_arms_send_the_engines_the_same_prompts_over_sse_and_a_socket(tmp_path) -> None:
+    """The two transport arms on stand-in engines: every turn answered, and turn for turn the engine gets
+    the same conversation whether the chain came over SSE (read back from the store) or a socket."""
+    from bench.agents import AgentsBenchConfig, Target, run_arm
+    from bench.loadgen import SessionScript
+    from contracts.registry import Role
+    from tests.support.standin_cluster import standin_cluster
+
+    history: list[dict[str, str]] = [TURN[0], TURN[1]]
+    turns = [list(history), [*TURN], [*TURN, {"role": "assistant", "content": "ok"}, TURN[1]]]
+    script = SessionScript("sess-1", 0.0, turns, [0.0, 0.0])
+    cfg = AgentsBenchConfig(concurrency=1, max_tokens=4)
+    seen: dict[str, list[list[dict[str, object]]]] = {}
+    async with standin_cluster(tmp_path, {"n": Role.BOTH}, engine={"stream_tokens": 4}) as c:
+        engine = c.engines["n"]
+        for arm in ("tandem_responses-chain", "tandem_responses-ws"):
+            start = len(engine.received)
+            run = await run_arm(arm, 0, Target((c.url,), {}), c.model, [script], cfg)
+            assert [t.result.ok for t in run.turns] == [True, True, True], [t.result.error for t in run.turns]
+            seen[arm] = [body["messages"] for _, body in engine.received[start:]]
+    assert len(seen["tandem_responses-ws"]) == 3 and seen["tandem_responses-ws"] == seen["tandem_responses-chain"]
+    last = seen["tandem_responses-ws"][-1]
+    assert last[0]["role"] == "system" and sum(m["role"] == "system" for m in last) == 1

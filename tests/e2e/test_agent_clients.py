@@ -110,6 +110,22 @@ def test_codex_exec_completes_a_turn(agent_cluster: AgentCluster, clients: Agent
     assert all(r["stream"] and r["prompt_tokens"] > 1000 and r["completion_tokens"] > 0 for r in rows), rows
 
 
+def test_codex_exec_over_a_websocket_completes_a_turn(
+    agent_cluster: AgentCluster, clients: AgentClients, tmp_path: Path
+) -> None:
+    """Codex with ``supports_websockets = true``: its model calls come as ``response.create`` messages on
+    one socket (the lake's ``transport``: Codex would fall back to HTTP on a refused upgrade, silently)."""
+    since = datetime.now(UTC)
+    url = f"{agent_cluster.url}/v1"
+    run = run_codex(clients, url, agent_cluster.model, PROMPT, tmp_path, API_KEY, websockets=True)
+    assert run.returncode == 0, f"codex exec exited {run.returncode}:\n{run.stderr[-4000:]}"
+    assert "ERROR" not in run.stderr, run.stderr[-4000:]
+    assert run.stdout.strip(), "codex printed no answer"
+    rows = _landed(agent_cluster, since, "responses")
+    assert [(r["http_status"], r["status"], r["transport"]) for r in rows] == [(200, "ok", "websocket")] * len(rows)
+    assert all(r["stream"] and r["prompt_tokens"] > 1000 and r["completion_tokens"] > 0 for r in rows), rows
+
+
 def test_claude_p_completes_a_turn(agent_cluster: AgentCluster, clients: AgentClients, tmp_path: Path) -> None:
     since = datetime.now(UTC)
     run = run_claude(clients, agent_cluster.url, agent_cluster.model, PROMPT, tmp_path, API_KEY)

@@ -7,12 +7,16 @@
 * the cluster serves again, and a SIGTERM to `tandem up` then leaves no process of it alive.
 
 * every stream the dead engine was serving ends with an OpenAI-shaped error event, never a cut connection;
+* a response in flight on a WebSocket (``GET /v1/responses`` upgraded) when the engine dies ends with
+  ``response.failed``, and the next ``response.create`` on the same socket is answered;
 * while no decode node is left, a request falls back to colocated serving on the prefill node.
 
 Redis DB 13."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import queue
 import signal
@@ -28,6 +32,7 @@ import msgspec
 import psutil
 import pytest
 import redis
+import websockets
 
 from contracts.registry import NodeInfo, node_key
 from tests.e2e.test_cache_routing import SYSTEM
@@ -88,6 +93,41 @@ class Load:
     def count(self, what: str) -> int:
         with self.lock:
             return sum(1 for o in self.outcomes if o == what)
+
+
+@dataclass
+class SocketSession:
+    """One WebSocket to ``/v1/responses`` in its own thread: a long response (the engine is killed while
+    it streams), then, once told, one more on the same socket. ``ends`` holds each one's last event."""
+
+    url: str
+    model: str
+    streaming: threading.Event = field(default_factory=threading.Event)
+    again: threading.Event = field(default_factory=threading.Event)
+    ends: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._session())
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    async def _response(self, ws: websockets.ClientConnection, prompt: str, tokens: int) -> str:
+        create = {"type": "response.create", "model": self.model, "input": prompt, "max_output_tokens": tokens}
+        await ws.send(json.dumps({**create, "temperature": 0}))
+        while True:
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 120))
+            if ev["type"] == "response.output_text.delta":
+                self.streaming.set()
+            if ev["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
+                return str(ev["type"])
+
+    async def _session(self) -> None:
+        async with websockets.connect(self.url.replace("http://", "ws://") + "/v1/responses") as ws:
+            self.ends.append(await self._response(ws, "Count from 1 to 1000, one number per line.", 1000))
+            await asyncio.to_thread(self.again.wait, 300)
+            self.ends.append(await self._response(ws, "Still there?", 4))
 
 
 def _epoch(r: redis.Redis, node_id: str) -> int | None:
@@ -160,6 +200,11 @@ def test_a_killed_decode_engine_comes_back_with_a_new_epoch_and_nothing_stale(tm
         assert wait_for(lambda: load.count("ok") >= 6, timeout_s=180), load.outcomes
         assert wait_for(lambda: _cluster_view(url).get(DECODE_ID, {}).get("cached_blocks", 0) > 0, timeout_s=30)
 
+        socket_session = SocketSession(url, model)
+        socket_thread = threading.Thread(target=socket_session.run, daemon=True)
+        socket_thread.start()
+        assert socket_session.streaming.wait(180), f"no token on the socket: {socket_session.error!r}"
+
         agent = next(p for p in psutil.Process(up.pid).children() if DECODE_ID in " ".join(p.cmdline()))
         [core] = [p for p in agent.children(recursive=True) if "EngineCor" in p.name()]
         core.kill()  # what the issue measured: kill -9 of the decode node's VLLM::EngineCore
@@ -173,6 +218,13 @@ def test_a_killed_decode_engine_comes_back_with_a_new_epoch_and_nothing_stale(tm
         assert load.count("hung") == 0, load.outcomes
         # A stream the dead engine was serving ends with an OpenAI error event and [DONE], never a cut.
         assert not [o for o in load.outcomes if o.startswith("cut")], load.outcomes
+
+        # The socket's response ended with response.failed; the same socket answers the next one.
+        socket_session.again.set()
+        socket_thread.join(300)
+        assert socket_session.error is None and not socket_thread.is_alive(), repr(socket_session.error)
+        assert socket_session.ends[0] == "response.failed", socket_session.ends
+        assert socket_session.ends[1] in ("response.completed", "response.incomplete"), socket_session.ends
 
         # With no decode node left, a P/D request falls back to colocated serving on the prefill node.
         body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Still there?"}]}
