@@ -233,3 +233,33 @@ async def test_a_stopping_router_closes_with_a_code_clients_retry_on(tmp_path) -
             from openai.types.websocket_reconnection import is_recoverable_close
 
             assert is_recoverable_close(ws.close_code)
+
+
+async def test_a_chain_crosses_sockets_through_the_store(tmp_path) -> None:
+    async with standin_cluster(tmp_path, {"n": Role.BOTH}, engine={"stream_tokens": 4}) as c:
+        url = _ws_url(c.url, "/v1/responses")
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "response.create", "model": c.model, "input": "first socket"}))
+            first = (await _events_until_end(ws))[-1]["response"]
+        stored = await _stored_over_http(c.url, first["id"])
+        assert stored["status"] == first["status"]
+        async with websockets.connect(url) as ws:
+            chained = {"type": "response.create", "model": c.model, "input": "second socket"}
+            await ws.send(json.dumps({**chained, "previous_response_id": first["id"]}))
+            assert (await _events_until_end(ws))[-1]["response"]["previous_response_id"] == first["id"]
+        contents = [m["content"] for m in c.engines["n"].received[-1][1]["messages"]]
+        assert "first socket" in contents and "second socket" in contents
+
+
+async def _stored_over_http(url: str, response_id: str) -> dict[str, Any]:
+    """The stored Response, once its (background) save landed."""
+    async with httpx.AsyncClient(base_url=url) as client:
+        found: dict[str, Any] = {}
+
+        async def stored() -> bool:
+            resp = await client.get(f"/v1/responses/{response_id}")
+            found.update(resp.json() if resp.status_code == 200 else {})
+            return resp.status_code == 200
+
+        await wait_until(stored)
+        return found
