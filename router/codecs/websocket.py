@@ -30,7 +30,9 @@ The socket is the session: a response naming no session belongs to the socket's 
 ``x-session-id``, else one made for the socket), so its turns share affinity, retention and the lake's
 session; its retention lasts at least the idle timeout (``router.retention.retention_default``);
 its last response stays in memory, so the next ``previous_response_id`` needs no store read, even
-with ``store: false`` (``router.codecs.store.SocketResponses``).
+with ``store: false`` (``router.codecs.store.SocketResponses``); and its last prompt stays encoded, so
+the next one, which repeats it, is encoded from its end only (``router.tokenizer.PrefixTokens``: the
+largest part of the router's work per turn on a long conversation).
 
 Each response is an ``Exchange`` over an in-process ASGI pair (``_Bridge``): ``receive`` hands it the
 message as the request body and then reports a disconnect when the response is cancelled; ``send``
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import socket
 import struct
@@ -64,6 +67,7 @@ from router.codecs.websocket_frames import Bad, Cancel, Create, busy_event, erro
 from router.direct_write import RAW_SEND
 from router.openai_errors import response_for
 from router.sessions.models import SESSION_HEADER, validate_id
+from router.tokenizer import SESSION_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +245,9 @@ class SocketSession:
         request = Request(scope, bridge.receive, bridge.send)
         api: Api | None = "responses" if self.api == "responses" else None
         exchange = Exchange(request, "chat", self.api, api, socket=self.turn)
-        self.task = asyncio.ensure_future(exchange.run(scope, bridge.receive, bridge.send))
+        context = contextvars.copy_context()
+        context.run(SESSION_TOKENS.set, self.turn.tokens)  # the response's tokenizing resumes the socket's
+        self.task = asyncio.create_task(exchange.run(scope, bridge.receive, bridge.send), context=context)
 
     async def _response_ended(self) -> bool:
         """The response in flight ended; False when the socket must close."""

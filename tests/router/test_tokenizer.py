@@ -93,3 +93,45 @@ def test_text_content_parts_render_like_a_string() -> None:
     every such request was refused."""
     parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
     assert _ids({"messages": parts}) == _ids({"messages": [{"role": "user", "content": "hello\nthere"}]})
+
+
+def test_a_session_prompt_encoded_from_its_kept_prefix_equals_the_whole_encoding() -> None:
+    """A socket's turns (``PrefixTokens``): each prompt repeats the last one and adds an answer and a new
+    message, with text that would merge across a naive cut (no newline, spaces, unicode, a special
+    token's text typed by the user); each is encoded from the kept prefix and equals the whole encoding.
+    A prompt that does not repeat the last one (an edited history) is encoded whole."""
+    from router.tokenizer import SESSION_TOKENS, PrefixTokens
+
+    session, tokenizer = PrefixTokens(), PromptTokenizer()  # one tokenizer, as a router holds one
+
+    def _ids(body: dict) -> list[int] | None:
+        return asyncio.run(tokenizer.token_ids(NODE, body))
+
+    token = SESSION_TOKENS.set(session)
+    try:
+        messages: list[dict[str, str]] = [{"role": "system", "content": "You are a coding agent."}]
+        additions = [
+            ("user", "Read README.md"),
+            ("assistant", "Calling read_file(README.md)"),
+            ("user", "Output of read_file:\n# Tandem  \n\tP/D  ünïcödé 漢字"),
+            ("assistant", "It says Tandem.<|im_end|> typed"),
+            ("user", "and?"),
+        ]
+        for i, (role, text) in enumerate(additions):
+            messages.append({"role": role, "content": text})
+            if role != "user":
+                continue
+            got = _ids({"messages": messages})
+            SESSION_TOKENS.set(None)
+            want = _ids({"messages": messages})
+            SESSION_TOKENS.set(session)
+            assert got == want, f"turn {i}"
+        assert session.hits >= 2
+        hits = session.hits
+        edited = [{"role": "system", "content": "Another agent."}, *messages[1:]]
+        SESSION_TOKENS.set(None)
+        want = _ids({"messages": edited})
+        SESSION_TOKENS.set(session)
+        assert _ids({"messages": edited}) == want and session.hits == hits
+    finally:
+        SESSION_TOKENS.reset(token)

@@ -88,6 +88,7 @@ async def standin_cluster(
     max_model_len: int = 4096,
     models: dict[str, str] | None = None,
     kv_connector: str = "nixl",
+    model_path: str | None = None,
     **admission: object,
 ) -> AsyncIterator[StandInCluster]:
     """Stand-in engines for ``roles`` (node id → role), registered; a router over them, started.
@@ -96,7 +97,8 @@ async def standin_cluster(
     ``StandInEngine`` fields (``stream_tokens``, ...) and ``router`` ``RouterSettings`` fields. ``models``
     gives nodes another served model than the cluster's (node name → model name). ``kv_connector="tandem"``
     registers the P/D nodes as ours, each with a block server endpoint nobody listens on (``kv_endpoints``):
-    what makes the router send layer-wise pairs."""
+    what makes the router send layer-wise pairs. ``model_path``: a model folder the nodes name, so the
+    router tokenizes prompts with its tokenizer and template as it does for real engines."""
     tag = uuid.uuid4().hex[:10]
     model, prefix = f"standin-{tag}", f"test-{tag}:"
     node_ids = {name: f"{name}-{tag}" for name in [*roles, *(dead or {})]}
@@ -126,6 +128,7 @@ async def standin_cluster(
                 if kv_connector == "tandem" and role is not Role.BOTH
                 else {},
                 kv_host_id="standin-host" if kv_connector == "tandem" else "",
+                model_path=model_path,
             )
             for name, role in [*roles.items(), *(dead or {}).items()]
         ]
