@@ -19,7 +19,7 @@ Codex CLI, ``codex exec PROMPT``
     ["reasoning.encrypted_content"]``, ``parallel_tool_calls``, nine function tools and its instructions
     as a ``developer`` message: about 4.5k prompt tokens of SmolLM2's tokenizer.
     With ``supports_websockets = true`` on the provider it opens ``GET /v1/responses`` as a WebSocket
-    instead (``OpenAI-Beta: responses_websockets=2026-02-06``) and sends each model call as a
+    instead (its ``OpenAI-Beta`` header names the WebSocket mode's version) and sends each model call as a
     ``response.create`` message on it; a refused upgrade makes it fall back to HTTP, so only the
     router's record says which transport served it.
 
