@@ -17,7 +17,6 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 OVER_FILES = {
-    "prefill_nodes/block_server.py": 644,
     "router/orchestrator.py": 910,
 }
 """Files over the limit, with their lines now."""
