@@ -23,7 +23,6 @@ OVER_FILES = {
 
 OVER_FUNCTIONS = {
     "bench/overhead.py::run_overhead_bench": 82,
-    "node_agent/supervisor.py::EngineSupervisor._serve": 84,
     "router/app.py::create_app": 294,
     "router/app.py::create_app.lifespan": 104,
     "router/exchange.py::Exchange._answer": 101,
