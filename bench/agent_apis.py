@@ -20,6 +20,7 @@ read each API's usage into prompt and cached tokens (Messages counts cache reads
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -30,7 +31,7 @@ from typing import Any
 import httpx
 
 from bench.agent_workload import TOOLS
-from bench.loadgen import RequestResult
+from bench.loadgen import RequestResult, StreamRefused, TokenClock, data_events
 
 APIS = ("chat", "responses", "messages")
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
@@ -208,39 +209,29 @@ async def one_turn(
     ids: list[str] | None = None,
 ) -> RequestResult:
     """Send one streamed turn and time it as the client sees it; a Responses answer's id goes to ``ids``."""
-    start = time.perf_counter()
-    first = last = None
-    itl: list[float] = []
+    clock = TokenClock()
     usage = Usage()
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                return RequestResult(ok=False, error=f"{resp.status_code}: {(await resp.aread())[:200]!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+        async with contextlib.aclosing(data_events(client, url, body, headers)) as events:
+            async for event in events:
                 text, error = read_event(api, event, usage)
                 if error is not None:
                     return RequestResult(ok=False, error=error)
                 if ids is not None and event.get("type") in ("response.completed", "response.incomplete"):
                     ids.append(event["response"]["id"])
                 if text:
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    elif last is not None:
-                        itl.append(now - last)
-                    last = now
+                    clock.tick()
+    except StreamRefused as exc:
+        return RequestResult(ok=False, error=str(exc))
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}")
-    if first is None:
+    if clock.first is None:
         return RequestResult(ok=False, error="no text received")
     return RequestResult(
         ok=True,
-        ttft_s=first - start,
-        e2e_s=time.perf_counter() - start,
-        itl_s=itl,
+        ttft_s=clock.first - clock.start,
+        e2e_s=time.perf_counter() - clock.start,
+        itl_s=clock.itl,
         output_tokens=usage.output_tokens,
         prompt_tokens=usage.prompt_tokens,
         usage={"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens},

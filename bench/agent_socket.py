@@ -26,7 +26,7 @@ from typing import Any
 import websockets
 
 from bench.agent_apis import Item, Usage, read_event, responses_body
-from bench.loadgen import RequestResult
+from bench.loadgen import RequestResult, TokenClock
 
 CHAINED = ("responses-chain", "responses-ws")
 
@@ -51,9 +51,7 @@ def new_items(turn: list[dict[str, str]]) -> list[Item]:
 async def socket_turn(ws: websockets.ClientConnection, body: dict[str, Any]) -> tuple[RequestResult, str | None]:
     """One ``response.create`` on ``ws`` and its events to the end: (the timing, the response id)."""
     message = {"type": "response.create", **{k: v for k, v in body.items() if k != "stream"}}
-    start = time.perf_counter()
-    first = last = None
-    itl: list[float] = []
+    clock = TokenClock()
     usage = Usage()
     response_id = None
     try:
@@ -64,24 +62,19 @@ async def socket_turn(ws: websockets.ClientConnection, body: dict[str, Any]) -> 
             if error is not None:
                 return RequestResult(ok=False, error=error), None
             if text:
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                elif last is not None:
-                    itl.append(now - last)
-                last = now
+                clock.tick()
             if event.get("type") in ("response.completed", "response.incomplete"):
                 response_id = event["response"]["id"]
                 break
     except (websockets.WebSocketException, TimeoutError, json.JSONDecodeError) as exc:
         return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}"), None
-    if first is None:
+    if clock.first is None:
         return RequestResult(ok=False, error="no text received"), None
     result = RequestResult(
         ok=True,
-        ttft_s=first - start,
-        e2e_s=time.perf_counter() - start,
-        itl_s=itl,
+        ttft_s=clock.first - clock.start,
+        e2e_s=time.perf_counter() - clock.start,
+        itl_s=clock.itl,
         output_tokens=usage.output_tokens,
         prompt_tokens=usage.prompt_tokens,
         usage={"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens},

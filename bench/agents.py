@@ -50,6 +50,7 @@ import websockets
 from bench.agent_apis import APIS, BODIES, PATHS, SESSION_HEADERS, one_turn, structure
 from bench.agent_socket import CHAINED, chained_body, new_items, socket_turn
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
+from bench.charts import grouped_bars, save, subplots
 from bench.loadgen import RequestResult, SessionScript, percentile
 from bench.routing import _Tokens
 from contracts.config import redis_url as configured_redis_url
@@ -334,11 +335,6 @@ def run_agents_bench(out: Path, cfg: AgentsBenchConfig | None = None) -> dict[st
 
 
 def plot(arms: dict[str, dict[str, Any]], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(arms)
     panels = [
         ("TTFT p50 / p99 (ms)", ["ttft_p50_ms", "ttft_p99_ms"]),
@@ -348,21 +344,14 @@ def plot(arms: dict[str, dict[str, Any]], png: Path) -> None:
         ("per-turn overhead (ms): TTFT - engine queue+prefill", ["overhead_ms"]),
         ("errors", ["errors"]),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4.5))
+    fig, axes = subplots(1, len(panels), (4 * len(panels), 4.5))
     for ax, (title, keys) in zip(axes.flat, panels, strict=True):
-        width = 0.8 / len(keys)
-        for k, key in enumerate(keys):
-            values = [arms[n][key] or 0 for n in names]
-            ax.bar([i + k * width for i in range(len(names))], values, width, label=key)
-        ax.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(names))])
-        ax.set_xticklabels([n.replace("_", "\n") for n in names], fontsize=8)
+        grouped_bars(
+            ax, {key: [arms[n][key] or 0 for n in names] for key in keys}, [n.replace("_", "\n") for n in names]
+        )
         ax.set_title(title, fontsize=10)
-        if len(keys) > 1:
-            ax.legend(fontsize=7)
     fig.suptitle("tandem bench agents: agent sessions per API, Tandem's router vs the engines' own endpoints")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save(fig, png)
 
 
 __all__ = ["TARGETS", "AgentsBenchConfig", "ArmRun", "Turn", "result_line", "run_agents_bench", "summarize"]

@@ -54,6 +54,7 @@ import httpx
 import psutil
 
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
+from bench.charts import grouped_bars, save, subplots
 from bench.loadgen import SentRequest, percentile, run_sessions
 from bench.procs import sched_cpu_s, served_model, wait_http
 from bench.routing import _Tokens
@@ -451,11 +452,6 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
 
 
 def plot(arms: dict[str, dict[str, Any]], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(arms)
     panels = [
         ("sessions per minute", ["sessions_per_min"]),
@@ -465,20 +461,13 @@ def plot(arms: dict[str, dict[str, Any]], png: Path) -> None:
         ("E2E p50 (ms)", ["e2e_p50_ms"]),
         ("non-engine CPU (s)", ["non_engine_cpu_s"]),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = subplots(2, 3, (15, 8))
     for ax, (title, keys) in zip(axes.flat, panels, strict=True):
-        width = 0.8 / len(keys)
-        for k, key in enumerate(keys):
-            ax.bar([i + k * width for i in range(len(names))], [arms[n][key] for n in names], width, label=key)
-        ax.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(names))])
-        ax.set_xticklabels([n.replace("vllm_router_", "vllm-router\n") for n in names], fontsize=8)
+        labels = [n.replace("vllm_router_", "vllm-router\n") for n in names]
+        grouped_bars(ax, {key: [arms[n][key] for n in names] for key in keys}, labels)
         ax.set_title(title)
-        if len(keys) > 1:
-            ax.legend(fontsize=7)
     fig.suptitle("tandem bench fleet: agent sessions on colocated nodes, Tandem vs vllm-router")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save(fig, png)
 
 
 __all__ = [

@@ -9,10 +9,11 @@ that reads an answer and runs a tool before calling again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,6 +31,46 @@ class RequestResult:
     error: str | None = None
     usage: dict[str, Any] | None = None
     """The final SSE chunk's ``usage`` as the server sent it (hit-rate breakdown included)."""
+
+
+class StreamRefused(Exception):
+    """A streamed request answered with a status other than 200 (the message: the status and the start
+    of the body)."""
+
+
+async def data_events(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> AsyncIterator[Any]:
+    """The decoded JSON of each ``data:`` line of a streamed POST, ``[DONE]`` left out; a status other
+    than 200 raises ``StreamRefused``. Iterate it under ``contextlib.aclosing``, so that leaving the
+    loop early closes the response then, not when the generator is collected."""
+    async with client.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            raise StreamRefused(f"{resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            yield json.loads(line[6:])
+
+
+@dataclass
+class TokenClock:
+    """When a stream's text came, as the client sees it: from ``start``, the first chunk (TTFT) and the
+    gaps between chunks (ITL)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    itl: list[float] = field(default_factory=list)
+
+    def tick(self) -> None:
+        """A chunk with text has come now."""
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.itl.append(now - self.last)
+        self.last = now
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -75,19 +116,12 @@ def streamed_chat(model: str, messages: Any, max_tokens: int) -> dict[str, Any]:
 async def one_request(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
 ) -> RequestResult:
-    start = time.perf_counter()
-    last = first = None
-    itl: list[float] = []
+    clock = TokenClock()
     out = prompt = 0
     usage: dict[str, Any] | None = None
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                return RequestResult(ok=False, error=f"{resp.status_code}: {(await resp.aread())[:200]!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+        async with contextlib.aclosing(data_events(client, url, body, headers)) as chunks:
+            async for chunk in chunks:
                 if "error" in chunk:
                     return RequestResult(ok=False, error=str(chunk["error"])[:200])
                 if chunk.get("usage"):
@@ -96,22 +130,19 @@ async def one_request(
                     prompt = chunk["usage"].get("prompt_tokens", prompt)
                 for choice in chunk.get("choices") or []:
                     if (choice.get("delta") or {}).get("content"):
-                        now = time.perf_counter()
-                        if first is None:
-                            first = now
-                        elif last is not None:
-                            itl.append(now - last)
-                        last = now
+                        clock.tick()
+    except StreamRefused as exc:
+        return RequestResult(ok=False, error=str(exc))
     except httpx.HTTPError as exc:
         return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
-    if first is None:
+    if clock.first is None:
         return RequestResult(ok=False, error="no token received")
     return RequestResult(
         ok=True,
-        ttft_s=first - start,
-        e2e_s=end - start,
-        itl_s=itl,
+        ttft_s=clock.first - clock.start,
+        e2e_s=end - clock.start,
+        itl_s=clock.itl,
         output_tokens=out,
         prompt_tokens=prompt,
         usage=usage,

@@ -319,34 +319,56 @@ def run_overhead_bench(out: Path, cfg: OverheadBenchConfig | None = None) -> dic
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     run_tag = int(time.time()) % 1_000_000
     load_before = os.getloadavg()
-    rounds: list[dict[str, Any]] = []
-    for rnd in range(cfg.rounds):
-        order = list(cfg.arms) if rnd % 2 == 0 else list(reversed(cfg.arms))
-        arms: dict[str, Any] = {}
-        for slot, arm in enumerate(order):
-            seed = run_tag * 100 + rnd * 10 + ARMS.index(arm)
-            _log(f"round {rnd + 1}/{cfg.rounds}: {arm} (starting a fresh engine)")
-            with serve_arm(arm, cfg, slot) as served:
-                res = {"vllm_bench": vllm_bench_serve(served, cfg, seed, cfg.workdir / "vllm-bench")}
-                if cfg.agent_sessions:
-                    res["agent"] = agent_sessions(served, cfg, salt=f"overhead-{seed}")
-            v = res["vllm_bench"]
-            _log(
-                f"  {arm}: {v['req_s']:.2f} req/s, {v['output_tok_s']:.0f} tok/s, TTFT p50 {v['ttft_p50_ms']:.0f} ms "
-                f"p99 {v['ttft_p99_ms']:.0f} ms, TPOT p50 {v['tpot_p50_ms']:.1f} ms"
-                + (f", router CPU {v['router_cpu_ms_per_req']:.2f} ms/req" if v["router_cpu_ms_per_req"] else "")
-                + (
-                    f"; agent {res['agent']['req_s']:.2f} req/s TTFT p50 {res['agent']['ttft_p50_ms']} ms"
-                    if res.get("agent")
-                    else ""
-                )
-            )
-            arms[arm] = res
-        rounds.append({"order": order, "arms": arms})
+    rounds = [_run_round(cfg, rnd, run_tag) for rnd in range(cfg.rounds)]
     _log("router ceiling over the stand-in engine")
     ceiling = router_ceiling(cfg)
     summary = summarize(rounds, cfg.arms)
-    result = {
+    result = _result(summary, ceiling)
+    doc = _document(cfg, rounds, summary, ceiling, result, load_before)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    png = out.with_suffix(".png")
+    plot(doc, png)
+    _log(
+        f"wrote {out} and {png}; targets: "
+        + ", ".join(f"{k}: {'met' if v['met'] else 'MISSED'}" for k, v in doc["targets"].items())
+    )
+    return result
+
+
+def _run_round(cfg: OverheadBenchConfig, rnd: int, run_tag: int) -> dict[str, Any]:
+    """Every arm once on a fresh engine, in the configured order on even rounds and reversed on odd ones."""
+    order = list(cfg.arms) if rnd % 2 == 0 else list(reversed(cfg.arms))
+    arms: dict[str, Any] = {}
+    for slot, arm in enumerate(order):
+        seed = run_tag * 100 + rnd * 10 + ARMS.index(arm)
+        _log(f"round {rnd + 1}/{cfg.rounds}: {arm} (starting a fresh engine)")
+        with serve_arm(arm, cfg, slot) as served:
+            res = {"vllm_bench": vllm_bench_serve(served, cfg, seed, cfg.workdir / "vllm-bench")}
+            if cfg.agent_sessions:
+                res["agent"] = agent_sessions(served, cfg, salt=f"overhead-{seed}")
+        _log_arm(arm, res)
+        arms[arm] = res
+    return {"order": order, "arms": arms}
+
+
+def _log_arm(arm: str, res: dict[str, Any]) -> None:
+    v = res["vllm_bench"]
+    _log(
+        f"  {arm}: {v['req_s']:.2f} req/s, {v['output_tok_s']:.0f} tok/s, TTFT p50 {v['ttft_p50_ms']:.0f} ms "
+        f"p99 {v['ttft_p99_ms']:.0f} ms, TPOT p50 {v['tpot_p50_ms']:.1f} ms"
+        + (f", router CPU {v['router_cpu_ms_per_req']:.2f} ms/req" if v["router_cpu_ms_per_req"] else "")
+        + (
+            f"; agent {res['agent']['req_s']:.2f} req/s TTFT p50 {res['agent']['ttft_p50_ms']} ms"
+            if res.get("agent")
+            else ""
+        )
+    )
+
+
+def _result(summary: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, float]:
+    """The RESULT line's figures."""
+    return {
         "plain_rps": summary["plain"]["req_s"],
         "peer_rps": summary["peer"]["req_s"],
         "node_rps": summary["node"]["req_s"],
@@ -356,7 +378,18 @@ def run_overhead_bench(out: Path, cfg: OverheadBenchConfig | None = None) -> dic
         "router_cpu_ms_per_req": summary["tandem"]["router_cpu_ms_per_req"],
         "router_chunks_per_s": ceiling["chunks_per_s"],
     }
-    doc = {
+
+
+def _document(
+    cfg: OverheadBenchConfig,
+    rounds: list[dict[str, Any]],
+    summary: dict[str, Any],
+    ceiling: dict[str, Any],
+    result: dict[str, float],
+    load_before: tuple[float, float, float],
+) -> dict[str, Any]:
+    """The JSON results: host, config, what each arm is, every round, the summary, ratios and targets."""
+    doc: dict[str, Any] = {
         "benchmark": "overhead",
         "time": time.time(),
         "host": {
@@ -387,12 +420,4 @@ def run_overhead_bench(out: Path, cfg: OverheadBenchConfig | None = None) -> dic
     # A faster arm that refused requests is no faster: every arm must have answered everything.
     failed = {arm: s["failed"] + s.get("agent_failed", 0) for arm, s in summary.items()}
     doc["targets"]["every request answered in every arm"] = {"met": not any(failed.values()), "failed": failed}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    png = out.with_suffix(".png")
-    plot(doc, png)
-    _log(
-        f"wrote {out} and {png}; targets: "
-        + ", ".join(f"{k}: {'met' if v['met'] else 'MISSED'}" for k, v in doc["targets"].items())
-    )
-    return result
+    return doc

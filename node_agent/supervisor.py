@@ -48,7 +48,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
@@ -56,7 +56,7 @@ import msgspec
 
 from contracts.errors import PortInUse, StoreError, UpstreamError
 from contracts.registry import NodeInfo, NodeLoad, NodeRegistry, NodeState, NodeStatus
-from node_agent.engine_metrics import read_snapshot
+from node_agent.engine_metrics import EngineSnapshot, read_snapshot
 from node_agent.lifetime import group_state
 from node_agent.ports import check_ports_free
 from node_agent.settings import NodeSettings
@@ -105,6 +105,23 @@ def describe_exit(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
     return f"exit status {code}"
+
+
+@dataclass
+class _Watch:
+    """What ``EngineSupervisor._serve`` remembers of one engine between its probes."""
+
+    load: NodeLoad
+    """The last load written (a failed probe repeats it, marked)."""
+    progress: tuple[float, float]
+    """(token counter, when it last moved or the engine was idle)."""
+    computed_at: float = field(default_factory=time.monotonic)
+    """When the engine's processes last used ``COMPUTING_CORES`` or more (or it waited on a pull)."""
+    failed_probes: int = 0
+    cpu_mark: tuple[float, float] | None = None
+    """(group CPU seconds, when read)."""
+    stopped_since: float | None = None
+    """When one of its processes was first seen stopped (state T), while it stays so."""
 
 
 class EngineSupervisor:
@@ -298,89 +315,108 @@ class EngineSupervisor:
         return Outcome(Ending.STOP)
 
     async def _serve(self, engine: Engine, info: NodeInfo, client: httpx.AsyncClient, stop: asyncio.Event) -> Outcome:
-        """Heartbeat and probe until the engine exits, hangs, or stop."""
-        s = self.settings
-        failed_probes = 0
-        load = NodeLoad(updated_at=time.time())
-        progress = (-1.0, time.monotonic())  # (token counter, when it last moved or the engine was idle)
-        computed_at = time.monotonic()  # when the engine's processes last used COMPUTING_CORES or more
-        cpu_mark: tuple[float, float] | None = None  # (group CPU seconds, when read)
-        stopped_since: float | None = None
+        """Heartbeat and probe until the engine exits, hangs, or stop: each heartbeat a probe
+        (``_probe``, which also writes the load) and a look at the engine's processes
+        (``_check_processes``)."""
+        watch = _Watch(load=NodeLoad(updated_at=time.time()), progress=(-1.0, time.monotonic()))
         while not stop.is_set():
             code = engine.exited()
             if code is not None:
-                log.error("node %s: engine %s", s.node_id, describe_exit(code))
+                log.error("node %s: engine %s", self.settings.node_id, describe_exit(code))
                 return Outcome(Ending.FAILED, f"engine {describe_exit(code)}")
             now = time.monotonic()
-            try:
-                health = await client.get(f"{s.url}/health", timeout=s.health_timeout_s)
-                if health.status_code != 200:
-                    raise UpstreamError(f"/health answered {health.status_code}")
-                snap = await asyncio.wait_for(read_snapshot(client, s.url), s.health_timeout_s)
-            except (httpx.HTTPError, UpstreamError, TimeoutError) as exc:
-                failed_probes += 1
-                log.warning(
-                    "node %s: probe %d/%d failed: %s",
-                    s.node_id,
-                    failed_probes,
-                    s.health_failures,
-                    exc or type(exc).__name__,
-                )
-                if failed_probes >= s.health_failures:
-                    return Outcome(Ending.FAILED, f"hung: {failed_probes} probes in a row failed", hung=True)
-                # Not hung yet: keep the entry alive (the last load, marked with the failures), so one
-                # slow probe of a busy engine does not cost the node its place in the fleet index;
-                # routers leave a node with failed probes out of routing until a probe answers again.
-                await self._beat(info, msgspec.structs.replace(load, failed_probes=failed_probes))
-            else:
-                failed_probes = 0
-                if snap.pulls_active:
-                    # Waiting for a pull is waiting on a peer, not a hang: a layer-wise pull lasts as long
-                    # as the prefill node computes the prompt (minutes for a long one on a slow CPU) and
-                    # fails by itself once that node goes quiet (the connector's stall timeout). It gets
-                    # the computing engine's limit, not the idle one's.
-                    computed_at = now
-                tokens = snap.generation_tokens + sum(snap.prompt_tokens_by_source.values())
-                busy = snap.running + snap.waiting > 0
-                still = now - progress[1]
-                if not busy or tokens != progress[0]:
-                    progress = (tokens, now)
-                elif still > s.stall_compute_timeout_s or (
-                    still > s.stall_timeout_s and now - computed_at > s.stall_timeout_s
-                ):
-                    doing = "idle CPU"
-                    if now - computed_at <= s.stall_timeout_s:
-                        doing = "pulling KV" if snap.pulls_active else "computing"
-                    return Outcome(
-                        Ending.FAILED,
-                        f"hung: {snap.running} running, {snap.waiting} waiting and no "
-                        f"token for {still:.0f} s ({doing})",
-                        hung=True,
-                    )
-                load = NodeLoad(
-                    running=snap.running, waiting=snap.waiting, kv_usage=snap.kv_usage, updated_at=time.time()
-                )
-                await self._beat(info, load)
-            pid = engine.pid
-            stopped, cpu = await asyncio.to_thread(group_state, pid) if pid is not None else ([], 0.0)
-            if (
-                cpu_mark is not None
-                and now > cpu_mark[1]
-                and (cpu - cpu_mark[0]) / (now - cpu_mark[1]) >= COMPUTING_CORES
-            ):
-                computed_at = now
-            cpu_mark = (cpu, now)
-            if stopped:
-                stopped_since = stopped_since or now
-                if now - stopped_since > s.stall_timeout_s:
-                    return Outcome(
-                        Ending.FAILED, f"hung: engine process stopped for {now - stopped_since:.0f} s", hung=True
-                    )
-            else:
-                stopped_since = None
+            outcome = await self._probe(info, client, watch, now) or await self._check_processes(engine, watch, now)
+            if outcome is not None:
+                return outcome
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), s.heartbeat_s)
+                await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
         return Outcome(Ending.STOP)
+
+    async def _probe(self, info: NodeInfo, client: httpx.AsyncClient, watch: _Watch, now: float) -> Outcome | None:
+        """GET /health and /metrics: a heartbeat with the engine's load, or a failed probe counted (a
+        heartbeat with the last load, marked), or the hang found (probes failing in a row, or no token
+        moving for too long)."""
+        s = self.settings
+        try:
+            health = await client.get(f"{s.url}/health", timeout=s.health_timeout_s)
+            if health.status_code != 200:
+                raise UpstreamError(f"/health answered {health.status_code}")
+            snap = await asyncio.wait_for(read_snapshot(client, s.url), s.health_timeout_s)
+        except (httpx.HTTPError, UpstreamError, TimeoutError) as exc:
+            watch.failed_probes += 1
+            log.warning(
+                "node %s: probe %d/%d failed: %s",
+                s.node_id,
+                watch.failed_probes,
+                s.health_failures,
+                exc or type(exc).__name__,
+            )
+            if watch.failed_probes >= s.health_failures:
+                return Outcome(Ending.FAILED, f"hung: {watch.failed_probes} probes in a row failed", hung=True)
+            # Not hung yet: keep the entry alive (the last load, marked with the failures), so one
+            # slow probe of a busy engine does not cost the node its place in the fleet index;
+            # routers leave a node with failed probes out of routing until a probe answers again.
+            await self._beat(info, msgspec.structs.replace(watch.load, failed_probes=watch.failed_probes))
+            return None
+        watch.failed_probes = 0
+        stalled = self._stalled(snap, watch, now)
+        if stalled is not None:
+            return stalled
+        watch.load = NodeLoad(
+            running=snap.running, waiting=snap.waiting, kv_usage=snap.kv_usage, updated_at=time.time()
+        )
+        await self._beat(info, watch.load)
+        return None
+
+    def _stalled(self, snap: EngineSnapshot, watch: _Watch, now: float) -> Outcome | None:
+        """The hang of an engine with requests whose token counters stay still: for ``stall_timeout_s``
+        while it computes nothing, for ``stall_compute_timeout_s`` whatever it computes."""
+        s = self.settings
+        if snap.pulls_active:
+            # Waiting for a pull is waiting on a peer, not a hang: a layer-wise pull lasts as long
+            # as the prefill node computes the prompt (minutes for a long one on a slow CPU) and
+            # fails by itself once that node goes quiet (the connector's stall timeout). It gets
+            # the computing engine's limit, not the idle one's.
+            watch.computed_at = now
+        tokens = snap.generation_tokens + sum(snap.prompt_tokens_by_source.values())
+        busy = snap.running + snap.waiting > 0
+        still = now - watch.progress[1]
+        if not busy or tokens != watch.progress[0]:
+            watch.progress = (tokens, now)
+        elif still > s.stall_compute_timeout_s or (
+            still > s.stall_timeout_s and now - watch.computed_at > s.stall_timeout_s
+        ):
+            doing = "idle CPU"
+            if now - watch.computed_at <= s.stall_timeout_s:
+                doing = "pulling KV" if snap.pulls_active else "computing"
+            return Outcome(
+                Ending.FAILED,
+                f"hung: {snap.running} running, {snap.waiting} waiting and no token for {still:.0f} s ({doing})",
+                hung=True,
+            )
+        return None
+
+    async def _check_processes(self, engine: Engine, watch: _Watch, now: float) -> Outcome | None:
+        """The engine's process group: whether it computes (``COMPUTING_CORES`` or more since the last
+        look), and the hang of a process stopped (state T) for ``stall_timeout_s``."""
+        pid = engine.pid
+        stopped, cpu = await asyncio.to_thread(group_state, pid) if pid is not None else ([], 0.0)
+        if (
+            watch.cpu_mark is not None
+            and now > watch.cpu_mark[1]
+            and (cpu - watch.cpu_mark[0]) / (now - watch.cpu_mark[1]) >= COMPUTING_CORES
+        ):
+            watch.computed_at = now
+        watch.cpu_mark = (cpu, now)
+        if stopped:
+            watch.stopped_since = watch.stopped_since or now
+            if now - watch.stopped_since > self.settings.stall_timeout_s:
+                return Outcome(
+                    Ending.FAILED, f"hung: engine process stopped for {now - watch.stopped_since:.0f} s", hung=True
+                )
+        else:
+            watch.stopped_since = None
+        return None
 
     async def _beat(self, info: NodeInfo, load: NodeLoad) -> None:
         try:

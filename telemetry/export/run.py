@@ -107,11 +107,11 @@ def _run(
     wm = wmk.load(db, spec.name, spec.fmt) if has_marks else wmk.Watermark(spec.name, spec.fmt, None)
     until = min(math.inf if spec.filters.until is None else spec.filters.until, now - settings.settle_s)
     result = ExportResult(spec.name, spec.fmt, spec.dry_run, until=until, watermark=wm)
-    consented = allowed_tenants(db)
+    reading = _Reading(db, spec, wm, until, allowed_tenants(db), hook)
     if spec.fmt is Format.PREFERENCE_JSONL:
-        lines = _pair_lines(db, spec, wm, until, consented, hook, result)
+        lines = _pair_lines(reading, result)
     else:
-        lines = _turn_lines(db, spec, settings, wm, until, consented, hook, result)
+        lines = _turn_lines(reading, settings, result)
     lines.sort(key=lambda line: line[0])
     result.rows = len(lines)
     if spec.dry_run or spec.out is None:
@@ -144,26 +144,31 @@ def _manifest(db: ExportDb, name: str) -> bytes:
     return json.dumps({"name": name, "parts": listed}, indent=1).encode()
 
 
-def _turn_lines(
-    db: ExportDb,
-    spec: ExportSpec,
-    settings: ExportSettings,
-    wm: wmk.Watermark,
-    until: float,
-    consented: frozenset[str],
-    hook: redact.Hook | None,
-    result: ExportResult,
-) -> list[Line]:
+@dataclass(frozen=True)
+class _Reading:
+    """What a run reads with: its database and spec, its watermark, the time it reads up to (settled
+    rows only), the tenants that consented, the redaction hook."""
+
+    db: ExportDb
+    spec: ExportSpec
+    wm: wmk.Watermark
+    until: float
+    consented: frozenset[str]
+    hook: redact.Hook | None
+
+
+def _turn_lines(r: _Reading, settings: ExportSettings, result: ExportResult) -> list[Line]:
+    spec, wm, until = r.spec, r.wm, r.until
     after = float(wm.position[0]) if wm.position else 0.0
     if settings.run_max_turns:
-        until = min(until, nth_turn_end(db, after, until, settings.run_max_turns) or until)
-    examples = [e for e in build_examples(turns_between(db, after, until)) if wm.passes(e.position)]
+        until = min(until, nth_turn_end(r.db, after, until, settings.run_max_turns) or until)
+    examples = [e for e in build_examples(turns_between(r.db, after, until)) if wm.passes(e.position)]
     examples = join_lake(examples, spec.lake)
     result.candidates = len(examples)
-    kept, result.filtered = apply(examples, spec.filters, consented)
+    kept, result.filtered = apply(examples, spec.filters, r.consented)
     out: list[Line] = []
     for ex in kept:
-        rec = redact.apply(hook, formats.record(ex))
+        rec = redact.apply(r.hook, formats.record(ex))
         if rec is None:
             result.filtered["redacted_out"] += 1
             continue
@@ -174,26 +179,19 @@ def _turn_lines(
     return out
 
 
-def _pair_lines(
-    db: ExportDb,
-    spec: ExportSpec,
-    wm: wmk.Watermark,
-    until: float,
-    consented: frozenset[str],
-    hook: redact.Hook | None,
-    result: ExportResult,
-) -> list[Line]:
-    examples = join_lake(build_examples(sessions_of_turns(db, rated_request_ids(spec.lake, until))), spec.lake)
+def _pair_lines(r: _Reading, result: ExportResult) -> list[Line]:
+    spec, until = r.spec, r.until
+    examples = join_lake(build_examples(sessions_of_turns(r.db, rated_request_ids(spec.lake, until))), spec.lake)
     examples = [e for e in examples if e.feedback is not None and e.feedback.at <= until and e.created_at <= until]
     result.candidates = len(examples)
-    kept, result.filtered = apply(examples, spec.filters, consented)
+    kept, result.filtered = apply(examples, spec.filters, r.consented)
     rated = []
     for ex in kept:
-        rec = redact.apply(hook, formats.record(ex))
+        rec = redact.apply(r.hook, formats.record(ex))
         if rec is None:
             result.filtered["redacted_out"] += 1
             continue
         rated.append((ex, rec))
         result.per_tenant[ex.tenant_id] += 1
         result.rated += 1
-    return [(pos, line) for pos, line in formats.pairs(rated, spec.pair_rule) if wm.passes(pos)]
+    return [(pos, line) for pos, line in formats.pairs(rated, spec.pair_rule) if r.wm.passes(pos)]

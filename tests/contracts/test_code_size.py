@@ -17,17 +17,11 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 OVER_FILES = {
-    "bench/cli.py": 596,
-    "infra/launcher.py": 649,
-    "prefill_nodes/block_server.py": 644,
     "router/orchestrator.py": 909,
 }
 """Files over the limit, with their lines now."""
 
 OVER_FUNCTIONS = {
-    "bench/overhead.py::run_overhead_bench": 82,
-    "infra/launcher.py::Cluster.start": 85,
-    "node_agent/supervisor.py::EngineSupervisor._serve": 84,
     "router/app.py::create_app": 294,
     "router/app.py::create_app.lifespan": 104,
     "router/exchange.py::Exchange._answer": 101,

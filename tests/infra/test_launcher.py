@@ -6,6 +6,7 @@ import pytest
 
 from contracts.errors import ConfigError
 from contracts.registry import Role
+from infra import cores as placement
 from infra import launcher
 
 
@@ -24,7 +25,7 @@ from infra import launcher
 def test_assign_cores(
     monkeypatch: pytest.MonkeyPatch, cores: list[int], role: Role, has_pd: bool, expected: str
 ) -> None:
-    monkeypatch.setattr(launcher, "_cores", lambda: cores)
+    monkeypatch.setattr(placement, "_cores", lambda: cores)
     assert launcher.assign_cores(role, has_pd) == expected
 
 
@@ -41,7 +42,7 @@ def test_assign_cores(
 def test_colocated_nodes_split_the_cores(
     monkeypatch: pytest.MonkeyPatch, cores: list[int], slot: int, slots: int, expected: str
 ) -> None:
-    monkeypatch.setattr(launcher, "_cores", lambda: cores)
+    monkeypatch.setattr(placement, "_cores", lambda: cores)
     assert launcher.assign_cores(Role.BOTH, False, slot, slots) == expected
 
 
@@ -49,7 +50,7 @@ def _started(monkeypatch: pytest.MonkeyPatch, spec: launcher.ClusterSpec) -> dic
     """What ``Cluster.start`` would run: name -> (tandem arguments, extra environment); nothing starts."""
     started: dict[str, tuple[list[str], dict]] = {}
     monkeypatch.setattr(launcher, "reachable", lambda url: True)
-    monkeypatch.setattr(launcher, "_cores", lambda: [0, 1])
+    monkeypatch.setattr(placement, "_cores", lambda: [0, 1])
 
     def spawn(self: launcher.Cluster, name: str, args: list[str], env: dict | None = None) -> None:
         started[name] = (args, env or {})
@@ -139,7 +140,7 @@ def test_a_small_host_runs_one_router_replica_by_default(
 ) -> None:
     spec = launcher.ClusterSpec(both=2, model="/m/x", redis_url="redis://127.0.0.1:1/0", workdir=tmp_path)
     started = _started(monkeypatch, spec)
-    monkeypatch.setattr(launcher, "_cores", lambda: cores)  # _started pins two cores while starting
+    monkeypatch.setattr(placement, "_cores", lambda: cores)  # _started pins two cores while starting
     assert spec.router_count == replicas
     assert [n for n in started if n.startswith("router")] == ["router"]  # two cores while starting
     assert launcher.ClusterSpec(routers=3).router_count == 3  # as told
