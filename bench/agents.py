@@ -160,9 +160,26 @@ def summarize(runs: Sequence[ArmRun]) -> dict[str, Any]:
 RESULT_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "session_p50_s", "hit", "overhead_ms", "errors")
 
 
+WS_OVERHEAD_TARGET = 0.7
+"""Issue 39: a socket's per-turn overhead at most this share of the same chained sessions' over SSE."""
+
+
+def transport_verdict(arms: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The socket arm's per-turn overhead over the SSE chain arm's, when the run had both."""
+    ws, sse = arms.get("tandem_responses-ws"), arms.get("tandem_responses-chain")
+    if not ws or not sse or not ws["overhead_ms"] or not sse["overhead_ms"]:
+        return None
+    ratio = round(ws["overhead_ms"] / sse["overhead_ms"], 3)
+    return {"ws_over_sse_overhead": ratio, "target": WS_OVERHEAD_TARGET, "held": ratio <= WS_OVERHEAD_TARGET}
+
+
 def result_line(result: dict[str, Any]) -> str:
-    """``RESULT agents <arm>_<figure>=… …`` over every arm, in the run's arm order."""
+    """``RESULT agents <arm>_<figure>=… …`` over every arm, in the run's arm order, then the transport
+    verdict when the run had both chained arms."""
     parts = [f"{arm}_{k}={figures[k]}" for arm, figures in result["arms"].items() for k in RESULT_KEYS]
+    verdict = result.get("transport")
+    if verdict:
+        parts += [f"ws_over_sse_overhead={verdict['ws_over_sse_overhead']}", f"ws_target_held={verdict['held']}"]
     return "RESULT agents " + " ".join(parts)
 
 
@@ -328,6 +345,7 @@ def run_agents_bench(out: Path, cfg: AgentsBenchConfig | None = None) -> dict[st
         "engines": list(engines),
         "arms": arms,
         "per_run": {f"r{r.round}-{r.arm}": summarize([r]) for r in runs},
+        "transport": transport_verdict(arms),
     }
     out.write_text(json.dumps(result, indent=2, default=str))
     plot(arms, out.with_suffix(".png"))

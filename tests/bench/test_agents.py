@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench.agent_apis import Usage, chat_body, messages_body, read_event, responses_body, structure
-from bench.agents import ArmRun, Turn, result_line, summarize
+from bench.agents import ArmRun, Turn, result_line, summarize, transport_verdict
 from bench.loadgen import RequestResult
 
 TURN = [
@@ -116,6 +116,13 @@ def test_summary_overhead_is_ttft_less_the_engines_time() -> None:
     )
     run.engine_s = 0.6  # the engines queued and prefilled for 0.6 s of the 0.8 s of TTFT
     assert summarize([run])["overhead_ms"] == pytest.approx(100.0)
+    sse = ArmRun("tandem_responses-chain", 0, [Turn("s", 0, _ok(0.4, [], 10, 0))], {}, 1.0)
+    arms = {"tandem_responses-ws": summarize([run]), "tandem_responses-chain": summarize([sse])}
+    verdict = transport_verdict(arms)
+    assert verdict == {"ws_over_sse_overhead": 0.25, "target": 0.7, "held": True}
+    line = result_line({"arms": arms, "transport": verdict})
+    assert line.endswith("ws_over_sse_overhead=0.25 ws_target_held=True")
+    assert transport_verdict({"tandem_responses-ws": arms["tandem_responses-ws"]}) is None
 
 
 async def test_chained_arms_send_the_engines_the_same_prompts_over_sse_and_a_socket(tmp_path) -> None:
