@@ -95,6 +95,10 @@ def serve(
         access_log=False,
         proxy_headers=False,
         timeout_keep_alive=keep_alive_s,
+        # A socket's messages are token events of a few hundred bytes: compressing each (client and
+        # router alike) cost the engines' cores more than it saves on a local link (bench agents: the
+        # socket arm's ITL 7 ms over SSE's with it on).
+        ws_per_message_deflate=False,
     )
     housekeeping = getattr(getattr(app, "state", None), "housekeeping", None)
     RouterServer(config, housekeeping).run(sockets=[shared_socket(host, port)] if reuse_port else None)

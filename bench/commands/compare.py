@@ -245,7 +245,7 @@ def bench_agents(
     growing history, tool calls and results, tool pauses) through Chat Completions, Responses and
     Messages, against `tandem up` (1P+1D) and against the same engines' own endpoints, and the same
     chained Responses sessions over SSE and over one WebSocket each: TTFT, ITL, session completion
-    time, hit rate, per-turn overhead (TTFT less the engines' own queue and prefill time) and errors
+    time, hit rate, per-turn overhead (TTFT less the streaming engine's own TTFT) and errors
     per arm. ~8 min on 2 cores with the defaults."""
     from dataclasses import replace
 
