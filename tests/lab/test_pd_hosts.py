@@ -12,11 +12,18 @@ address (``tests/lab/cluster.py``). Every request comes from a client host, over
   messages are rejected unread and counted) and by a node's KV-event relay (no event, no replay), while
   the same calls with the cluster's credentials, from the same host, succeed: the refusals are the
   credentials', not the network's. The stores refuse it too (no password, no registry).
+- A partition of the decode host mid-stream ends the client's stream with an error event within
+  ``CUT_DETECTED_S`` (the router's engine connections carry TCP keepalive:
+  ``RouterSettings.upstream_dead_after_s``; before it, the stream hung for the 600 s read timeout), the
+  colocated node serves meanwhile, nothing stays leased or running, and P/D answers again after the heal.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -33,6 +40,9 @@ from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 16
+CUT_DETECTED_S = 30.0
+"""How long after a partition a stream from the lost host may take to end with an error: the router's
+upstream_dead_after_s (15 s) and slack for a 2-core host."""
 _MODULE = "\n".join(
     f"def handler_{i}(request, registry):\n"
     f"    node = registry.lookup(request.prefix_hash, shard={i % 7})\n"
@@ -223,3 +233,67 @@ def _relay_refuses(lc: LabCluster, http: httpx.Client) -> None:
             assert not sock.poll(500), f"{who}: the relay replayed events to a client outside the cluster"
     finally:
         ctx.destroy(linger=0)
+
+
+def test_the_decode_host_cut_mid_stream_ends_the_stream_cleanly_and_the_cluster_recovers(lc: LabCluster) -> None:
+    """A partition (the decode host's link down: packets vanish, nothing is refused) while the decode node
+    streams an answer: the client gets an error event and ``[DONE]`` within ``CUT_DETECTED_S``, not a
+    stream that hangs until some read timeout; the colocated node serves meanwhile; the prefill node holds
+    no lease and the decode engine no request once the link is back; P/D answers again, token for token."""
+    prefill, decode = lc.engine_url("prefill"), lc.engine_url("decode")
+    # Link changes run in the machine's namespace: from a thread started there, not the client's.
+    machine = ThreadPoolExecutor(1)
+    machine.submit(lambda: None).result()
+    body = {
+        "model": lc.model,
+        "messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    try:
+        with lc.lab.inside("client"), httpx.Client(timeout=httpx.Timeout(10, read=CUT_DETECTED_S * 3)) as http:
+            data: list[str] = []
+            cut_at = 0.0
+            with http.stream(
+                "POST", f"{lc.router_url}/v1/chat/completions", headers={"x-tandem-route": "disaggregated"}, json=body
+            ) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        data.append(line.removeprefix("data: "))
+                    if not cut_at and len(data) >= 5:
+                        machine.submit(lc.lab.cut, "decode").result()
+                        cut_at = time.monotonic()
+            ended_after = time.monotonic() - cut_at
+            assert cut_at, "the stream ended before the cut"
+            assert data[-1] == "[DONE]" and "error" in json.loads(data[-2]), data[-3:]
+            assert ended_after < CUT_DETECTED_S, f"the stream took {ended_after:.1f} s to end after the cut"
+            print(f"lab: the stream ended {ended_after:.1f} s after the decode host was cut")
+
+            # The rest of the fleet serves while the decode host is away.
+            colo = _chat(http, lc, CHATS[0], "colocated")
+            assert colo["choices"][0]["token_ids"]
+
+            machine.submit(lc.lab.heal, "decode").result()
+
+            def pd_again() -> bool:
+                resp = http.post(
+                    f"{lc.router_url}/v1/chat/completions",
+                    headers={"x-tandem-route": "disaggregated"},
+                    json={**body, "messages": CHATS[0], "max_tokens": MAX_TOKENS, "stream": False},
+                )
+                return resp.status_code == 200
+
+            assert wait_for(pd_again, 120, interval_s=2.0), "P/D did not come back after the heal"
+            pd = _chat(http, lc, CHATS[1], "disaggregated")
+            assert pd["choices"][0]["token_ids"] == _chat(http, lc, CHATS[1], "colocated")["choices"][0]["token_ids"]
+            # Nothing stranded: the prefill node's leases all ended, the decode engine runs nothing.
+            assert wait_for(lambda: engine_metric(prefill, "tandem_kv_leases_active") == 0, 60, interval_s=1.0)
+            assert engine_metric(prefill, "tandem_kv_leased_blocks") == 0
+            busy = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+            assert wait_for(lambda: sum(engine_metric(decode, m) for m in busy) == 0, 60, interval_s=1.0)
+    finally:
+        machine.submit(lc.lab.heal, "decode").result()  # idempotent: the next test gets a whole lab
+        machine.shutdown()
