@@ -125,10 +125,19 @@ class ConnectorSettings(BaseModel):
 
 @cache
 def host_id() -> str:
-    """Same value for every process of one machine (boot): decides whether one-host transports apply."""
+    """Same value for every process of one host: decides whether one-host transports apply. A host is
+    one boot of one machine *and* one network namespace: processes in two namespaces of one kernel (two
+    containers, two hosts of ``tandem lab``) share the hostname and boot id, yet each is another host
+    to the network, with its own addresses and, in a container, its own /tmp where the ipc sockets
+    live. Without the namespace, ``auto`` chose shm between them and the KV never crossed the network
+    it was meant to cross (found on the lab, issue 38)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}/{boot}/{netns}"

@@ -221,6 +221,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         client = NodeClient(
             connect_timeout_s=settings.connect_timeout_s,
             request_timeout_s=settings.request_timeout_s,
+            dead_after_s=settings.upstream_dead_after_s,
             auth_headers=engine_auth_headers(loopback_only=True),
         )
         emitter = activity = None

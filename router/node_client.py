@@ -13,6 +13,7 @@ the request and free its KV blocks; a stream read to its end returns its connect
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,7 +22,7 @@ import aiohttp
 import msgspec
 
 from contracts.errors import EngineRejected, UpstreamError
-from router.sse_upstream import SseStream, StreamPool, engine_error
+from router.sse_upstream import SseStream, StreamPool, engine_error, keep_alive
 
 _encode = msgspec.json.Encoder().encode
 
@@ -32,12 +33,19 @@ ENGINE_POOL_IDLE_S = 60
 
 class NodeClient:
     def __init__(
-        self, *, connect_timeout_s: float, request_timeout_s: float, auth_headers: dict[str, str] | None = None
+        self,
+        *,
+        connect_timeout_s: float,
+        request_timeout_s: float,
+        dead_after_s: float = 0.0,
+        auth_headers: dict[str, str] | None = None,
     ) -> None:
         self._auth = dict(auth_headers or {})
         """The engines' API key (``contracts.secret.engine_auth_headers``), sent on every call."""
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
+        self._dead_after_s = dead_after_s
+        """Every engine connection's keepalive (``sse_upstream.keep_alive``; RouterSettings.upstream_dead_after_s)."""
         self._session: aiohttp.ClientSession | None = None
         self._streams: StreamPool | None = None
 
@@ -46,7 +54,11 @@ class NodeClient:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(
-                    limit=1024, limit_per_host=0, keepalive_timeout=ENGINE_POOL_IDLE_S, enable_cleanup_closed=True
+                    limit=1024,
+                    limit_per_host=0,
+                    keepalive_timeout=ENGINE_POOL_IDLE_S,
+                    enable_cleanup_closed=True,
+                    socket_factory=self._socket,
                 ),
                 # sock_read bounds the wait for a whole non-streamed answer.
                 timeout=aiohttp.ClientTimeout(
@@ -56,6 +68,12 @@ class NodeClient:
                 skip_auto_headers=("User-Agent",),
             )
         return self._session
+
+    def _socket(self, addr_info: tuple[Any, ...]) -> socket.socket:
+        family, type_, proto = addr_info[:3]
+        sock = socket.socket(family=family, type=type_, proto=proto)
+        keep_alive(sock, self._dead_after_s)
+        return sock
 
     async def aclose(self) -> None:
         if self._streams is not None:
@@ -86,7 +104,9 @@ class NodeClient:
         stream was read to its end)."""
         if self._streams is None:  # made on first use: it belongs to the running loop
             self._streams = StreamPool(
-                connect_timeout_s=self._connect_timeout_s, request_timeout_s=self._request_timeout_s
+                connect_timeout_s=self._connect_timeout_s,
+                request_timeout_s=self._request_timeout_s,
+                dead_after_s=self._dead_after_s,
             )
         try:
             stream = await self._streams.open(url, _encode(body), {**self._auth, **headers})

@@ -71,6 +71,14 @@ class RouterSettings(BaseSettings):
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     """Upper bound on one upstream call (a whole non-streamed answer, or the gap between two chunks)."""
+    upstream_dead_after_s: float = Field(default=15.0, ge=0.0)
+    """How long a connection to an engine may go without a sign of life from the engine host's kernel
+    (TCP keepalive probes while the router waits, the acknowledgement of what it sent) before it counts
+    as broken (``router.sse_upstream.keep_alive``). A partition then ends the requests on it with an
+    error within this, where ``request_timeout_s`` alone held a stream for 10 minutes (measured on
+    ``tandem lab``, decode host cut mid-stream: no byte, no error for 180 s before the client gave up).
+    A busy or stalled engine is never cut by it: its kernel answers the probes whatever the engine
+    process does (its stalls are the node agent's to find). 0: no keepalive, only ``request_timeout_s``."""
     client_send_timeout_s: float = 60.0
     """Longest a streamed answer waits for its client to take more bytes (a client that stopped reading,
     with every buffer between full). Past it the stream is cut, its engine request aborted and its node

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import socket
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -352,14 +354,40 @@ class _Connection(asyncio.Protocol):
 _TOKEN_SAFE = str.maketrans("", "", "\r\n")
 
 
+def keep_alive(sock: Any, dead_after_s: float) -> None:
+    """Make a connection to an engine fail within about ``dead_after_s`` once the engine's host stops
+    answering at the TCP level (a partition: packets vanish, nothing is refused), instead of waiting out
+    the read timeout. While the router waits for bytes, keepalive probes go out after a third of it and
+    then every sixth; unanswered for the rest of it, the kernel resets the connection and the stream
+    fails with a connection error (``connection_lost``), which ends the client's stream with an error
+    event. ``TCP_USER_TIMEOUT`` bounds the same wait for data the router sent and the engine never
+    acknowledged. Probes are answered by the engine host's kernel, not the engine, so a slow prefill
+    or a stopped engine process keeps its connections. ``sock``: a socket or asyncio's wrapper of one;
+    ``dead_after_s`` 0 leaves the socket as it is. Linux options; elsewhere only SO_KEEPALIVE is set."""
+    if dead_after_s <= 0 or sock is None:
+        return
+    idle = max(1, int(dead_after_s / 3))
+    interval = max(1, int(dead_after_s / 6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", idle),
+        ("TCP_KEEPINTVL", interval),
+        ("TCP_KEEPCNT", max(1, math.ceil((dead_after_s - idle) / interval))),
+        ("TCP_USER_TIMEOUT", int(dead_after_s * 1000)),
+    ):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 class StreamPool:
     """Keep-alive connections to the engines, for streamed requests. One per event loop."""
 
     MAX_IDLE_PER_NODE = 256
 
-    def __init__(self, *, connect_timeout_s: float, request_timeout_s: float) -> None:
+    def __init__(self, *, connect_timeout_s: float, request_timeout_s: float, dead_after_s: float = 0.0) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
+        self.dead_after_s = dead_after_s
         self.loop = asyncio.get_running_loop()
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
@@ -386,11 +414,12 @@ class StreamPool:
 
     async def _connect(self, key: tuple[str, int], url: str) -> _Connection:
         try:
-            _, conn = await asyncio.wait_for(
+            transport, conn = await asyncio.wait_for(
                 self.loop.create_connection(lambda: _Connection(self, key), key[0], key[1]), self.connect_timeout_s
             )
         except (OSError, TimeoutError) as exc:
             raise UpstreamError(f"node {url} unreachable: {type(exc).__name__}: {exc}") from exc
+        keep_alive(transport.get_extra_info("socket"), self.dead_after_s)
         return conn
 
     def _target(self, url: str) -> tuple[tuple[str, int], bytes]:

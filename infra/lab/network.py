@@ -24,6 +24,7 @@ also what a killed earlier run of the same name left behind.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import os
 import re
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 
 from contracts.errors import ConfigError
 
+_CLONE_NEWNET = 0x40000000
+_LIBC = ctypes.CDLL(None, use_errno=True)
 _NAME = re.compile(r"[a-z][a-z0-9]{0,3}")
 _HOST = re.compile(r"[a-z][a-z0-9-]{0,19}")
 
@@ -69,6 +72,12 @@ class LabSpec:
                 raise ConfigError(f"host {host!r}: region must be 0 or 1, not {region}")
         if not 0 <= self.net <= 255:
             raise ConfigError("net must be a byte")
+
+
+def _setns(fd: int) -> None:
+    if _LIBC.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise ConfigError(f"lab: setns failed: {os.strerror(err)}")
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -164,6 +173,28 @@ class Lab:
 
     def address(self, host: str) -> str:
         return self.hosts[host].address
+
+    @contextlib.contextmanager
+    def inside(self, host: str) -> Iterator[None]:
+        """The calling thread in ``host``'s network namespace for the body of the ``with``: every socket it
+        opens meanwhile (an HTTP client's connections; a ZeroMQ context's I/O threads, started by its
+        first socket, and any thread started here) belongs to that host, as if the code ran there. A
+        test then talks to the lab from a lab host without a process per request. ``setns(2)`` moves
+        this one thread only, and its own namespace comes back after the body, whatever happens;
+        sockets opened inside stay the host's (close them inside)."""
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            target = os.open(f"/run/netns/{self.hosts[host].namespace}", os.O_RDONLY)
+            try:
+                _setns(target)
+            finally:
+                os.close(target)
+            try:
+                yield
+            finally:
+                _setns(home)
+        finally:
+            os.close(home)
 
     # -- faults ----------------------------------------------------------------------------------------
     def cut(self, host: str) -> None:

@@ -4,14 +4,17 @@ what a partition does to TCP is what the test sees, not a mock of it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from contracts.errors import ConfigError
 from infra.lab import Lab, LabSpec
+from kv_transfer.settings import ConnectorSettings, host_id
 from tests.support.helpers import wait_for
 
 PORT = 6390
@@ -79,6 +82,31 @@ def test_cutting_the_inter_region_link_separates_the_regions_only(lab: Lab) -> N
     finally:
         lab.heal_regions()
     assert _ping(lab, "client", "far")
+
+
+def test_a_thread_inside_a_host_talks_from_that_host_and_comes_back(lab: Lab) -> None:
+    """``Lab.inside``: the calling thread's sockets are the host's for the body of the ``with``."""
+    home = os.stat("/proc/thread-self/ns/net").st_ino
+    with lab.inside("client"):
+        assert os.stat("/proc/thread-self/ns/net").st_ino != home
+        client = redis.Redis(host=lab.address("server"), port=PORT, socket_timeout=1, socket_connect_timeout=1)
+        assert client.ping()
+        assert client.client_info()["addr"].startswith(lab.address("client") + ":")  # as the server saw us
+        client.close()
+    assert os.stat("/proc/thread-self/ns/net").st_ino == home
+    outside = redis.Redis(host=lab.address("server"), port=PORT, socket_timeout=1, socket_connect_timeout=1)
+    # From the machine's namespace the lab's address leads elsewhere (its default route), never to the lab.
+    with pytest.raises(redis.RedisError):
+        outside.ping()
+
+
+def test_two_hosts_are_two_hosts_to_the_kv_transport(lab: Lab) -> None:
+    """A lab host shares the machine's hostname and boot id, and is still another host: ``auto`` must not
+    pick a one-host transport (shm, ipc) between lab hosts (``kv_transfer.settings.host_id``)."""
+    code = "from kv_transfer.settings import host_id; print(host_id())"
+    ids = {h: lab.run(h, [sys.executable, "-c", code], timeout=60).stdout.strip() for h in ("client", "server")}
+    assert all(ids.values()) and ids["client"] != ids["server"] != host_id()
+    assert ConnectorSettings().choose_transport(ids["server"]) == "tcp"
 
 
 def test_the_lab_puts_no_address_on_the_machines_own_interfaces(lab: Lab) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import pytest
 
@@ -165,6 +166,41 @@ async def test_a_pooled_connection_the_node_closed_is_replaced_without_an_error(
         await asyncio.wait_for(server.all_closed.wait(), 5)
         assert [c["choices"][0]["text"] for c in await _read_all(client, url)] == ["a"]
         assert server.connections == 2
+    finally:
+        await client.aclose()
+        await server.close()
+
+
+def _keepalive(sock: socket.socket) -> tuple[int, ...]:
+    return (
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+    )
+
+
+async def test_engine_connections_give_up_on_a_silent_host_within_dead_after() -> None:
+    """Streams and plain calls alike: keepalive probes after 5 s, every 2 s, 5 of them, and a 15 s user
+    timeout, so a partitioned engine host fails its requests in about 15 s, not request_timeout_s (the
+    partition itself: tests/lab/test_pd_hosts.py)."""
+    server = SseServer([json.dumps({"choices": [{"text": "a"}]}), "[DONE]"])
+    url = await server.start()
+    client = NodeClient(connect_timeout_s=5, request_timeout_s=600, dead_after_s=15)
+    try:
+        await _read_all(client, url)
+        assert client._streams is not None
+        (pooled,) = [c for conns in client._streams._idle.values() for c in conns]
+        assert pooled._transport is not None
+        assert _keepalive(pooled._transport.get_extra_info("socket")) == (1, 5, 2, 5, 15_000)
+        plain = client._socket((socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", 0)))
+        assert _keepalive(plain) == (1, 5, 2, 5, 15_000)
+        plain.close()
+        off = NodeClient(connect_timeout_s=5, request_timeout_s=600)  # 0: the kernel's defaults
+        plain = off._socket((socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", 0)))
+        assert _keepalive(plain)[0] == 0 and _keepalive(plain)[4] == 0
+        plain.close()
     finally:
         await client.aclose()
         await server.close()
