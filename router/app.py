@@ -265,8 +265,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         if activity is not None:
             activity.start(housekeeping)
         housekeeping.start()
-        app.state.fleet = fleet
-        app.state.responses = responses
+        app.state.fleet, app.state.responses = fleet, responses
         app.state.response_store = ResponseStore(redis, cluster_prefix(settings.cluster))
         app.state.emitter = emitter
         app.state.admission = admission
