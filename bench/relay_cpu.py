@@ -82,8 +82,8 @@ def main() -> None:
                 kv_connector="none",
                 model_path=str(default_model_dir()),  # the tokenizer the router warms, as for a real node
             )
+            nodes.append((pace, info))  # before registering: a registration that fails half-way is removed too
             asyncio.run(NodeRegistry(_async_redis(args.redis_url), ttl_s=3600).register(info))
-            nodes.append((pace, info))
         port = free_port()
         config = argparse.Namespace(workdir=workdir, redis_url=args.redis_url)  # what _start_router reads
         router = _start_router(config, port, set(os.sched_getaffinity(0)), workdir)  # type: ignore[arg-type]
