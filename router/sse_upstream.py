@@ -224,6 +224,17 @@ class SseStream:
 
     def _split(self, block: bytes) -> list[bytes]:
         """Event payloads in ``block`` (``data: `` and the blank line removed, not decoded)."""
+        if (
+            block[-2:] == b"\n\n"
+            and block[:8] == b'data: {"'
+            and not self._rest
+            and block.count(b"\n") == 2
+            and block[8:14] != b'error"'
+            and not self._saw_done
+        ):
+            # What an engine sends per token: one read, one event, one line, a JSON object that is not
+            # an error: its payload, without the general loop below (this runs once per token).
+            return [block[6:-2]]
         data = self._rest + block if self._rest else block
         # vLLM frames events with "\n\n"; SSE also allows "\r\n" line ends.
         if b"\r" in data:

@@ -204,3 +204,44 @@ async def test_engine_connections_give_up_on_a_silent_host_within_dead_after() -
     finally:
         await client.aclose()
         await server.close()
+
+
+class _NoConnection:
+    """What an ``SseStream`` calls on its connection when it fails: nothing to do here."""
+
+    def abort(self) -> None:
+        pass
+
+
+def _split_reads(reads: list[bytes]) -> tuple[list[bytes], BaseException | None]:
+    from router.sse_upstream import SseStream
+
+    stream = SseStream("http://engine", _NoConnection(), asyncio.new_event_loop())  # type: ignore[arg-type]
+    payloads: list[bytes] = []
+    try:
+        for block in reads:
+            payloads += stream._split(block)
+    except EngineRejected as exc:
+        return payloads, exc
+    return payloads, None
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"],
+        # after [DONE] nothing more is an event, even one that looks like a token
+        [b'data: {"choices":[]}\n\n', b"data: [DONE]\n\n", b'data: {"choices":[{"text":"late"}]}\n\n'],
+        # an error event, alone in its read, is still an error
+        [b'data: {"choices":[]}\n\n', b'data: {"error":{"message":"bad","code":400}}\n\n'],
+        # comments, other fields, two-line events, CRLF framing, no space after the colon
+        [b": keep-alive\n\n", b'event: x\ndata: {"choices":[]}\n\n', b'data: {"a":1}\r\n\r\n', b'data:{"b":2}\n\n'],
+    ],
+)
+def test_an_event_per_read_splits_as_the_whole_body_in_one_read(events: list[bytes]) -> None:
+    """The per-token fast path (one event in one read) gives what the general loop gives."""
+    one_by_one = _split_reads(events)
+    whole = _split_reads([b"".join(events)])
+    assert repr(one_by_one[1]) == repr(whole[1])
+    if whole[1] is None:  # (an error ends the stream: what came before it in the same read is moot)
+        assert one_by_one[0] == whole[0]
