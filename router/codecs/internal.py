@@ -65,6 +65,20 @@ class ToolChoice(msgspec.Struct, frozen=True):
     name: str | None = None  # mode "function": the one tool the model must call
 
 
+def checked_tool_choice(tools: tuple[Tool, ...], choice: ToolChoice | None) -> ToolChoice | None:
+    """``choice`` if ``tools`` can satisfy it, else ``RequestError``: a tool must be called (``required``,
+    Anthropic's ``any``) only when there are tools, and a named one must be among them (OpenAI and
+    Anthropic refuse the same; the engine would, with a 400 in its own words). ``auto`` and ``none``
+    without tools ask nothing, and the engine never sees them (``to_chat_body``)."""
+    if choice is None or choice.mode in ("auto", "none"):
+        return choice
+    if not tools:
+        raise RequestError("tool_choice asks for a tool call but no tools are given", "tool_choice")
+    if choice.mode == "function" and choice.name not in {t.name for t in tools}:
+        raise RequestError(f"tool_choice names `{choice.name}`, which is not among the tools", "tool_choice")
+    return choice
+
+
 class SessionHints(msgspec.Struct, frozen=True):
     """What the client said about its session; the router turns these into the session key later."""
 
@@ -196,7 +210,7 @@ def to_chat_body(req: InternalRequest) -> dict[str, Any]:
             {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
             for t in req.tools
         ]
-    if req.tool_choice is not None:
+    if req.tool_choice is not None and req.tools:
         if req.tool_choice.mode == "function":
             body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
         else:

@@ -53,6 +53,7 @@ from router.codecs.internal import (
     ToolCallStart,
     ToolChoice,
     Usage,
+    checked_tool_choice,
     hints_from_headers,
 )
 
@@ -194,8 +195,8 @@ def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> Inter
         api="responses",
         model=model,
         messages=tuple(messages),
-        tools=_decode_tools(body.get("tools")),
-        tool_choice=_decode_tool_choice(body.get("tool_choice")),
+        tools=(tools := _decode_tools(body.get("tools"))),
+        tool_choice=checked_tool_choice(tools, _decode_tool_choice(body.get("tool_choice"))),
         parallel_tool_calls=body.get("parallel_tool_calls"),
         temperature=_number(body, "temperature", float),
         top_p=_number(body, "top_p", float),
