@@ -2,7 +2,10 @@
 every operation of the router's own ``/openapi.json``, first with no key (auth off: the document says
 the key is optional, and the server serves without one), then after ``tandem keys create`` (auth on
 and failing closed: the document says the key is required, and ``ignored_auth`` probes every
-operation without it and with a wrong one); 0 failures both ways.
+operation without it and with a wrong one); 0 failures both ways. Then a bounded fuzz run of every
+generation route (chat, completions, responses, messages) naming the served model, so that bodies
+reach the real engine: no server error (a 5xx other than 503/529, which say "capacity") and the
+router process's RSS flat within 50 MB over it, measured after a warm-up run.
 
 One cluster for the module, started once: ``tandem up --colocated`` (one ``both`` node, the prepared
 model, one router) in a cluster of its own name on the shared Redis (DB 14, its keys under its own
@@ -21,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import schemathesis
 from hypothesis import settings
@@ -36,7 +41,7 @@ from hypothesis import settings
 from contracts.cluster import prefix as cluster_prefix
 from node_agent.model import default_model_dir
 from tests.router.admission.support import delete_prefix
-from tests.security.support import REDIS_URL
+from tests.security.support import REDIS_URL, rss_bytes
 from tests.security.test_api_fuzz import GENERATION, SETTINGS, fuzz, load, naming_the_served_model
 from tests.support.helpers import OutputLines, stop_group
 
@@ -49,6 +54,7 @@ CAP = 8
 """Output tokens at most per generated request."""
 BOUNDS = settings(SETTINGS, max_examples=10)
 """Per operation and phase: 10 generated examples (plus the explicit and coverage ones)."""
+MB = 1024 * 1024
 VOCAB = json.loads((default_model_dir() / "config.json").read_text())["vocab_size"]
 """The served model's vocabulary: token ids past it are refused by the engine, a bound per model."""
 
@@ -59,6 +65,16 @@ class Up:
     model: str
     env: dict[str, str]
     """The environment ``tandem keys`` needs to reach this cluster's key store (its Redis and SQLite)."""
+    router_pid: int
+
+
+def _router_pid(launcher: int, port: int) -> int:
+    """The router process ``tandem up`` started (``tandem router --port PORT``) among its descendants."""
+    for child in psutil.Process(launcher).children(recursive=True):
+        cmd = child.cmdline()
+        if "router" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == str(port):
+            return child.pid
+    raise RuntimeError(f"no router on port {port} under pid {launcher}")
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +118,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     try:
         output.until("READY ", START_TIMEOUT_S, what="tandem up")
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        yield Up(url=url, model=model, env=env)
+        yield Up(url=url, model=model, env=env, router_pid=_router_pid(proc.pid, ROUTER_PORT))
     finally:
         stop_group(proc, workdir / "logs")
         import asyncio
@@ -174,3 +190,31 @@ def test_with_a_key_auth_is_on_and_every_check_passes(up: Up, admin_key: str) ->
     assert doc["paths"]["/v1/models"]["get"]["security"] == [{"apiKey": []}]
     seen = conforms(up, admin_key)
     assert any(path in GENERATION and status == 200 for (path, status) in seen), seen
+
+
+def test_generation_fuzz_gives_no_server_error_and_router_rss_stays_flat(up: Up, admin_key: str) -> None:
+    """A short warm-up run (allocators, tokenizer caches, pools reach their working size; the two tests
+    before ran the same routes too), then the measured run: fresh hypothesis examples on every
+    generation route, streamed and not."""
+    schema = load(up.url, admin_key)
+
+    def run(bounds: settings) -> Counter[tuple[str, int]]:
+        # Conformance is the tests above; here what counts is every answer's status (the reports of
+        # the failures, if any, say which request had a 5xx).
+        with statuses() as seen, naming_the_served_model(up.model, cap=CAP, budgeted=True, vocab=VOCAB):
+            failures = fuzz(schema, only=GENERATION, bounds=bounds)
+        errors = {k: n for k, n in seen.items() if k[1] >= 500 and k[1] not in (503, 529)}
+        assert not errors, (errors, "\n\n".join(failures))
+        return seen
+
+    run(settings(BOUNDS, max_examples=3))
+    before = rss_bytes(up.router_pid)
+    started = time.monotonic()
+    seen = run(BOUNDS)
+    grown = rss_bytes(up.router_pid) - before
+    print(
+        f"generation fuzz: {sum(seen.values())} requests in {time.monotonic() - started:.0f} s, "
+        f"router RSS {before / MB:.0f} MB -> {(before + grown) / MB:.0f} MB; {dict(seen)}"
+    )
+    assert sum(n for (_, status), n in seen.items() if status == 200) > 0, seen
+    assert grown < 50 * MB, f"router RSS grew {grown / MB:.1f} MB over the fuzz run"
