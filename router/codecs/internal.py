@@ -65,6 +65,22 @@ class ToolChoice(msgspec.Struct, frozen=True):
     name: str | None = None  # mode "function": the one tool the model must call
 
 
+def engine_safe(value: Any) -> Any:
+    """``value`` (parsed JSON) with every integer outside what msgpack carries (-2**63 .. 2**64-1) as a
+    float. A tool's schema reaches the engine core inside the request's sampling parameters when a call
+    is forced (guided decoding), and vLLM answered such a schema with a bare 500 (found by schemathesis
+    against a real engine); as a JSON Schema number the float bounds the same value."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return float(value) if not -(2**63) <= value < 2**64 else value
+    if isinstance(value, dict):
+        return {k: engine_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [engine_safe(v) for v in value]
+    return value
+
+
 def checked_tool_choice(tools: tuple[Tool, ...], choice: ToolChoice | None) -> ToolChoice | None:
     """``choice`` if ``tools`` can satisfy it, else ``RequestError``: a tool must be called (``required``,
     Anthropic's ``any``) only when there are tools, and a named one must be among them (OpenAI and

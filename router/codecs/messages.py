@@ -56,6 +56,7 @@ from router.codecs.internal import (
     Usage,
     arguments_object,
     checked_tool_choice,
+    engine_safe,
     hints_from_headers,
 )
 
@@ -157,7 +158,9 @@ def _decode_tools(tools: Any) -> tuple[Tool, ...]:
             raise RequestError(
                 f"tools.{i}: only custom tools with a name and input_schema are supported, not {kind!r}", f"tools.{i}"
             )
-        out.append(Tool(str(t["name"]), str(t.get("description") or ""), dict(t.get("input_schema") or {})))
+        out.append(
+            Tool(str(t["name"]), str(t.get("description") or ""), engine_safe(dict(t.get("input_schema") or {})))
+        )
     return tuple(out)
 
 

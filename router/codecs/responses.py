@@ -54,6 +54,7 @@ from router.codecs.internal import (
     ToolChoice,
     Usage,
     checked_tool_choice,
+    engine_safe,
     hints_from_headers,
 )
 
@@ -140,7 +141,7 @@ def _decode_tools(tools: Any) -> tuple[Tool, ...]:
             continue
         if not isinstance(t, Mapping) or kind != "function" or not t.get("name"):
             raise RequestError(f"tools[{i}]: only named function tools are supported, not {kind!r}", f"tools[{i}]")
-        out.append(Tool(str(t["name"]), str(t.get("description") or ""), dict(t.get("parameters") or {})))
+        out.append(Tool(str(t["name"]), str(t.get("description") or ""), engine_safe(dict(t.get("parameters") or {}))))
     return tuple(out)
 
 

@@ -121,3 +121,40 @@ async def test_an_empty_stop_sequence_is_the_routers_400(tmp_path: Path) -> None
         resp = await client.post("/v1/messages", json={**body, "stop_sequences": ["\n\n"]})
         assert resp.status_code == 200, resp.text
         assert r.engine.bodies()[-1]["stop"] == ["\n\n"]
+
+
+async def test_a_tool_schema_with_integers_past_64_bits_reaches_the_engine_as_floats(tmp_path: Path) -> None:
+    """vLLM answered a forced tool call (``tool_choice: any``) whose tool schema held an integer past 64
+    bits with a bare 500 (the schema rides in the engine core's msgpack-encoded sampling parameters)."""
+    huge = -111097189728935816147763200
+    schema = {"type": "object", "x-bound": huge, "properties": {"n": {"type": "integer", "maximum": 2**70}}}
+    async with router(tmp_path) as r, httpx.AsyncClient(base_url=r.url, timeout=30) as client:
+        assert r.engine is not None
+        for path, body in [
+            (
+                "/v1/messages",
+                {
+                    "model": r.model,
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "tools": [{"name": "t", "input_schema": schema}],
+                    "tool_choice": {"type": "any"},
+                },
+            ),
+            (
+                "/v1/responses",
+                {
+                    "model": r.model,
+                    "input": "hi",
+                    "max_output_tokens": 4,
+                    "tools": [{"type": "function", "name": "t", "parameters": schema}],
+                    "tool_choice": "required",
+                },
+            ),
+        ]:
+            resp = await client.post(path, json=body)
+            assert resp.status_code == 200, (path, resp.text)
+            sent = r.engine.bodies()[-1]["tools"][0]["function"]["parameters"]
+            assert sent["x-bound"] == float(huge) and isinstance(sent["x-bound"], float)
+            assert sent["properties"]["n"]["maximum"] == float(2**70)
+            assert sent["type"] == "object"
