@@ -7,7 +7,9 @@
     GET  /v1/models             GET  /health           GET  /metrics          GET /cluster
     POST /v1/feedback
 
-Once auth is on (a key exists, or ``TANDEM_AUTH=required``), every route but ``/health`` needs a key;
+Once auth is on (a key exists, or ``TANDEM_AUTH=required``), every route but ``/health`` needs a key
+(``/openapi.json``, ``/docs`` and ``/redoc`` included, and the document then says so; while auth is off
+it says the key is optional, which is what the server does);
 ``/metrics`` and ``/cluster`` (node URLs, load) need an admin key (403 otherwise); feedback is accepted
 only from the tenant that owns the response (another's → 404, as if it did not exist). Bodies are
 bounded before they are read (``router.edge``: 413, then JSON depth, message count and size: 400).
@@ -25,6 +27,7 @@ generation request from admission to its record, and lets go of everything it he
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -32,6 +35,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Info, generate_latest
@@ -118,6 +122,21 @@ class Health(BaseModel):
 BEARER = "apiKey"
 """The OpenAPI security scheme: ``Authorization: Bearer <key>``, needed on every route but ``/health``
 once auth is on."""
+
+
+def document_open_api(schema: dict[str, Any]) -> dict[str, Any]:
+    """The document as it stands while auth is off: the same API, the bearer key optional (OpenAPI's
+    empty requirement, ``{}``, beside the scheme). Served then because it is then true: no key is
+    needed, and a client that sends one is served all the same."""
+    opened = copy.deepcopy(schema)
+    for path, operations in opened["paths"].items():
+        for operation in operations.values():
+            if path != "/health":
+                operation["security"] = [{BEARER: []}, {}]
+    opened["components"]["securitySchemes"][BEARER]["description"] += (
+        "; optional while no key exists (auth off: this document is then served with the key optional)"
+    )
+    return opened
 
 
 def document_api(schema: dict[str, Any]) -> dict[str, Any]:
@@ -319,7 +338,11 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
                 await asyncio.to_thread(spans.shutdown)  # exports what is batched
             await redis.aclose()
 
-    app = RouterApp(title="Tandem router", version="0.1.0", lifespan=lifespan)
+    # The document and its viewers are routes of ours (below), not FastAPI's open ones: they follow the
+    # API's own auth rule, and the document says what the server does in the auth mode it is in.
+    app = RouterApp(
+        title="Tandem router", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
+    )
     app.state.settings = settings
     app.state.metrics = metrics
     # The router's one periodic loop: fleet refresh, KV activity rows, the server's Date header.
@@ -352,6 +375,27 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    open_document: dict[str, Any] = {}
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_document(request: Request) -> JSONResponse:
+        """Needs a key once auth is on, as every route but ``/health``; a tenant without a key is what auth
+        off (or a store outage while it was off) admits, and gets the document with the key optional."""
+        if (await tenant_of(request)).key_id is not None:
+            return JSONResponse(app.openapi())
+        if not open_document:
+            open_document.update(document_open_api(app.openapi()))
+        return JSONResponse(open_document)
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger(request: Request) -> Response:
+        await tenant_of(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> Response:
+        await tenant_of(request)
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
     @app.post(
         "/v1/feedback",

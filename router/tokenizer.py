@@ -176,19 +176,28 @@ so that no stream waits on them."""
 
 
 def _prompt_chars(body: dict[str, Any]) -> int:
+    """About how many characters the template renders: every message's text, its tool calls' names and
+    arguments (a template that writes them out renders them all: a megabyte of arguments must not be
+    rendered on the loop), and the tools. Content of another shape counts as long (off the loop)."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        return sum(
-            len(c)
-            if isinstance(c := m.get("content"), str)
-            else sum(len(str(p.get("text", ""))) for p in c if isinstance(p, dict))
-            if isinstance(c, list)
-            else INLINE_CHARS
-            for m in messages
-            if isinstance(m, dict)
-        ) + len(str(body.get("tools") or ""))
+        return sum(_message_chars(m) for m in messages if isinstance(m, dict)) + len(str(body.get("tools") or ""))
     prompt = body.get("prompt")
     return len(prompt) if isinstance(prompt, str) else INLINE_CHARS + 1
+
+
+def _message_chars(m: dict[str, Any]) -> int:
+    c = m.get("content")
+    if isinstance(c, str):
+        n = len(c)
+    elif isinstance(c, list):
+        n = sum(len(str(p.get("text", ""))) for p in c if isinstance(p, dict))
+    else:
+        n = INLINE_CHARS
+    calls = m.get("tool_calls")
+    if isinstance(calls, list):
+        n += sum(len(str(call)) for call in calls)
+    return n
 
 
 def _import_transformers() -> None:

@@ -65,6 +65,36 @@ class ToolChoice(msgspec.Struct, frozen=True):
     name: str | None = None  # mode "function": the one tool the model must call
 
 
+def engine_safe(value: Any) -> Any:
+    """``value`` (parsed JSON) with every integer outside what msgpack carries (-2**63 .. 2**64-1) as a
+    float. A tool's schema reaches the engine core inside the request's sampling parameters when a call
+    is forced (guided decoding), and vLLM answered such a schema with a bare 500 (found by schemathesis
+    against a real engine); as a JSON Schema number the float bounds the same value."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return float(value) if not -(2**63) <= value < 2**64 else value
+    if isinstance(value, dict):
+        return {k: engine_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [engine_safe(v) for v in value]
+    return value
+
+
+def checked_tool_choice(tools: tuple[Tool, ...], choice: ToolChoice | None) -> ToolChoice | None:
+    """``choice`` if ``tools`` can satisfy it, else ``RequestError``: a tool must be called (``required``,
+    Anthropic's ``any``) only when there are tools, and a named one must be among them (OpenAI and
+    Anthropic refuse the same; the engine would, with a 400 in its own words). ``auto`` and ``none``
+    without tools ask nothing, and the engine never sees them (``to_chat_body``)."""
+    if choice is None or choice.mode in ("auto", "none"):
+        return choice
+    if not tools:
+        raise RequestError("tool_choice asks for a tool call but no tools are given", "tool_choice")
+    if choice.mode == "function" and choice.name not in {t.name for t in tools}:
+        raise RequestError(f"tool_choice names `{choice.name}`, which is not among the tools", "tool_choice")
+    return choice
+
+
 class SessionHints(msgspec.Struct, frozen=True):
     """What the client said about its session; the router turns these into the session key later."""
 
@@ -196,7 +226,7 @@ def to_chat_body(req: InternalRequest) -> dict[str, Any]:
             {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
             for t in req.tools
         ]
-    if req.tool_choice is not None:
+    if req.tool_choice is not None and req.tools:
         if req.tool_choice.mode == "function":
             body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
         else:

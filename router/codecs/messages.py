@@ -55,6 +55,8 @@ from router.codecs.internal import (
     ToolChoice,
     Usage,
     arguments_object,
+    checked_tool_choice,
+    engine_safe,
     hints_from_headers,
 )
 
@@ -156,7 +158,9 @@ def _decode_tools(tools: Any) -> tuple[Tool, ...]:
             raise RequestError(
                 f"tools.{i}: only custom tools with a name and input_schema are supported, not {kind!r}", f"tools.{i}"
             )
-        out.append(Tool(str(t["name"]), str(t.get("description") or ""), dict(t.get("input_schema") or {})))
+        out.append(
+            Tool(str(t["name"]), str(t.get("description") or ""), engine_safe(dict(t.get("input_schema") or {})))
+        )
     return tuple(out)
 
 
@@ -211,8 +215,9 @@ def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> Inter
     for i, m in enumerate(raw):
         messages.extend(_decode_message(i, m))
     stops = body.get("stop_sequences") or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise RequestError("stop_sequences: must be a list of strings", "stop_sequences")
+    # Never an empty one: it would stop at once (the engine refuses it: "stop cannot contain an empty string").
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("stop_sequences: must be a list of non-empty strings", "stop_sequences")
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, Mapping):
         raise RequestError("metadata: must be an object", "metadata")
@@ -222,8 +227,8 @@ def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> Inter
         api="messages",
         model=model,
         messages=tuple(messages),
-        tools=_decode_tools(body.get("tools")),
-        tool_choice=choice,
+        tools=(tools := _decode_tools(body.get("tools"))),
+        tool_choice=checked_tool_choice(tools, choice),
         parallel_tool_calls=parallel,
         temperature=_number(body, "temperature", float),
         top_p=_number(body, "top_p", float),

@@ -71,7 +71,8 @@ RESPONSES_REQUEST: dict[str, Any] = {
         "parallel_tool_calls": {"type": "boolean"},
         "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
         "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
-        "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        # Above 0: the engine refuses 0 (vLLM: "top_p must be in (0, 1]"), so the document does too.
+        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "stream": {"type": "boolean"},
         "store": {"type": "boolean"},
         "metadata": {"type": "object", "additionalProperties": _STR},
@@ -138,9 +139,9 @@ MESSAGES_REQUEST: dict[str, Any] = {
                 _obj(["type", "name"], type=_const("tool"), name=_NAME),
             ]
         },
-        "stop_sequences": {"type": "array", "items": _STR},
+        "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
         "temperature": {"type": "number", "minimum": 0, "maximum": 1},
-        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},  # as Responses' (above)
         "top_k": {"type": "integer", "minimum": 0},
         "stream": {"type": "boolean"},
         "metadata": {"type": "object"},

@@ -53,6 +53,8 @@ from router.codecs.internal import (
     ToolCallStart,
     ToolChoice,
     Usage,
+    checked_tool_choice,
+    engine_safe,
     hints_from_headers,
 )
 
@@ -139,7 +141,7 @@ def _decode_tools(tools: Any) -> tuple[Tool, ...]:
             continue
         if not isinstance(t, Mapping) or kind != "function" or not t.get("name"):
             raise RequestError(f"tools[{i}]: only named function tools are supported, not {kind!r}", f"tools[{i}]")
-        out.append(Tool(str(t["name"]), str(t.get("description") or ""), dict(t.get("parameters") or {})))
+        out.append(Tool(str(t["name"]), str(t.get("description") or ""), engine_safe(dict(t.get("parameters") or {}))))
     return tuple(out)
 
 
@@ -194,8 +196,8 @@ def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> Inter
         api="responses",
         model=model,
         messages=tuple(messages),
-        tools=_decode_tools(body.get("tools")),
-        tool_choice=_decode_tool_choice(body.get("tool_choice")),
+        tools=(tools := _decode_tools(body.get("tools"))),
+        tool_choice=checked_tool_choice(tools, _decode_tool_choice(body.get("tool_choice"))),
         parallel_tool_calls=body.get("parallel_tool_calls"),
         temperature=_number(body, "temperature", float),
         top_p=_number(body, "top_p", float),

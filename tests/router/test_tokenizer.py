@@ -135,3 +135,14 @@ def test_a_session_prompt_encoded_from_its_kept_prefix_equals_the_whole_encoding
         assert _ids({"messages": edited}) == want and session.hits == hits
     finally:
         SESSION_TOKENS.reset(token)
+
+
+def test_tool_call_arguments_count_toward_rendering_off_the_loop() -> None:
+    """A megabyte of tool-call arguments beside empty content is a long prompt for a template that writes
+    calls out: rendered in a thread, never on the event loop (issue 35; they were not counted)."""
+    from router.tokenizer import INLINE_CHARS, _prompt_chars
+
+    call = {"id": "c1", "type": "function", "function": {"name": "write", "arguments": "x" * 1_000_000}}
+    body = {"messages": [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "user", "content": "go"}]}
+    assert _prompt_chars(body) > 1_000_000 > INLINE_CHARS
+    assert _prompt_chars({"messages": [{"role": "user", "content": "go"}]}) <= INLINE_CHARS

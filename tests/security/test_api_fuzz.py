@@ -51,15 +51,16 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, dic
         yield pair
 
 
-def load(live: tuple[Router, dict[str, str]]) -> schemathesis.BaseSchema:
-    """The running router's own document (``/openapi.json``), requests sent to that router; every
-    check enabled for every operation. The admin key is configured for the document's own security
-    scheme (``apiKey``, a bearer token), so schemathesis knows it for the caller's key: ``ignored_auth``
-    probes each operation without it and with a wrong one, and the invalid inputs it generates for
-    the ``Authorization`` header are sent as such."""
-    token = live[1]["Authorization"].removeprefix("Bearer ")
-    config = SchemathesisConfig.from_dict({"auth": {"openapi": {"apiKey": {"bearer": token}}}})
-    schema = schemathesis.openapi.from_url(live[0].url + "/openapi.json", config=config)
+def load(url: str, token: str | None) -> schemathesis.BaseSchema:
+    """The router's own document (``url + "/openapi.json"``), requests sent to that router; every check
+    enabled for every operation. With ``token`` (an admin key), the key is configured for the document's
+    own security scheme (``apiKey``, a bearer token), so schemathesis knows it for the caller's key:
+    ``ignored_auth`` probes each operation without it and with a wrong one, and the invalid inputs it
+    generates for the ``Authorization`` header are sent as such. Without: the document must say that
+    no key is needed (auth is off), or ``ignored_auth`` fails every operation that answers."""
+    config = SchemathesisConfig.from_dict({"auth": {"openapi": {"apiKey": {"bearer": token}}}} if token else {})
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    schema = schemathesis.openapi.from_url(url + "/openapi.json", config=config, headers=headers)
     load_all_checks()
     labels = []
     for result in schema.get_all_operations():
@@ -72,14 +73,34 @@ def load(live: tuple[Router, dict[str, str]]) -> schemathesis.BaseSchema:
     return schema
 
 
-def fuzz(schema: schemathesis.BaseSchema, only: tuple[str, ...] | None = None) -> list[str]:
-    """Every operation's stateless tests; schemathesis's failure reports."""
+def load_live(live: tuple[Router, dict[str, str]]) -> schemathesis.BaseSchema:
+    return load(live[0].url, live[1]["Authorization"].removeprefix("Bearer "))
+
+
+def fuzz(
+    schema: schemathesis.BaseSchema, only: tuple[str, ...] | None = None, bounds: settings = SETTINGS
+) -> list[str]:
+    """Every operation's stateless tests (``bounds``: hypothesis's settings); schemathesis's failure reports."""
 
     def call_and_validate(case: schemathesis.Case) -> None:
         case.call_and_validate()
 
+    def before_call(context: Any, case: schemathesis.Case, kwargs: dict[str, Any]) -> None:
+        if isinstance(case.body, dict) and "tool_choice" in case.body:
+            case.body = with_a_satisfiable_tool_choice(case.body)
+
     failures = []
-    for result in get_all_tests(schema=schema, test_func=call_and_validate, settings=SETTINGS, given_kwargs=None):
+    schemathesis.hook(before_call)  # hooks on calls are global only: unregistered right after
+    try:
+        failures = _run(schema, only, bounds, call_and_validate)
+    finally:
+        schemathesis.hooks.unregister(before_call)
+    return failures
+
+
+def _run(schema: schemathesis.BaseSchema, only: tuple[str, ...] | None, bounds: settings, test_func: Any) -> list[str]:
+    failures = []
+    for result in get_all_tests(schema=schema, test_func=test_func, settings=bounds, given_kwargs=None):
         op, test = result.ok()
         if only is not None and op.path not in only:
             continue
@@ -92,17 +113,76 @@ def fuzz(schema: schemathesis.BaseSchema, only: tuple[str, ...] | None = None) -
 
 def test_every_operation_conforms(live: tuple[Router, dict[str, str]]) -> None:
     started = time.monotonic()
-    failures = fuzz(load(live))
+    failures = fuzz(load_live(live))
     assert not failures, "\n\n".join(failures)
     assert time.monotonic() - started < 90
 
 
+BUDGET_FIELD = {
+    "/v1/chat/completions": "max_tokens",
+    "/v1/completions": "max_tokens",
+    "/v1/responses": "max_output_tokens",
+    "/v1/messages": "max_tokens",
+}
+"""The output budget each generation route reads (chat's ``max_completion_tokens`` is its alias)."""
+
+
+def _in_vocabulary(prompt: list[Any], vocab: int) -> list[Any]:
+    def fold(x: Any) -> Any:
+        if isinstance(x, list):
+            return [fold(v) for v in x]
+        if isinstance(x, int | float) and not isinstance(x, bool) and x >= vocab:
+            return int(x) % vocab
+        return x
+
+    return [fold(v) for v in prompt]
+
+
+def _tool_names(tools: list[Any]) -> list[str]:
+    """The names a tool_choice may name, as the codecs read tools: Responses' function tools (those in a
+    namespace too), Messages' custom tools (no ``type`` is custom)."""
+    names: list[str] = []
+    for t in tools:
+        if not isinstance(t, dict):
+            continue
+        kind = t.get("type", "custom")
+        if kind in ("function", "custom") and isinstance(t.get("name"), str):
+            names.append(t["name"])
+        elif kind == "namespace" and isinstance(t.get("tools"), list):
+            names.extend(_tool_names(t["tools"]))
+    return names
+
+
+def with_a_satisfiable_tool_choice(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with its ``tool_choice`` made one its ``tools`` satisfy, when it is well formed: a choice
+    that demands a call (``required``, ``any``, a named tool) without tools is dropped, and a named one
+    names the first tool. That a named tool is among the tools is a rule between two fields that no
+    static schema states (``router.codecs.internal.checked_tool_choice`` refuses it with a 400, as the
+    APIs do); hypothesis would almost never guess a matching name."""
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    names = _tool_names(tools) if isinstance(tools, list) else []
+    demanding = choice == "required" or (
+        isinstance(choice, dict) and choice.get("type") in ("any", "tool", "function") and len(choice) > 0
+    )
+    if not demanding:
+        return body
+    if not names:
+        return {k: v for k, v in body.items() if k != "tool_choice"}
+    if isinstance(choice, dict) and isinstance(choice.get("name"), str):
+        return {**body, "tool_choice": {**choice, "name": names[0]}}
+    return body
+
+
 @contextmanager
-def naming_the_served_model(model: str) -> Iterator[None]:
+def naming_the_served_model(
+    model: str, *, cap: int = 64, budgeted: bool = False, vocab: int | None = None
+) -> Iterator[None]:
     """Every generation request names ``model``, the one the stand-in serves: a generated model name
     is one no node serves (404 before the body is even looked at), so only this way do bodies reach
     the edge's checks, tokenizing, admission and the engine, and answers link to sessions and
-    feedback."""
+    feedback. Output budgets over ``cap`` are cut to it; with ``budgeted``, a body without one gets
+    ``cap`` (a real engine would otherwise write up to the context window, minutes on a CPU); with
+    ``vocab``, a prompt's token ids are folded into the model's vocabulary."""
 
     def before_call(context: Any, case: schemathesis.Case, kwargs: dict[str, Any]) -> None:
         # Edited in ``before_call``, a case is validated again (a ``map_body`` hook's edit is not): a
@@ -115,9 +195,14 @@ def naming_the_served_model(model: str) -> Iterator[None]:
         body = {**case.body, "model": model}
         for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(field)
-            if isinstance(value, int | float) and not isinstance(value, bool) and value > 64:
-                body[field] = 64
-        case.body = body
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > cap:
+                body[field] = cap
+        if budgeted and all(body.get(f) is None for f in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
+            body[BUDGET_FIELD[case.operation.path]] = cap
+        if vocab is not None and isinstance(body.get("prompt"), list):
+            # Token ids inside the served model's vocabulary (the engine refuses others: a per-model bound).
+            body["prompt"] = _in_vocabulary(body["prompt"], vocab)
+        case.body = with_a_satisfiable_tool_choice(body)
 
     schemathesis.hook(before_call)  # hooks on calls are global only: unregistered right after
     try:
@@ -127,7 +212,7 @@ def naming_the_served_model(model: str) -> Iterator[None]:
 
 
 def test_generation_with_the_served_model_conforms(live: tuple[Router, dict[str, str]]) -> None:
-    schema = load(live)
+    schema = load_live(live)
     started = time.monotonic()
     with naming_the_served_model(live[0].model):
         failures = fuzz(schema, only=GENERATION)
@@ -140,7 +225,7 @@ def test_stateful(live: tuple[Router, dict[str, str]]) -> None:
     again: ``use_after_free``) and feedback on its answer; with the served model, so that answers exist."""
     answered: Counter[tuple[str, int]] = Counter()
 
-    class Counted(load(live).as_state_machine()):  # type: ignore[misc]
+    class Counted(load_live(live).as_state_machine()):  # type: ignore[misc]
         def after_call(self, response: Any, case: schemathesis.Case) -> None:
             answered[(case.path, response.status_code)] += 1
             super().after_call(response, case)

@@ -1,4 +1,5 @@
-"""Once a key exists, every route but /health needs one; /metrics and /cluster need an admin key;
+"""Once a key exists, every route but /health needs one (the OpenAPI document and its viewers too, and
+the document says in each auth mode what the server then does); /metrics and /cluster need an admin key;
 feedback is accepted only from the tenant that owns the response (issue 13, item 2). Real router,
 real Redis and key store, stand-in engine."""
 
@@ -26,6 +27,10 @@ async def test_every_route_but_health_needs_a_key_once_one_exists(tmp_path: Path
             ("POST", "/v1/completions", {"model": r.model, "prompt": "hi"}),
             ("GET", "/v1/sessions/s1", None),
             ("DELETE", "/v1/sessions/s1", None),
+            # The document and its viewers follow the API's rule (they were FastAPI's, open to anyone).
+            ("GET", "/openapi.json", None),
+            ("GET", "/docs", None),
+            ("GET", "/redoc", None),
         ]
         assert (await client.get("/v1/models")).status_code == 200  # no key yet: auth off
         await r.create_key("acme")
@@ -36,6 +41,27 @@ async def test_every_route_but_health_needs_a_key_once_one_exists(tmp_path: Path
             bad = await client.request(method, path, json=body, headers={"Authorization": "Bearer tdm-nope"})
             assert bad.status_code == 401, (method, path, bad.text)
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_the_document_says_what_each_auth_mode_does(tmp_path: Path) -> None:
+    """Auth off: every route but /health takes a key or none (OpenAPI's ``{}`` beside the scheme), as
+    the server does. Auth on: the key is required, and the document itself needs one."""
+    async with router(tmp_path) as r, httpx.AsyncClient(base_url=r.url, timeout=30) as client:
+        for path in ("/docs", "/redoc"):
+            page = await client.get(path)
+            assert page.status_code == 200 and "/openapi.json" in page.text, path
+        opened = (await client.get("/openapi.json")).json()
+        user = await r.create_key("acme")
+        closed = (await client.get("/openapi.json", headers=user)).json()
+        assert opened["paths"].keys() == closed["paths"].keys()
+        for path, operations in closed["paths"].items():
+            for method, op in operations.items():
+                if path == "/health":
+                    assert op["security"] == opened["paths"][path][method]["security"] == []
+                else:
+                    assert op["security"] == [{"apiKey": []}], (method, path)
+                    assert opened["paths"][path][method]["security"] == [{"apiKey": []}, {}], (method, path)
+        assert (await client.get("/docs", headers=user)).status_code == 200
 
 
 async def test_metrics_and_cluster_need_an_admin_key(tmp_path: Path) -> None:

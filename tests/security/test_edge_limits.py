@@ -2,11 +2,18 @@
 router in its own process, as ``tandem`` runs it: a 100 MB body is refused with 413 before it is read
 (within 1 s, the router's RSS growing < 50 MB), whether announced by Content-Length or chunked; a
 100,000-deep JSON is a 400, never a 500; message count and size are bounded; a model name no node
-serves never becomes a metrics label."""
+serves never becomes a metrics label; a body built to be slow to parse (10 MiB of ``[],``) or to render
+(1 MB of tool-call arguments) leaves a concurrent stream on the same router its pace (inter-token
+latency during the attack within 1.5x of before)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import socket
+import statistics
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -16,7 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.security.support import router_process, rss_bytes
+from contracts.registry import NodeInfo, NodeRegistry, Role
+from node_agent.model import default_model_dir
+from tests.security.support import REDIS_URL, free_port, router_process, rss_bytes
 
 MB = 1024 * 1024
 CHAT = "/v1/chat/completions"
@@ -195,3 +204,136 @@ def test_a_body_built_to_be_slow_to_parse_never_holds_the_loop(served: tuple[str
     else:
         assert r.status_code == 404, r.text[:300]  # parsed, validated, and only then: no node serves the model
     assert worst < 0.5, f"/health took {worst:.2f} s while the router handled the body"
+
+
+TOKEN_S = 0.02
+"""The paced stand-in's time per output token (an engine's decode step on a fast host)."""
+ATTACK_S = 1.5
+"""How long attack bodies keep arriving (one after another, at least 3)."""
+
+
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A router process (as ``tandem`` runs it) over one STAND-IN engine in a process of its own that
+    streams a token every ``TOKEN_S`` (``bench.standin_engine``, the labelled test double: no model).
+    The stand-in is the point here, not a shortcut: its pace is fixed and needs no CPU, so a change in
+    the stream's inter-token latency is the router's event loop being held, not an engine sharing the
+    host's two cores. Registered with the real model's folder: the router renders and tokenizes every
+    prompt with the real tokenizer and chat template. Yields (router URL, model name)."""
+    port, tag = free_port(), uuid.uuid4().hex[:10]
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "bench.standin_engine", "--port", str(port), "--stream-tokens", "100000"]
+        + ["--token-interval-ms", str(TOKEN_S * 1000)],
+    )
+    node = NodeInfo(
+        node_id=f"paced-{tag}",
+        role=Role.BOTH,
+        model=f"sec-paced-{tag}",
+        url=f"http://127.0.0.1:{port}",
+        block_size=16,
+        max_model_len=4096,
+        kv_connector="none",
+        model_path=str(default_model_dir()),
+    )
+
+    async def registry(register: bool) -> None:
+        import redis.asyncio as aioredis
+
+        r = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            await (NodeRegistry(r, ttl_s=600).register(node) if register else NodeRegistry(r).deregister(node.node_id))
+        finally:
+            await r.aclose()
+
+    try:
+        end = time.monotonic() + 30
+        while True:  # the stand-in offers no readiness signal but its port answering
+            try:
+                httpx.get(node.url + "/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert engine.poll() is None and time.monotonic() < end, "the stand-in engine did not start"
+                time.sleep(0.05)
+        asyncio.run(registry(True))
+        # Every prompt rendered and tokenized (by default only when a decision needs the count): the
+        # tool-call body's megabyte goes through the chat template, as it does with token limits on.
+        env = {"TANDEM_ROUTER_WARM_MODELS": json.dumps([str(default_model_dir())]), "TANDEM_ROUTER_TOKENIZE": "always"}
+        with router_process(tmp_path_factory.mktemp("paced"), **env) as (url, _):
+            yield url, node.model
+    finally:
+        asyncio.run(registry(False))
+        engine.terminate()
+        engine.wait(10)
+
+
+def _ten_mib_of_arrays(model: str) -> bytes:
+    return b'{"model": "%s", "messages": [' % model.encode() + b"[]," * (10 * MB // 3 - 20) + b"[]]}"
+
+
+def _tool_call_arguments(model: str) -> bytes:
+    # content "" (not null): the prompt's size is then all in the arguments, which the router must count
+    # to render it off its event loop.
+    call = {"id": "c1", "type": "function", "function": {"name": "write", "arguments": "x" * MB}}
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "user", "content": "go"}]
+    return json.dumps({"model": model, "messages": msgs, "max_tokens": 1}).encode()
+
+
+@pytest.mark.parametrize(
+    ("shape", "status"),
+    [(_ten_mib_of_arrays, 400), (_tool_call_arguments, 200)],
+    ids=["10 MiB of [],", "1 MB of tool-call arguments"],
+)
+def test_an_attack_body_leaves_a_concurrent_stream_its_pace(paced: tuple[str, str], shape, status: int) -> None:  # type: ignore[no-untyped-def]
+    """One stream on the router; after a second of it, the body arrives again and again for ``ATTACK_S``.
+    Its mean inter-token latency while they are handled stays within 1.5x of the second before (the
+    issue's bound; a loop held 3.4 s by one body, as parsing 10 MiB of ``[],`` once did, is 170 tokens'
+    worth). The tool-call body names the served model: it is parsed, checked, rendered and tokenized
+    (1.4 s of rendering, once on the loop), then answered."""
+    url, model = paced
+    body = shape(model)
+    arrivals: list[float] = []
+    done = threading.Event()
+
+    def stream() -> None:
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3000}
+        with httpx.stream("POST", url + CHAT, json=chat, timeout=60) as resp:
+            assert resp.status_code == 200, resp.read()[:300]
+            for line in resp.iter_lines():
+                if line.startswith("data:"):
+                    arrivals.append(time.monotonic())
+                if done.is_set():
+                    break
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    try:
+        end = time.monotonic() + 30
+        while len(arrivals) < 20:  # the stream is under way (the first tokens carry its start-up)
+            assert reader.is_alive() and time.monotonic() < end, "the stream did not start"
+            time.sleep(0.01)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        sent = 0
+        with httpx.Client(timeout=60) as client:
+            while sent < 3 or time.monotonic() - t0 < ATTACK_S:
+                r = client.post(url + CHAT, content=body, headers={"content-type": "application/json"})
+                assert r.status_code == status, r.text[:300]
+                sent += 1
+        t1 = time.monotonic()
+        time.sleep(0.2)
+    finally:
+        done.set()
+        reader.join(30)
+
+    def gaps(lo: float, hi: float) -> list[float]:
+        return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if lo <= b <= hi]
+
+    before, during = gaps(t0 - 1.0, t0), gaps(t0, t1)
+    itl_before, itl_during = statistics.fmean(before), statistics.fmean(during)
+    print(
+        f"{shape.__name__}: {sent} bodies in {t1 - t0:.2f} s; ITL before {itl_before * 1000:.1f} ms "
+        f"({len(before)} tokens), during {itl_during * 1000:.1f} ms ({len(during)} tokens, "
+        f"slowest {max(during) * 1000:.0f} ms)"
+    )
+    assert len(during) >= 5, "the attack was over before the stream moved: nothing measured"
+    assert itl_during <= 1.5 * itl_before, f"ITL {itl_during * 1000:.1f} ms during vs {itl_before * 1000:.1f} ms before"
