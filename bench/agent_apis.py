@@ -225,6 +225,11 @@ async def one_turn(
         return RequestResult(ok=False, error=str(exc))
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}")
+    return answered(clock, usage)
+
+
+def answered(clock: TokenClock, usage: Usage) -> RequestResult:
+    """A turn read to its end: its timing as the client saw it and its usage; a failure without text."""
     if clock.first is None:
         return RequestResult(ok=False, error="no text received")
     return RequestResult(

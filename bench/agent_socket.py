@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import websockets
 
-from bench.agent_apis import Item, Usage, read_event, responses_body
+from bench.agent_apis import Item, Usage, answered, read_event, responses_body
 from bench.loadgen import RequestResult, TokenClock
 
 CHAINED = ("responses-chain", "responses-ws")
@@ -68,15 +67,5 @@ async def socket_turn(ws: websockets.ClientConnection, body: dict[str, Any]) -> 
                 break
     except (websockets.WebSocketException, TimeoutError, json.JSONDecodeError) as exc:
         return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}"), None
-    if clock.first is None:
-        return RequestResult(ok=False, error="no text received"), None
-    result = RequestResult(
-        ok=True,
-        ttft_s=clock.first - clock.start,
-        e2e_s=time.perf_counter() - clock.start,
-        itl_s=clock.itl,
-        output_tokens=usage.output_tokens,
-        prompt_tokens=usage.prompt_tokens,
-        usage={"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens},
-    )
-    return result, response_id
+    result = answered(clock, usage)
+    return result, response_id if result.ok else None
