@@ -27,7 +27,6 @@ generation request from admission to its record, and lets go of everything it he
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -35,8 +34,6 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Info, generate_latest
 from pydantic import BaseModel, Field
@@ -56,13 +53,14 @@ from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
 from router.admission.rejections import RejectedRecords
+from router.api_document import install_document
 from router.background import TaskSet
 from router.cache_salt import CacheSalts
 from router.codecs.routes import agent_router
 from router.codecs.store import ResponseStore
 from router.direct_write import RAW_SEND
 from router.edge import BodyLimit
-from router.exchange import GenerationRoute, document_generation_routes, parse_body
+from router.exchange import GenerationRoute, parse_body
 from router.fleet import Fleet
 from router.housekeeping import Housekeeping
 from router.kv_activity import KVActivity
@@ -117,70 +115,6 @@ class FeedbackRecorded(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "no_nodes"]
     nodes: dict[str, int]
-
-
-BEARER = "apiKey"
-"""The OpenAPI security scheme: ``Authorization: Bearer <key>``, needed on every route but ``/health``
-once auth is on."""
-
-
-def document_open_api(schema: dict[str, Any]) -> dict[str, Any]:
-    """The document as it stands while auth is off: the same API, the bearer key optional (OpenAPI's
-    empty requirement, ``{}``, beside the scheme). Served then because it is then true: no key is
-    needed, and a client that sends one is served all the same."""
-    opened = copy.deepcopy(schema)
-    for path, operations in opened["paths"].items():
-        for operation in operations.values():
-            if path != "/health":
-                operation["security"] = [{BEARER: []}, {}]
-    opened["components"]["securitySchemes"][BEARER]["description"] += (
-        "; optional while no key exists (auth off: this document is then served with the key optional)"
-    )
-    return opened
-
-
-def document_api(schema: dict[str, Any]) -> dict[str, Any]:
-    """What FastAPI cannot infer: the bearer key on every route but ``/health``, and the feedback body
-    (read by ``parse_body``, not by FastAPI, so that the edge's limits apply first)."""
-    components = schema.setdefault("components", {})
-    components.setdefault("securitySchemes", {})[BEARER] = {
-        "type": "http",
-        "scheme": "bearer",
-        "description": "A Tandem API key (`tandem keys create`); admin keys for /metrics and /cluster",
-    }
-    feedback = Feedback.model_json_schema(ref_template="#/components/schemas/{model}")
-    components.setdefault("schemas", {})[Feedback.__name__] = feedback
-    schema["paths"]["/v1/feedback"]["post"]["requestBody"] = {
-        "required": True,
-        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{Feedback.__name__}"}}},
-    }
-    for path, operations in schema["paths"].items():
-        for operation in operations.values():
-            operation["security"] = [] if path == "/health" else [{BEARER: []}]
-    # Links: what one answer lets a client do next (and what schemathesis's stateful run follows).
-    paths = schema["paths"]
-    get_session, delete_session = (
-        paths["/v1/sessions/{session_id}"]["get"],
-        paths["/v1/sessions/{session_id}"]["delete"],
-    )
-    by_session = {"session_id": "$response.header.x-session-id"}
-    for path in ("/v1/chat/completions", "/v1/completions"):
-        paths[path]["post"]["responses"]["200"]["links"] = {
-            "GetSession": {"operationId": get_session["operationId"], "parameters": by_session},
-            "DeleteSession": {"operationId": delete_session["operationId"], "parameters": by_session},
-            "Feedback": {
-                "operationId": paths["/v1/feedback"]["post"]["operationId"],
-                "requestBody": {"response_id": "$response.body#/id", "rating": 1},
-            },
-        }
-    same_session = {"session_id": "$request.path.session_id"}
-    get_session["responses"]["200"]["links"] = {
-        "DeleteSession": {"operationId": delete_session["operationId"], "parameters": same_session}
-    }
-    delete_session["responses"]["200"]["links"] = {
-        "GetSession": {"operationId": get_session["operationId"], "parameters": same_session}
-    }
-    return schema
 
 
 def _redis_client(settings: RouterSettings) -> aioredis.Redis:
@@ -367,35 +301,7 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
     app.router.add_route("/v1/messages", GenerationRoute("chat", "messages", "messages"), methods=["POST"])
     app.include_router(agent_router())
 
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            app.openapi_schema = document_api(
-                document_generation_routes(get_openapi(title=app.title, version=app.version, routes=app.routes))
-            )
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-    open_document: dict[str, Any] = {}
-
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi_document(request: Request) -> JSONResponse:
-        """Needs a key once auth is on, as every route but ``/health``; a tenant without a key is what auth
-        off (or a store outage while it was off) admits, and gets the document with the key optional."""
-        if (await tenant_of(request)).key_id is not None:
-            return JSONResponse(app.openapi())
-        if not open_document:
-            open_document.update(document_open_api(app.openapi()))
-        return JSONResponse(open_document)
-
-    @app.get("/docs", include_in_schema=False)
-    async def swagger(request: Request) -> Response:
-        await tenant_of(request)
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
-
-    @app.get("/redoc", include_in_schema=False)
-    async def redoc(request: Request) -> Response:
-        await tenant_of(request)
-        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+    install_document(app, tenant_of, Feedback)
 
     @app.post(
         "/v1/feedback",

@@ -99,9 +99,10 @@ EXPENSIVE: dict[str, str] = {
     "tandem bench routing --out results/bench-routing.json": "a benchmark on engines",
     "tandem bench fleet --nodes 2 --out results/bench-fleet.json": "a benchmark on engines",
     "tandem bench agents --out results/bench-agents.json": "a benchmark on engines",
-    "tandem bench agents --api responses-chain --api responses-ws --target tandem --rounds 2 --sessions-per-repo 3 --turns 6 --out results/bench-agents-ws.json": (
-        "a benchmark on engines"
-    ),
+    (
+        "tandem bench agents --api responses-chain --api responses-ws --target tandem --rounds 2 "
+        "--sessions-per-repo 3 --turns 6 --out results/bench-agents-ws.json"
+    ): "a benchmark on engines",
     "tandem bench chaos --out results/bench-chaos.json": "a benchmark on engines",
     "tandem bench admission --out results/bench-admission.json": "a benchmark (a router and Redis)",
     "tandem bench telemetry --out results/bench-tel.json": "a benchmark on engines",
