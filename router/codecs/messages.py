@@ -193,6 +193,10 @@ def _number(body: Mapping[str, Any], key: str, kind: type) -> Any:
     return value
 
 
+MAX_STOP_SEQUENCES = 4
+"""The engine's limit (vLLM's chat request: at most 4 stop strings); more is the client's 400 here."""
+
+
 def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> InternalRequest:
     """An Anthropic Messages request body (parsed JSON) as the internal request; ``RequestError`` on bad input."""
     if not isinstance(body, Mapping):
@@ -218,6 +222,8 @@ def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> Inter
     # Never an empty one: it would stop at once (the engine refuses it: "stop cannot contain an empty string").
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError("stop_sequences: must be a list of non-empty strings", "stop_sequences")
+    if len(stops) > MAX_STOP_SEQUENCES:  # what the engine takes: it refuses more
+        raise RequestError(f"stop_sequences: at most {MAX_STOP_SEQUENCES}", "stop_sequences")
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, Mapping):
         raise RequestError("metadata: must be an object", "metadata")

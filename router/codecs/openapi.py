@@ -139,7 +139,8 @@ MESSAGES_REQUEST: dict[str, Any] = {
                 _obj(["type", "name"], type=_const("tool"), name=_NAME),
             ]
         },
-        "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
+        # The engine takes at most 4 stop strings (vLLM's chat request refuses more with a 400).
+        "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
         "temperature": {"type": "number", "minimum": 0, "maximum": 1},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},  # as Responses' (above)
         "top_k": {"type": "integer", "minimum": 0},

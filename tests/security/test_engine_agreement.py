@@ -111,7 +111,7 @@ async def test_a_tool_choice_no_given_tool_satisfies_is_the_routers_400(tmp_path
         assert sent[2]["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
 
 
-async def test_an_empty_stop_sequence_is_the_routers_400(tmp_path: Path) -> None:
+async def test_an_empty_stop_sequence_or_more_than_four_are_the_routers_400(tmp_path: Path) -> None:
     async with router(tmp_path) as r, httpx.AsyncClient(base_url=r.url, timeout=30) as client:
         assert r.engine is not None
         body = {"model": r.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -121,6 +121,10 @@ async def test_an_empty_stop_sequence_is_the_routers_400(tmp_path: Path) -> None
         resp = await client.post("/v1/messages", json={**body, "stop_sequences": ["\n\n"]})
         assert resp.status_code == 200, resp.text
         assert r.engine.bodies()[-1]["stop"] == ["\n\n"]
+        # vLLM takes at most 4 stop strings: five are the router's 400 (and the document's maxItems).
+        resp = await client.post("/v1/messages", json={**body, "stop_sequences": ["a", "b", "c", "d", "e"]})
+        assert resp.status_code == 400 and "stop_sequences" in resp.text and "too long" in resp.text, resp.text
+        assert len(r.engine.bodies()) == 1
 
 
 async def test_a_tool_schema_with_integers_past_64_bits_reaches_the_engine_as_floats(tmp_path: Path) -> None:
