@@ -22,31 +22,11 @@ import uuid
 from pathlib import Path
 
 from bench.procs import sched_cpu_s
-from bench.router_ceiling import _async_redis, _standin, _start_router
+from bench.router_ceiling import _async_redis, _count_chunks, _standin, _start_router
 from bench.standin_engine import free_port
 from contracts.config import redis_url as configured_redis_url
 from contracts.registry import NodeInfo, NodeRegistry, Role
 from node_agent.model import default_model_dir
-
-
-async def _streams(url: str, model: str, streams: int, tokens: int) -> int:
-    import aiohttp
-
-    async def one(session: aiohttp.ClientSession, i: int) -> int:
-        body = {
-            "model": model,
-            "stream": True,
-            "max_tokens": tokens,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": f"relay {uuid.uuid4().hex} {i}"}],
-        }
-        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"stream failed: {resp.status} {(await resp.read())[:200]!r}")
-            return sum([block.count(b"data: ") async for block in resp.content.iter_any()])
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=streams + 4)) as session:
-        return sum(await asyncio.gather(*(one(session, i) for i in range(streams))))
 
 
 def main() -> None:
@@ -90,7 +70,9 @@ def main() -> None:
         procs.append(router)
         url = f"http://127.0.0.1:{port}"
         for _, info in nodes:
-            asyncio.run(_streams(url, info.model, 4, 8))  # warm: tokenizer, pool, first-use paths
+            asyncio.run(
+                _count_chunks(url, info.model, 4, 8, include_usage=True)
+            )  # warm: tokenizer, pool, first-use paths
         cpu0, t0 = sched_cpu_s(router.pid), time.monotonic()
         time.sleep(args.idle_s)  # the idle window itself: nothing to wait for
         idle = (sched_cpu_s(router.pid) - cpu0) / (time.monotonic() - t0)
@@ -99,7 +81,7 @@ def main() -> None:
             per: list[float] = []
             for _ in range(args.rounds):
                 cpu0 = sched_cpu_s(router.pid)
-                asyncio.run(_streams(url, info.model, args.streams, args.tokens))
+                asyncio.run(_count_chunks(url, info.model, args.streams, args.tokens, include_usage=True))
                 per.append((sched_cpu_s(router.pid) - cpu0) * 1000 / args.streams)
             print(
                 f"{pace:g} ms per token: router CPU {sum(per) / len(per):.2f} ms per request "

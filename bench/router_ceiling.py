@@ -31,16 +31,20 @@ def _log(msg: str) -> None:
     print(f"[overhead {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-async def _count_chunks(url: str, model: str, streams: int, tokens: int) -> int:
+async def _count_chunks(url: str, model: str, streams: int, tokens: int, include_usage: bool = False) -> int:
+    """``streams`` streamed chats at once through ``url``: the chunks they carried (``[DONE]`` not
+    counted); ``include_usage`` asks for the usage chunk too (what a client that reads usage costs)."""
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, i: int) -> int:
-        body = {
+        body: dict[str, object] = {
             "model": model,
             "stream": True,
             "max_tokens": tokens,
             "messages": [{"role": "user", "content": f"ceiling {uuid.uuid4().hex} {i}"}],
         }
+        if include_usage:
+            body["stream_options"] = {"include_usage": True}
         n = 0
         async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
