@@ -187,8 +187,11 @@ class _Bridge:
 class SocketSession:
     """One accepted socket: its loop of messages, at most one response in flight."""
 
-    def __init__(self, ws: WebSocket, api: SocketApi, session_id: str) -> None:
+    def __init__(self, ws: WebSocket, api: SocketApi, session_id: str, authorization: str | None) -> None:
         self.ws, self.api = ws, api
+        path = "/v1/responses" if api == "responses" else "/v1/chat/completions"
+        self.scope = _http_scope(ws, path, authorization)
+        """Every message's request scope: the upgrade's, as a POST to the HTTP route (a copy per message)."""
         state = ws.app.state
         self.settings = state.settings
         store: ResponseStore = state.response_store
@@ -239,9 +242,8 @@ class SocketSession:
     def _start(self, create: Create) -> None:
         from router.exchange import Exchange  # the exchange imports the codecs: import it when used
 
-        path = "/v1/responses" if self.api == "responses" else "/v1/chat/completions"
         bridge = self.bridge = _Bridge(self.ws, _encode(create.body), self.api)
-        scope = _http_scope(self.ws, path)
+        scope = dict(self.scope)
         request = Request(scope, bridge.receive, bridge.send)
         api: Api | None = "responses" if self.api == "responses" else None
         exchange = Exchange(request, "chat", self.api, api, socket=self.turn)
@@ -320,10 +322,9 @@ def _chat_busy() -> dict[str, Any]:
     return {"error": busy_event()["error"]}
 
 
-def _http_scope(ws: WebSocket, path: str) -> dict[str, Any]:
-    """The scope of one message's request: the upgrade's, as a POST of JSON to the HTTP route."""
+def _http_scope(ws: WebSocket, path: str, authorization: str | None) -> dict[str, Any]:
+    """The scope of a message's request: the upgrade's, as a POST of JSON to the HTTP route."""
     scope = {k: v for k, v in ws.scope.items() if k not in (RAW_SEND, "subprotocols", "extensions")}
-    authorization, _ = _key_from(ws)
     headers = [(k, v) for k, v in ws.scope["headers"] if k not in _HOP and not k.startswith(b"sec-websocket-")]
     headers.append((b"content-type", b"application/json"))
     if authorization:
@@ -364,7 +365,7 @@ async def serve(ws: WebSocket, api: SocketApi, table: SocketTable) -> None:
     metrics.ws_open.labels(api).inc()
     try:
         await ws.accept(subprotocol=subprotocol)
-        await SocketSession(ws, api, session_id).run()
+        await SocketSession(ws, api, session_id, authorization).run()
     finally:
         metrics.ws_open.labels(api).dec()
         table.give(tenant.tenant_id)
