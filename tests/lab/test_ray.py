@@ -209,8 +209,8 @@ def rl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayLab]:
             assert wait_for(rl.answers, 600, interval_s=1.0), "the cluster placed by Ray never answered"
             yield rl
         finally:
-            # Router, node, then Redis; `ray stop` is not used: it stops every Ray process of the machine,
-            # whatever its namespace. The lab's `down` kills the Ray processes left in its hosts.
+            # The plan in reverse (node, router, Redis). No `ray stop`: it stops every Ray process of the
+            # machine, whatever its namespace; the lab's `down` kills the Ray processes left in its hosts.
             with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
                 rl.driver("down", plan)
             rl.print_logs()
