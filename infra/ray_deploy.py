@@ -8,7 +8,7 @@ The Ray cluster
     resource; nothing else (CPUs, memory) is asked, since the processes size themselves (a node's
     ``--cores``). A Tandem cluster then needs nothing of Ray but these resources: the same plan runs on
     hosts started by hand, by the lab (``tests/lab/test_ray.py``) or by KubeRay
-    (``infra/ray/raycluster.yaml``, whose worker groups carry the resources).
+    (``infra/helm/kuberay/tandem-ray.yaml``, whose groups carry the resources).
 
 The actors
     ``ProcessOwner`` is the one actor class: it starts its process as a child (own session, so one
