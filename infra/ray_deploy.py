@@ -95,7 +95,8 @@ class ProcessOwner:
     def __init__(self, placement: dict[str, Any]) -> None:
         self.placement = Placement(**placement)
         self._stopping = threading.Event()
-        out = open(self.placement.log, "ab") if self.placement.log else None  # noqa: SIM115 - the child's
+        # The log file is the child's: it is closed here once the child holds its own descriptor.
+        out = open(self.placement.log, "ab") if self.placement.log else None  # noqa: SIM115
         # Spawned from the actor's main thread (its tasks run there): PR_SET_PDEATHSIG follows the
         # thread that forked, and this one lives as long as the worker process.
         self._child = subprocess.Popen(
