@@ -10,7 +10,7 @@ import tempfile
 from functools import cache
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from contracts.secret import is_loopback, load_cluster_secret
 from kv_transfer import wire
@@ -59,9 +59,10 @@ class ConnectorSettings(BaseModel):
     """File holding the cluster secret that signs every KV control message (``auth.py``). None:
     ``$TANDEM_CLUSTER_SECRET``, else ``$TANDEM_CLUSTER_SECRET_FILE``, else the per-user default file,
     which only a node binding loopback addresses alone may use."""
-    faults: bool = Field(default_factory=lambda: os.environ.get("TANDEM_KV_FAULTS") == "1")
+    faults: bool = False
     """Let peers arm faults on this node's block server (``wire.Fault``: corrupt, stall, hold, expire)
-    for tests. Off unless ``TANDEM_KV_FAULTS=1``; a server started with it logs a WARNING."""
+    for tests. Off unless the node's ``kv_faults`` (``TANDEM_NODE_KV_FAULTS=1``); a server started with it
+    logs a WARNING."""
     idle_wait_ms: float = 5.0
     """On a step that computes nothing but waits for transfers, sleep up to this long until one ends.
     vLLM steps such an engine in a tight loop; on a CPU node that loop takes the very core the pull

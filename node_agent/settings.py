@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, NAME_PATTERN, runtime_dir
@@ -64,6 +64,9 @@ class NodeSettings(BaseSettings):
     """Tandem connector: how long a prefill node holds a request's blocks for its decode node, at most."""
     kv_transfer_timeout_s: float = 10.0
     """Tandem connector: how long a decode node waits for one pull before prefilling itself."""
+    kv_faults: bool = Field(default=False, validation_alias=AliasChoices("TANDEM_NODE_KV_FAULTS", "TANDEM_KV_FAULTS"))
+    """Tandem connector, for tests: let peers arm faults (corrupt, stall, hold, expire) on this node's
+    block server (``ConnectorSettings.faults``); its engine logs a WARNING when on."""
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     """When a pull fails: recompute the prompt on the decode node, or fail the request."""
     host_tier_endpoint: str | None = None
@@ -308,6 +311,8 @@ class NodeSettings(BaseSettings):
             "lease_s": self.kv_lease_s,
             "transfer_timeout_s": self.kv_transfer_timeout_s,
         }
+        if self.kv_faults:
+            extra["faults"] = True
         if self.advertise_host and self.host not in WILDCARDS:
             extra["bind_host"] = self.host  # else: the connector binds every interface for a non-loopback host
         return extra

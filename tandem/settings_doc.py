@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from pydantic import BaseModel, ByteSize
+from pydantic import AliasChoices, BaseModel, ByteSize
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings
@@ -241,11 +241,22 @@ def _walk(
         if section is not None and delimiter:
             out.extend(_walk(section, f"{prefix}{name.upper()}{delimiter}", delimiter, classes))
             continue
-        alias = info.validation_alias if isinstance(info.validation_alias, str) else info.alias
+        alias, *old = _env_names(info)
         env = (alias or f"{prefix}{name}").upper()
         doc = (info.description or docs.get(name, "") or _type_doc(info.annotation)).replace("``", "`")
+        if old:
+            doc += f" Deprecated name, still read: {', '.join(f'`{o.upper()}`' for o in old)}."
         out.append(Setting(env, format_default(info), (), doc, tuple(_choices(info.annotation))))
     return out
+
+
+def _env_names(info: FieldInfo) -> list[str | None]:
+    """The field's variable (None: prefix plus name), then the older names it is still read under: an
+    ``AliasChoices`` lists the current name first."""
+    alias = info.validation_alias
+    if isinstance(alias, AliasChoices):
+        return [c for c in alias.choices if isinstance(c, str)] or [None]
+    return [alias if isinstance(alias, str) else info.alias]
 
 
 def _cell(text: str) -> str:

@@ -4,12 +4,15 @@ it with a default of its own."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
-from contracts.config import DEFAULT_REDIS_URL, redis_url
+from contracts.config import DEFAULT_REDIS_URL, lake_dir, redis_url, shared_settings
+from contracts.secret import default_secret_path, load_cluster_secret
+from node_agent.model import tandem_home
 from node_agent.settings import NodeSettings
 from router.policies import PolicyName
 from router.settings import RouterSettings
@@ -25,6 +28,37 @@ def test_one_redis_setting_for_every_process(monkeypatch: pytest.MonkeyPatch) ->
     assert redis_url(db=9) == "redis://redis.example:6380/9"
     assert NodeSettings().redis_url == RouterSettings().redis_url == "redis://redis.example:6380/4"
     assert NodeSettings(redis_url="redis://given:1/2").redis_url == "redis://given:1/2"
+
+
+def test_the_shared_variables_are_read_by_one_class(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The cluster secret, the model home, the hash seed and the lake come from ``SharedSettings`` alone;
+    an empty variable counts as unset, as ``os.environ.get(...) or default`` did."""
+    monkeypatch.setenv("TANDEM_CLUSTER_SECRET", "s" * 40)
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.setenv("PYTHONHASHSEED", "4242")
+    monkeypatch.setenv("TANDEM_LAKE_DIR", "")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("TANDEM_CLUSTER", "blue")
+    env = shared_settings()
+    assert env.cluster_secret is not None and env.cluster_secret.get_secret_value() == "s" * 40
+    assert "s" * 40 not in repr(env)  # a settings dump in a log shows no secret
+    assert (env.home, env.hash_seed, env.lake_dir) == (tmp_path, "4242", None)
+    assert tandem_home() == tmp_path
+    assert lake_dir(workdir=tmp_path).path == tmp_path / "lake"
+    assert load_cluster_secret(loopback_only=False) == b"s" * 40
+    assert default_secret_path() == tmp_path / "state" / "tandem" / "cluster-secret-blue"
+
+
+def test_kv_faults_is_a_node_setting_under_its_old_name_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_NODE_KV_FAULTS", raising=False)
+    monkeypatch.delenv("TANDEM_KV_FAULTS", raising=False)
+    assert not NodeSettings().kv_faults and "faults" not in NodeSettings().kv_connector_extra
+    monkeypatch.setenv("TANDEM_KV_FAULTS", "1")  # the name before it was the node's
+    assert NodeSettings().kv_faults
+    monkeypatch.delenv("TANDEM_KV_FAULTS")
+    monkeypatch.setenv("TANDEM_NODE_KV_FAULTS", "true")
+    assert NodeSettings().kv_connector_extra["faults"] is True
+    assert NodeSettings(kv_faults=False).kv_connector_extra.get("faults") is None
 
 
 def _node_settings(monkeypatch: pytest.MonkeyPatch, *args: str) -> NodeSettings:

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem import settings_doc
@@ -62,6 +62,8 @@ class _Example(BaseSettings):
     """A plain field. Its second sentence."""
     aliased: str = Field(default="x", validation_alias="EX_OTHER_NAME")
     """Read under another name."""
+    renamed: int = Field(default=2, validation_alias=AliasChoices("EX_NEW_NAME", "EX_OLD_NAME"))
+    """Renamed."""
     colour: _Colour = _Colour.RED
     mode: Literal["a", "b"] = "a"
     """Which mode."""
@@ -71,7 +73,10 @@ class _Example(BaseSettings):
 
 def test_the_generator_reads_names_defaults_and_docstrings() -> None:
     rows = {s.env: s for s in collect([_Example])}
-    assert set(rows) == {"EX_PLAIN", "EX_OTHER_NAME", "EX_COLOUR", "EX_MODE", "EX_TAGS", "EX_SECTION__DEPTH"}
+    assert set(rows) == {
+        *("EX_PLAIN", "EX_OTHER_NAME", "EX_NEW_NAME", "EX_COLOUR", "EX_MODE", "EX_TAGS", "EX_SECTION__DEPTH")
+    }
+    assert rows["EX_NEW_NAME"].doc == "Renamed. Deprecated name, still read: `EX_OLD_NAME`."
     assert rows["EX_PLAIN"].default == "`1.5`"
     assert rows["EX_PLAIN"].doc == "A plain field. Its second sentence."
     assert rows["EX_OTHER_NAME"].doc == "Read under another name."
