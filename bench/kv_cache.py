@@ -61,6 +61,7 @@ from host_tier.settings import layout_from_model
 from infra.launcher import ClusterSpec
 from node_agent.dtype import resolve_dtype
 from node_agent.model import resolve_model
+from router.policies import PolicyName
 
 ARMS = ("engines", "tier", "bigger_cache", "retention")
 REPOS = 4
@@ -164,7 +165,7 @@ def _spec(cfg: KVCacheBenchConfig, arm: str, extra_blocks: int) -> ClusterSpec:
         redis_url=cfg.redis_url,
         dtype=cfg.dtype,
         block_size=cfg.block_size,
-        policy="cache_aware",
+        policy=PolicyName.CACHE_AWARE,
         workdir=cfg.workdir / arm,
         routers=1,
         extra_node_args=(f"--num-gpu-blocks-override={blocks}",),  # (each passed as --engine-arg)

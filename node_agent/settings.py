@@ -15,7 +15,7 @@ from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, NAME_PATTERN, runtim
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from contracts.registry import Role
 from contracts.secret import engine_auth_headers
-from kv_transfer import ConnectorKind
+from kv_transfer import ConnectorKind, TransportName
 
 WILDCARDS = frozenset({"0.0.0.0", "::", "*"})
 """Bind addresses that mean every interface: never an address to register."""
@@ -55,7 +55,7 @@ class NodeSettings(BaseSettings):
     """Name of the cluster this process belongs to (``TANDEM_CLUSTER``, set by ``tandem up --cluster``):
     every Redis key and host path it uses is under it (``contracts.cluster``)."""
     connector: ConnectorKind = ConnectorKind.TANDEM
-    kv_transport: Literal["auto", "tcp", "ipc", "shm", "ucx"] = "auto"
+    kv_transport: TransportName = TransportName.AUTO
     """Tandem connector: how this node pulls KV. auto = shm (cross-memory copy) when the prefill node is
     on this host, else tcp; ucx goes through ucxx-cu12."""
     kv_checksum: Literal["auto", "always", "never"] = "auto"
@@ -306,7 +306,7 @@ class NodeSettings(BaseSettings):
         extra: dict[str, object] = {
             "host": self.advertised_host,
             "port": self.nixl_port,
-            "transport": self.kv_transport,
+            "transport": self.kv_transport.value,
             "checksum": self.kv_checksum,
             "lease_s": self.kv_lease_s,
             "transfer_timeout_s": self.kv_transfer_timeout_s,

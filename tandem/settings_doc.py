@@ -241,7 +241,7 @@ def _walk(
         if section is not None and delimiter:
             out.extend(_walk(section, f"{prefix}{name.upper()}{delimiter}", delimiter, classes))
             continue
-        alias, *old = _env_names(info)
+        alias, old = _env_names(info)
         env = (alias or f"{prefix}{name}").upper()
         doc = (info.description or docs.get(name, "") or _type_doc(info.annotation)).replace("``", "`")
         if old:
@@ -250,13 +250,14 @@ def _walk(
     return out
 
 
-def _env_names(info: FieldInfo) -> list[str | None]:
-    """The field's variable (None: prefix plus name), then the older names it is still read under: an
+def _env_names(info: FieldInfo) -> tuple[str | None, list[str]]:
+    """The field's variable (None: prefix plus name) and the older names it is still read under: an
     ``AliasChoices`` lists the current name first."""
     alias = info.validation_alias
     if isinstance(alias, AliasChoices):
-        return [c for c in alias.choices if isinstance(c, str)] or [None]
-    return [alias if isinstance(alias, str) else info.alias]
+        names = [c for c in alias.choices if isinstance(c, str)]
+        return (names[0], names[1:]) if names else (None, [])
+    return (alias if isinstance(alias, str) else info.alias), []
 
 
 def _cell(text: str) -> str:
