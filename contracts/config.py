@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, validate
 
@@ -62,6 +63,15 @@ class SharedSettings(BaseSettings):
     hash_seed: str | None = Field(default=None, validation_alias="PYTHONHASHSEED")
     """The engines' ``PYTHONHASHSEED``: vLLM seeds its prefix-cache block hashes with it, so every reader
     of KV layouts (host tier, benchmarks) must use the same one. None: vLLM's fixed seed."""
+
+
+def section_env(section: type[BaseModel], prefix: str, *, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The values the environment sets for a settings section (a plain model nested in a process's root
+    settings): ``<prefix><FIELD>``, or the field's alias (an ``AliasChoices`` also finds a deprecated name),
+    parsed as pydantic-settings parses a variable (JSON for lists and maps). ``skip``: fields the root
+    hands down itself."""
+    source = EnvSettingsSource(section, env_prefix=prefix, case_sensitive=False, env_ignore_empty=True)  # type: ignore[arg-type]
+    return {name: value for name, value in source().items() if name not in skip}
 
 
 def shared_settings() -> SharedSettings:

@@ -47,7 +47,7 @@ from contracts.cluster import prefix as cluster_prefix
 from contracts.errors import ConfigError
 from contracts.registry import NodeRegistry, registry_proof_key
 from contracts.secret import curve_keys, engine_auth_headers, load_cluster_secret
-from router.admission.context import AdmissionContext, AdmissionSettings
+from router.admission.context import AdmissionContext
 from router.admission.rejections import RejectedRecords
 from router.background import TaskSet
 from router.edge.codecs.store import ResponseStore
@@ -134,14 +134,10 @@ def make_policy(name: PolicyName, index: FleetIndex) -> RoutingPolicy:
     return RoundRobin()
 
 
-def admission_settings(settings: RouterSettings) -> AdmissionSettings:
-    return settings.admission or AdmissionSettings(redis_url=settings.redis_url, cluster=settings.cluster)
-
-
 def _redis_client(settings: RouterSettings) -> aioredis.Redis:
     """The registry's and the response index's Redis, with the admission clients' timeouts: a Redis that
     accepts and never answers fails each read (the fleet keeps its last view) instead of freezing it."""
-    adm = admission_settings(settings)
+    adm = settings.admission
     return aioredis.from_url(
         settings.redis_url,
         socket_timeout=adm.redis_socket_timeout_s,
@@ -157,7 +153,7 @@ def _kv_events_curve_client() -> CurveClient:
 
 
 async def _open_admission(stack: AsyncExitStack, settings: RouterSettings) -> AdmissionContext:
-    admission = await AdmissionContext.create(admission_settings(settings))
+    admission = await AdmissionContext.create(settings.admission)
     stack.push_async_callback(admission.close)
     if admission.settings.auth == "required" and not await admission.keys.refresh_flag():
         raise ConfigError(

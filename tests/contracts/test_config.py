@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from contracts.config import DEFAULT_REDIS_URL, lake_dir, redis_url, shared_settings
 from contracts.secret import default_secret_path, load_cluster_secret
 from node_agent.model import tandem_home
 from node_agent.settings import NodeSettings
+from router.admission.context import AdmissionSettings
 from router.policies import PolicyName
 from router.settings import RouterSettings
 from tandem.cli import app
@@ -96,3 +98,30 @@ def test_router_options_left_out_leave_the_environment_in_force(monkeypatch: pyt
     assert (seen[-1].policy, seen[-1].port) == (PolicyName.LEAST_LOADED, 9)
     result = CliRunner().invoke(app, ["router", "--policy", "fastest"])
     assert result.exit_code == 2 and "fastest" in result.output
+
+
+def test_the_router_process_has_one_settings_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RouterSettings`` is the root: its admission section is read in the same build under the names
+    users know, shares the root's Redis URL and cluster, and the node slots are the router's settings
+    under names that say so, the old names still read."""
+    for name in ("TANDEM_ROUTER_NODE_MAX_QUEUE", "TANDEM_ROUTER_NODE_MAX_CONCURRENCY", "TANDEM_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TANDEM_AUTH", "required")
+    monkeypatch.setenv("TANDEM_NODE_MAX_QUEUE", "7")  # the deprecated name
+    monkeypatch.setenv("TANDEM_ROUTER_NODE_MAX_CONCURRENCY", "3")
+    monkeypatch.setenv("TANDEM_TENANT_MAX_STREAMS_OVERRIDES", '{"acme": 2}')
+    monkeypatch.setenv("TANDEM_ROUTER_POLICY", "round_robin")
+    settings = RouterSettings()
+    adm = settings.admission
+    assert settings.policy is PolicyName.ROUND_ROBIN
+    assert (adm.auth, adm.node_max_queue, adm.node_max_concurrency) == ("required", 7, 3)
+    assert adm.tenant_max_streams_overrides == {"acme": 2}
+    assert adm.redis_url == settings.redis_url == DEFAULT_REDIS_URL
+    given = RouterSettings(redis_url="redis://given:1/2", cluster="blue")  # as `--redis-url` gives it
+    assert (given.admission.redis_url, given.admission.cluster) == ("redis://given:1/2", "blue")
+    assert given.admission.auth == "required"  # the rest of the section still from the environment
+    monkeypatch.setenv("TANDEM_REDIS_URL", "redis://env:1/3")
+    assert RouterSettings().admission.redis_url == "redis://env:1/3"
+    assert AdmissionSettings.from_env().node_max_queue == 7  # `tandem keys` reads the same section
+    with pytest.raises(ValidationError):
+        AdmissionSettings(no_such_setting=1)  # type: ignore[call-arg]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import shutil
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -55,6 +55,12 @@ class _Section(BaseModel):
     """How deep."""
 
 
+class _OwnNames(BaseModel):
+    ENV_PREFIX: ClassVar[str] = "OWN_"
+    limit: int = 5
+    """Read as OWN_LIMIT, whatever the root's prefix."""
+
+
 class _Example(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EX_", env_nested_delimiter="__")
 
@@ -69,12 +75,22 @@ class _Example(BaseSettings):
     """Which mode."""
     tags: frozenset[str] = frozenset({"b", "a"})
     section: _Section = Field(default_factory=_Section)
+    own: _OwnNames = Field(default_factory=_OwnNames)
 
 
 def test_the_generator_reads_names_defaults_and_docstrings() -> None:
     rows = {s.env: s for s in collect([_Example])}
     assert set(rows) == {
-        *("EX_PLAIN", "EX_OTHER_NAME", "EX_NEW_NAME", "EX_COLOUR", "EX_MODE", "EX_TAGS", "EX_SECTION__DEPTH")
+        *(
+            "EX_PLAIN",
+            "EX_OTHER_NAME",
+            "EX_NEW_NAME",
+            "EX_COLOUR",
+            "EX_MODE",
+            "EX_TAGS",
+            "EX_SECTION__DEPTH",
+            "OWN_LIMIT",
+        )
     }
     assert rows["EX_NEW_NAME"].doc == "Renamed. Deprecated name, still read: `EX_OLD_NAME`."
     assert rows["EX_PLAIN"].default == "`1.5`"
