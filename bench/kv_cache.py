@@ -46,7 +46,6 @@ the tier arms' own long prompts under load is kept in the JSON (``by_origin_unde
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -57,10 +56,12 @@ from bench.agent_workload import AgentWorkloadConfig
 from bench.kv_probe import probe_by_origin
 from bench.routing import RoutingBenchConfig, _cluster, _cluster_view, _model, _Runner, _Tokens, _warm, console
 from contracts.config import redis_url as configured_redis_url
+from contracts.config import shared_settings
 from host_tier.settings import layout_from_model
 from infra.launcher import ClusterSpec
 from node_agent.dtype import resolve_dtype
 from node_agent.model import resolve_model
+from router.policies import PolicyName
 
 ARMS = ("engines", "tier", "bigger_cache", "retention")
 REPOS = 4
@@ -164,7 +165,7 @@ def _spec(cfg: KVCacheBenchConfig, arm: str, extra_blocks: int) -> ClusterSpec:
         redis_url=cfg.redis_url,
         dtype=cfg.dtype,
         block_size=cfg.block_size,
-        policy="cache_aware",
+        policy=PolicyName.CACHE_AWARE,
         workdir=cfg.workdir / arm,
         routers=1,
         extra_node_args=(f"--num-gpu-blocks-override={blocks}",),  # (each passed as --engine-arg)
@@ -230,7 +231,7 @@ def run_kv_cache_bench(out: Path, cfg: KVCacheBenchConfig | None = None) -> dict
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     model_dir = resolve_model(cfg.model)
-    layout = layout_from_model(model_dir, resolve_dtype(cfg.dtype), cfg.block_size, os.environ.get("PYTHONHASHSEED"))
+    layout = layout_from_model(model_dir, resolve_dtype(cfg.dtype), cfg.block_size, shared_settings().hash_seed)
     extra_blocks = (cfg.tier_mib << 20) // layout.block_bytes // cfg.nodes  # the tier's bytes, split evenly
     routing = RoutingBenchConfig(workload=cfg.workload, max_tokens=cfg.max_tokens, model=cfg.model)
     runner = _Runner(routing, _Tokens(cfg.model), out.with_suffix(".partial.json"))

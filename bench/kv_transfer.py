@@ -71,6 +71,8 @@ from contracts.secret import engine_auth_headers
 from contracts.transfer import LAYERWISE_ID_KEY, TransferParams
 from infra.launcher import Cluster, ClusterSpec
 from kv_transfer import prefill_request_params
+from kv_transfer.config import LAYERWISE_TRANSPORTS as LAYERWISE
+from kv_transfer.config import TransportName
 from node_agent.dtype import resolve_dtype
 
 console = Console(stderr=True)
@@ -81,7 +83,7 @@ PULL_FIXED_REPEATS = 25
 PULL_FIXED_WARMUP = 2
 """Pulls per transport before the counted ones: a pool thread's first pull to an endpoint connects
 its socket, and the first shm pull learns the prefill process; neither is a fixed cost per pull."""
-LAYERWISE_TRANSPORTS = ("tcp", "ipc", "shm")
+LAYERWISE_TRANSPORTS = tuple(t.value for t in TransportName if t in LAYERWISE)
 
 
 @dataclass(frozen=True)

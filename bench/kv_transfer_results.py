@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.console import Console
 
+from kv_transfer.config import TransportName
 from kv_transfer.hugepages import advise_huge_pages
 
 if TYPE_CHECKING:
@@ -22,10 +23,10 @@ if TYPE_CHECKING:
 console = Console(stderr=True)
 
 
-TRANSPORTS = ("tcp", "ipc", "shm", "ucx")
+TRANSPORTS = tuple(t.value for t in TransportName if t is not TransportName.AUTO)
 
 
-CROSS_HOST = ("tcp", "ucx")
+CROSS_HOST = (TransportName.TCP.value, TransportName.UCX.value)
 
 
 @dataclass

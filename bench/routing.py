@@ -40,11 +40,13 @@ from infra.launcher import Cluster, ClusterSpec
 from node_agent.model import resolve_model
 from node_agent.settings import NodeSettings
 from router.kv_index.ideal import ideal_cached_tokens
+from router.policies import PolicyName
 from router.tokenizer import _load, _token_ids
 
 console = Console(stderr=True)
-TANDEM_POLICIES = ("cache_aware", "least_loaded", "round_robin")
+TANDEM_POLICIES = tuple(p.value for p in PolicyName)
 PEER_POLICIES = ("cache_aware", "kv_aware")
+"""vllm-router's own policy names (``bench.vllm_router``), not ours."""
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,8 @@ def _part_pd(cfg: RoutingBenchConfig, runner: _Runner) -> None:
         urls = {cfg.policies[0]: cluster.url}
         for i, policy in enumerate(cfg.policies[1:], start=1):
             urls[policy] = cluster.add_router(cfg.router_port + i, policy)
-        rr = urls.get("round_robin") or cluster.add_router(cfg.router_port + 3, "round_robin")
-        replica = cluster.add_router(cfg.router_port + 4, "cache_aware", "router-replica")
+        rr = urls.get(PolicyName.ROUND_ROBIN) or cluster.add_router(cfg.router_port + 3, PolicyName.ROUND_ROBIN)
+        replica = cluster.add_router(cfg.router_port + 4, PolicyName.CACHE_AWARE, "router-replica")
         with console.status("starting the other routers…"):
             for url in {*urls.values(), rr, replica} - {cluster.url}:
                 cluster.wait_router(url)
@@ -245,13 +247,19 @@ def _part_pd(cfg: RoutingBenchConfig, runner: _Runner) -> None:
         block_size = _cluster_view(cluster.url)["nodes"][0]["block_size"]
         for policy in cfg.policies:
             runner.run("pd", policy, urls[policy], model, block_size)
-            if policy == "cache_aware":
+            if policy == PolicyName.CACHE_AWARE:
                 runner.extra["replicas"] = _replicas(urls[policy], replica)
 
 
 def _part_colocated(cfg: RoutingBenchConfig, runner: _Runner) -> None:
     spec = _spec(
-        cfg, "colocated", prefill=0, decode=0, both=2, policy="cache_aware", extra_node_args=("--enable-scale-out",)
+        cfg,
+        "colocated",
+        prefill=0,
+        decode=0,
+        both=2,
+        policy=PolicyName.CACHE_AWARE,
+        extra_node_args=("--enable-scale-out",),
     )
     with _cluster(spec, "2 colocated nodes") as cluster:
         model = _model(cluster.url)
@@ -358,7 +366,7 @@ def run_routing_bench(out: Path, cfg: RoutingBenchConfig | None = None) -> dict[
     results = runner.results
     pd = results.get("pd", {})
     nan = float("nan")
-    ca, rr = pd.get("cache_aware", {}), pd.get("round_robin", {})
+    ca, rr = pd.get(PolicyName.CACHE_AWARE, {}), pd.get(PolicyName.ROUND_ROBIN, {})
     summary = {
         "cache_hit": ca.get("hit", nan),
         "ideal_hit": ca.get("ideal_hit", nan),

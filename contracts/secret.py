@@ -41,29 +41,30 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
-from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, suffix
+from contracts.cluster import suffix
+from contracts.config import SECRET_ENV, SECRET_FILE_ENV, SharedSettings, shared_settings
 from contracts.errors import ConfigError
 from contracts.registry import set_local_secret
 
-SECRET_ENV = "TANDEM_CLUSTER_SECRET"
-SECRET_FILE_ENV = "TANDEM_CLUSTER_SECRET_FILE"
 MIN_SECRET_CHARS = 32
 """32 hex characters are 128 bits: below that a secret is guessable offline from one captured MAC."""
 
 
-def default_secret_path() -> Path:
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+def default_secret_path(env: SharedSettings | None = None) -> Path:
+    env = env or shared_settings()
+    state = env.state_home or Path.home() / ".local" / "state"
     # one default secret per cluster name (contracts.cluster): clusters of one user never share it
-    return Path(state) / "tandem" / f"cluster-secret{suffix(os.environ.get(CLUSTER_ENV) or DEFAULT_CLUSTER)}"
+    return state / "tandem" / f"cluster-secret{suffix(env.cluster)}"
 
 
 def load_cluster_secret(*, secret_file: str | Path | None = None, loopback_only: bool) -> bytes:
     """The cluster secret, by the policy in this module's docstring. ``loopback_only``: every address
     this process binds is a loopback one (the default file is allowed then, and only then)."""
-    text = os.environ.get(SECRET_ENV)
+    env = shared_settings()
+    text = env.cluster_secret.get_secret_value() if env.cluster_secret else None
     source = f"${SECRET_ENV}"
     if not text:
-        path = secret_file or os.environ.get(SECRET_FILE_ENV)
+        path = secret_file or env.cluster_secret_file
         if path:
             text, source = _read_private(Path(path)), str(path)
         elif not loopback_only:
@@ -72,7 +73,7 @@ def load_cluster_secret(*, secret_file: str | Path | None = None, loopback_only:
                 "the same on every host of the cluster"
             )
         else:
-            path = default_secret_path()
+            path = default_secret_path(env)
             _create_default(path)
             text, source = _read_private(path), str(path)
     text = text.strip()

@@ -31,6 +31,7 @@ import zmq
 
 from contracts.transfer import TransferReport
 from kv_transfer import wire
+from kv_transfer.config import TransportName
 from kv_transfer.layout import KVLayout
 from kv_transfer.stats import TransferStats
 from kv_transfer.transports import (
@@ -186,9 +187,11 @@ class Puller:
                 raise TransferFailed("cancelled before it started")
             sock = self._socket(job.endpoint)
             transport: Transport | UcxReceiver
-            if job.transport == "ucx":
+            if job.transport == TransportName.UCX:
                 receiver = transport = self._ucx_receiver()
-                pull = wire.Pull(job.transfer_id, job.segments, "ucx", job.checksum, receiver.target(self.layout))
+                pull = wire.Pull(
+                    job.transfer_id, job.segments, TransportName.UCX.value, job.checksum, receiver.target(self.layout)
+                )
             elif job.layerwise:
                 transport = LayerwiseTransport(job.transport, stall_s=max(0.0, job.deadline - time.monotonic()))
                 pull = transport.pull(job.transfer_id, job.segments, job.checksum, self.layout)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +12,7 @@ from rich.console import Console
 
 from contracts.cli import clean_errors, interrupt, setup_logging
 from contracts.cluster import CLUSTER_ENV, validate
+from contracts.config import shared_settings
 
 tier_app = typer.Typer(
     help="The host tier: a shared-memory KV block store every engine on this host shares.", no_args_is_help=True
@@ -39,7 +39,7 @@ def serve(
     signal.signal(signal.SIGTERM, interrupt)
     with clean_errors():
         settings = TierSettings(size=TypeAdapter(ByteSize).validate_python(size)) if size else TierSettings()
-        layout = layout_from_model(model, dtype, block_size, os.environ.get("PYTHONHASHSEED"))
+        layout = layout_from_model(model, dtype, block_size, shared_settings().hash_seed)
         path = settings.path_for(layout)
         console.print(f"host tier: {settings.n_slots(layout)} blocks of {layout.block_bytes} B at {path}")
         lake = None

@@ -52,7 +52,6 @@ about 170 MB: ~40 ms at the 4 GB/s measured here).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from contracts.config import shared_settings
 from host_tier.connector_meta import HostTierMetadata, TierLink
 from host_tier.connector_scheduler import TierScheduler
 from host_tier.connector_worker import TierWorker
@@ -93,7 +93,7 @@ class HostTierConnector(KVConnectorBase_V1):
             Path(vllm_config.model_config.model),
             _dtype_name(vllm_config),
             self.block_size,
-            os.environ.get("PYTHONHASHSEED"),
+            shared_settings().hash_seed,
         )
         self._link = TierLink(
             str(extra.get("tier_endpoint", "ipc:///tmp/tandem-tier.sock")),

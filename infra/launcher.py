@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from contracts.cluster import DEFAULT_CLUSTER, key, runtime_dir, validate
 from contracts.config import redis_url as configured_redis_url
+from contracts.config import shared_settings
 from contracts.errors import ConfigError
 from contracts.registry import Role
 from host_tier.settings import TierSettings, layout_from_model
@@ -212,7 +212,7 @@ class Cluster:
         sockets.mkdir(parents=True, exist_ok=True)
         endpoint = f"ipc://{sockets / 'tier.sock'}"
         dtype = resolve_dtype(spec.dtype or "auto")
-        layout = layout_from_model(model, dtype, spec.block_size or 128, os.environ.get("PYTHONHASHSEED"))
+        layout = layout_from_model(model, dtype, spec.block_size or 128, shared_settings().hash_seed)
         self._tier_file = TierSettings(cluster=self.name).path_for(layout)
         args = ["tier", "serve", "--model", str(model), "--dtype", dtype, "--size"]
         # The engine's block size when none is set: vLLM's CPU platform picks 128 (a tier of another

@@ -15,6 +15,7 @@ from typing import Any
 from contracts.transfer import TransferReport
 from decode_nodes.puller import Puller, PullJob, PullOutcome
 from kv_transfer import wire
+from kv_transfer.config import LAYERWISE_TRANSPORTS, ONE_HOST_TRANSPORTS, TransportName
 from kv_transfer.hugepages import advise_huge_pages
 from kv_transfer.layout import KVLayout
 from kv_transfer.metadata import TandemMetadata, TransferReports
@@ -109,8 +110,8 @@ class TandemWorker:
                 if recv.layerwise
                 else min(self.settings.transfer_timeout_s, max(0.0, recv.lease_deadline - time.time()))
             )
-            if recv.layerwise and transport not in ("tcp", "ipc", "shm"):
-                transport = "tcp"  # layer-wise pulls are served over frames or kernel copies only
+            if recv.layerwise and transport not in LAYERWISE_TRANSPORTS:
+                transport = TransportName.TCP.value  # layer-wise pulls are served over frames or kernel copies only
             try:
                 segments = wire.segments_of(recv.remote_block_ids, recv.local_block_ids)
             except ValueError as exc:  # the prefill node holds fewer blocks than we need: recompute
@@ -181,7 +182,7 @@ class TandemWorker:
     @staticmethod
     def _endpoint(endpoints: dict[str, str], transport: str) -> str:
         # shm moves data by cross-memory attach but still talks over the one-host socket
-        return endpoints["ipc" if transport in ("ipc", "shm") else "tcp"]
+        return endpoints[TransportName.IPC if transport in ONE_HOST_TRANSPORTS else TransportName.TCP]
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""

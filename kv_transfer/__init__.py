@@ -5,9 +5,9 @@ which wires the role halves together, is the package above them, ``kv_connector`
 
 from pathlib import Path
 
-from kv_transfer.config import ConnectorKind, kv_transfer_config, prefill_request_params
+from kv_transfer.config import ConnectorKind, TransportName, kv_transfer_config, prefill_request_params
 
 ENGINE_HOOKS = Path(__file__).parent / "engine_hooks"
 """Folder put first on engine processes' PYTHONPATH: its sitecustomize adjusts NIXL at start-up."""
 
-__all__ = ["ENGINE_HOOKS", "ConnectorKind", "kv_transfer_config", "prefill_request_params"]
+__all__ = ["ENGINE_HOOKS", "ConnectorKind", "TransportName", "kv_transfer_config", "prefill_request_params"]

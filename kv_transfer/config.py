@@ -19,6 +19,25 @@ class ConnectorKind(enum.StrEnum):
     NONE = "none"
 
 
+class TransportName(enum.StrEnum):
+    """How a decode node pulls a prefill node's KV: ``auto`` = ``shm`` (one kernel copy) when both nodes
+    are on one host, else ``tcp``. ``ipc`` = ZeroMQ over a Unix socket (one host). ``ucx`` = UCX through
+    ucxx-cu12 (``UCX_TLS`` picks its transports; never chosen by ``auto``). The one list of these names:
+    settings, the wire's ``Pull.transport``, the pullers, the senders and the benchmarks use it."""
+
+    AUTO = "auto"
+    TCP = "tcp"
+    IPC = "ipc"
+    SHM = "shm"
+    UCX = "ucx"
+
+
+LAYERWISE_TRANSPORTS = frozenset({TransportName.TCP, TransportName.IPC, TransportName.SHM})
+"""The transports a layer-wise pull runs over (frames or kernel copies; not ucx)."""
+ONE_HOST_TRANSPORTS = frozenset({TransportName.IPC, TransportName.SHM})
+"""The transports that reach a peer on this host only (a Unix socket, a cross-memory copy)."""
+
+
 def kv_transfer_config(
     kind: ConnectorKind,
     *,

@@ -10,12 +10,11 @@ import tempfile
 from functools import cache
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from contracts.secret import is_loopback, load_cluster_secret
 from kv_transfer import wire
-
-Transport = Literal["auto", "tcp", "ipc", "shm", "ucx"]
+from kv_transfer.config import ONE_HOST_TRANSPORTS, TransportName
 
 
 class ConnectorSettings(BaseModel):
@@ -27,10 +26,8 @@ class ConnectorSettings(BaseModel):
     """Block server's tcp port (the node uses its port + 3)."""
     bind_host: str | None = None
     """Interface to bind; None: ``host`` when it is loopback, else every interface."""
-    transport: Transport = "auto"
-    """How a decode node pulls: ``auto`` = ``shm`` (one kernel copy) when both nodes are on one host,
-    else ``tcp``. ``ipc`` = ZeroMQ over a Unix socket (one host). ``ucx`` = UCX through ucxx-cu12
-    (``UCX_TLS`` picks its transports; never chosen by ``auto``)."""
+    transport: TransportName = TransportName.AUTO
+    """How a decode node pulls (``TransportName``)."""
     checksum: Literal["auto", "always", "never"] = "auto"
     """xxh3-64 of every segment, verified on arrival. ``auto``: on for tcp/ipc frames, off for shm
     (a kernel copy within one host has no wire to corrupt)."""
@@ -59,9 +56,10 @@ class ConnectorSettings(BaseModel):
     """File holding the cluster secret that signs every KV control message (``auth.py``). None:
     ``$TANDEM_CLUSTER_SECRET``, else ``$TANDEM_CLUSTER_SECRET_FILE``, else the per-user default file,
     which only a node binding loopback addresses alone may use."""
-    faults: bool = Field(default_factory=lambda: os.environ.get("TANDEM_KV_FAULTS") == "1")
+    faults: bool = False
     """Let peers arm faults on this node's block server (``wire.Fault``: corrupt, stall, hold, expire)
-    for tests. Off unless ``TANDEM_KV_FAULTS=1``; a server started with it logs a WARNING."""
+    for tests. Off unless the node's ``kv_faults`` (``TANDEM_NODE_KV_FAULTS=1``); a server started with it
+    logs a WARNING."""
     idle_wait_ms: float = 5.0
     """On a step that computes nothing but waits for transfers, sleep up to this long until one ends.
     vLLM steps such an engine in a tight loop; on a CPU node that loop takes the very core the pull
@@ -109,17 +107,17 @@ class ConnectorSettings(BaseModel):
 
     def choose_transport(self, remote_host_id: str, requested: str | None = None) -> str:
         """``requested``: a per-request choice from kv_transfer_params (benchmarks), else the setting."""
-        want = requested if requested in ("auto", "tcp", "ipc", "shm", "ucx") else self.transport
+        want = TransportName(requested) if requested in tuple(TransportName) else self.transport
         same_host = remote_host_id == host_id()
-        if want == "auto":
-            return "shm" if same_host else "tcp"
-        if want in ("shm", "ipc") and not same_host:
-            return "tcp"  # a one-host transport cannot reach another host
-        return want
+        if want is TransportName.AUTO:
+            want = TransportName.SHM if same_host else TransportName.TCP
+        elif want in ONE_HOST_TRANSPORTS and not same_host:
+            want = TransportName.TCP  # a one-host transport cannot reach another host
+        return want.value
 
     def checksum_for(self, transport: str) -> bool:
         if self.checksum == "auto":
-            return transport != "shm"  # tcp, ipc and ucx cross a wire or a socket
+            return transport != TransportName.SHM  # tcp, ipc and ucx cross a wire or a socket
         return self.checksum == "always"
 
 

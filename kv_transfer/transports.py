@@ -37,6 +37,7 @@ import zmq
 from contracts.errors import PeerUnauthenticated, UpstreamError, VersionMismatch
 from kv_transfer import wire
 from kv_transfer.auth import peer_credentials
+from kv_transfer.config import LAYERWISE_TRANSPORTS, TransportName
 from kv_transfer.layout import KVLayout, checksum
 
 
@@ -291,7 +292,7 @@ class CmaTransport:
     before the Grant arrives (module docstring). ``learned``, after ``receive``: this pull's proven
     peer, for the next pull."""
 
-    name = "shm"
+    name = TransportName.SHM.value
 
     def __init__(self, split: bool = True, known: KnownPeer | None = None) -> None:
         self.split = split
@@ -385,7 +386,7 @@ class LayerwiseTransport:
     copies every layer itself as it is announced (the prefill node's core is computing)."""
 
     def __init__(self, name: str, stall_s: float) -> None:
-        if name not in ("tcp", "ipc", "shm"):
+        if name not in LAYERWISE_TRANSPORTS:
             raise ValueError(f"no layer-wise pull over {name!r} (tcp, ipc, shm)")
         self.name = name
         self.stall_s = stall_s
@@ -400,7 +401,7 @@ class LayerwiseTransport:
     ) -> int:
         n = layout.num_layers
         grant = None
-        if self.name == "shm":
+        if self.name == TransportName.SHM:
             grant = _proven_grant(*_recv_frame(sock, deadline, codec), pull, layout)
         here = layout.addresses
         positions, _ = wire.positions_of(pull.segments)
@@ -424,7 +425,7 @@ class LayerwiseTransport:
                         process_vm_readv(
                             grant.pid,
                             cma_pairs(
-                                wire.Pull(pull.transfer_id, segments, "shm"),
+                                wire.Pull(pull.transfer_id, segments, TransportName.SHM.value),
                                 new,
                                 here,
                                 grant.layer_addresses,
@@ -461,8 +462,8 @@ class LayerwiseTransport:
 
 
 def transport_for(name: str, *, shm_split: bool = True, known: KnownPeer | None = None) -> Transport:
-    if name in ("tcp", "ipc"):
+    if name in (TransportName.TCP, TransportName.IPC):
         return FrameTransport(name)
-    if name == "shm":
+    if name == TransportName.SHM:
         return CmaTransport(split=shm_split, known=known)
     raise ValueError(f"unknown transport {name!r} (tcp, ipc, shm; ucx is the puller's own)")

@@ -42,6 +42,7 @@ from typing import Any
 import zmq
 
 from kv_transfer import wire
+from kv_transfer.config import TransportName
 from kv_transfer.layout import KVLayout, checksum
 from kv_transfer.transports import TransferFailed, verify_answer
 from kv_transfer.wire import UcxPosted, UcxTarget
@@ -279,7 +280,7 @@ class UcxReceiver:
     worker, driven by that thread only. Per pull, on the pulling thread: ``target(layout)`` gives the
     ``UcxTarget`` to put in the Pull, then ``receive(...)`` after the Pull is sent."""
 
-    name = "ucx"
+    name = TransportName.UCX.value
 
     def __init__(self, options: UcxOptions | None = None) -> None:
         self.options = options or UcxOptions()

@@ -261,7 +261,7 @@ class LeaseReport(msgspec.Struct, tag="kv.lease_report.v1", frozen=True):
 
 
 class Fault(msgspec.Struct, tag="kv.fault.v1", frozen=True):
-    """Arm a fault on a prefill node's server (only honoured when TANDEM_KV_FAULTS=1): ``corrupt``
+    """Arm a fault on a prefill node's server (only honoured when TANDEM_NODE_KV_FAULTS=1): ``corrupt``
     flips a byte in the next segment sent; ``stall`` stops the next transfer after its first layer
     until ``seconds`` pass; ``hold`` answers the next Pull only after ``seconds``; ``expire`` gives
     the next lease a deadline already past."""

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from contracts.config import shared_settings
 from contracts.errors import ConfigError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -14,7 +14,7 @@ PREPARED_MARKER = ".tandem-prepared.json"
 
 
 def tandem_home() -> Path:
-    return Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+    return shared_settings().home
 
 
 def default_model_dir() -> Path:

@@ -8,14 +8,14 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, NAME_PATTERN, runtime_dir
 from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from contracts.registry import Role
 from contracts.secret import engine_auth_headers
-from kv_transfer import ConnectorKind
+from kv_transfer import ConnectorKind, TransportName
 
 WILDCARDS = frozenset({"0.0.0.0", "::", "*"})
 """Bind addresses that mean every interface: never an address to register."""
@@ -55,7 +55,7 @@ class NodeSettings(BaseSettings):
     """Name of the cluster this process belongs to (``TANDEM_CLUSTER``, set by ``tandem up --cluster``):
     every Redis key and host path it uses is under it (``contracts.cluster``)."""
     connector: ConnectorKind = ConnectorKind.TANDEM
-    kv_transport: Literal["auto", "tcp", "ipc", "shm", "ucx"] = "auto"
+    kv_transport: TransportName = TransportName.AUTO
     """Tandem connector: how this node pulls KV. auto = shm (cross-memory copy) when the prefill node is
     on this host, else tcp; ucx goes through ucxx-cu12."""
     kv_checksum: Literal["auto", "always", "never"] = "auto"
@@ -64,6 +64,9 @@ class NodeSettings(BaseSettings):
     """Tandem connector: how long a prefill node holds a request's blocks for its decode node, at most."""
     kv_transfer_timeout_s: float = 10.0
     """Tandem connector: how long a decode node waits for one pull before prefilling itself."""
+    kv_faults: bool = Field(default=False, validation_alias=AliasChoices("TANDEM_NODE_KV_FAULTS", "TANDEM_KV_FAULTS"))
+    """Tandem connector, for tests: let peers arm faults (corrupt, stall, hold, expire) on this node's
+    block server (``ConnectorSettings.faults``); its engine logs a WARNING when on."""
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     """When a pull fails: recompute the prompt on the decode node, or fail the request."""
     host_tier_endpoint: str | None = None
@@ -303,11 +306,13 @@ class NodeSettings(BaseSettings):
         extra: dict[str, object] = {
             "host": self.advertised_host,
             "port": self.nixl_port,
-            "transport": self.kv_transport,
+            "transport": self.kv_transport.value,
             "checksum": self.kv_checksum,
             "lease_s": self.kv_lease_s,
             "transfer_timeout_s": self.kv_transfer_timeout_s,
         }
+        if self.kv_faults:
+            extra["faults"] = True
         if self.advertise_host and self.host not in WILDCARDS:
             extra["bind_host"] = self.host  # else: the connector binds every interface for a non-loopback host
         return extra

@@ -27,6 +27,7 @@ import zmq
 from contracts.errors import PeerUnauthenticated, UpstreamError, VersionMismatch
 from kv_transfer import wire
 from kv_transfer.auth import peer_credentials
+from kv_transfer.config import TransportName
 from kv_transfer.stats import TransferStats
 from prefill_nodes.block_sender import BlockSender
 from prefill_nodes.layer_streams import LayerStreams
@@ -169,7 +170,7 @@ class RequestHandler:
         process's pid and cache addresses and may make this process write into the pid it names:
         only for a process of this host and user that is the very one it names, proven by the
         kernel's credentials of its Unix socket, never over tcp."""
-        if pull.transport != "shm":
+        if pull.transport != TransportName.SHM:
             return ""
         if sock not in self.local:
             return "shm is a one-host transport: refused over tcp (use the ipc endpoint)"

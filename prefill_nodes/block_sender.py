@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import zmq
 
 from kv_transfer import wire
+from kv_transfer.config import TransportName
 from kv_transfer.layout import KVLayout, checksum
 from kv_transfer.transports import TransferFailed, cma_pairs, process_vm_writev
 from prefill_nodes.lease import LeaseError, LeaseState, LeaseTable
@@ -85,9 +86,9 @@ class BlockSender:
         if not self.begin_sending(sock, ident, pull):
             return
         try:
-            if pull.transport == "shm":
+            if pull.transport == TransportName.SHM:
                 self._grant(sock, ident, pull)
-            elif pull.transport == "ucx":
+            elif pull.transport == TransportName.UCX:
                 if not self._send_ucx(sock, ident, pull):
                     return
             else:

@@ -80,7 +80,7 @@ class BlockServer:
     def start(self) -> None:
         if self.faults_enabled:
             log.warning(
-                "FAULT INJECTION IS ON for the KV block server on %s (TANDEM_KV_FAULTS=1): any holder "
+                "FAULT INJECTION IS ON for the KV block server on %s (TANDEM_NODE_KV_FAULTS=1): any holder "
                 "of the cluster secret can corrupt, stall, hold or expire this node's transfers. "
                 "Tests only, never in production.",
                 self.endpoints,

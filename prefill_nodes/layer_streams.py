@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import zmq
 
 from kv_transfer import wire
+from kv_transfer.config import LAYERWISE_TRANSPORTS, TransportName
 from kv_transfer.layout import checksum
 from prefill_nodes.block_sender import BlockSender
 from prefill_nodes.lease import LeaseError, LeaseState
@@ -71,7 +72,7 @@ class LayerStreams:
         if lease is None or lease.state not in (LeaseState.FILLING, LeaseState.HELD):
             self.sender.reply(sock, ident, wire.Reject(tid, f"lease is {lease.state if lease else 'gone'}"))
             return
-        if pull.transport not in ("tcp", "ipc", "shm") or any(s.count <= 0 or s.remote < 0 for s in pull.segments):
+        if pull.transport not in LAYERWISE_TRANSPORTS or any(s.count <= 0 or s.remote < 0 for s in pull.segments):
             self.sender.reply(
                 sock, ident, wire.Reject(tid, f"not a layer-wise pull this server serves ({pull.transport})")
             )
@@ -79,7 +80,7 @@ class LayerStreams:
         if not self.sender.begin_sending(sock, ident, pull):
             return
         lay = self.layout
-        if pull.transport == "shm":  # the decode node copies every layer itself: this core computes
+        if pull.transport == TransportName.SHM:  # the decode node copies every layer itself: this core computes
             here = list(lay.addresses)
             self.sender.reply(sock, ident, wire.Grant(tid, os.getpid(), here, [lay.block_nbytes] * lay.num_layers, []))
         self._streams[tid] = Stream(sock, ident, pull, time.monotonic())
@@ -117,17 +118,17 @@ class LayerStreams:
                 new = range(st.sent, ready)
                 sums = (
                     [[checksum(lay.span(layer, s.remote, s.count)) for s in segments] for layer in new]
-                    if pull.checksum and pull.transport == "shm"
+                    if pull.checksum and pull.transport == TransportName.SHM
                     else []
                 )
                 self.sender.reply(st.sock, st.ident, wire.Filling(tid, ready, ids, sums))
-                if pull.transport != "shm":
+                if pull.transport != TransportName.SHM:
                     for layer in new:
                         self.sender.send_layer(st.sock, st.ident, pull, layer, segments)
                 st.sent, st.last = ready, now
                 if ready == lay.num_layers:
                     del self._streams[tid]
-                    if pull.transport != "shm":
+                    if pull.transport != TransportName.SHM:
                         st.sock.send_multipart([st.ident, self.codec.encode(wire.End(tid, lay.num_layers))])
                     self.leases.move(tid, LeaseState.AWAIT_ACK)
             elif now - st.last >= self.keepalive_s:

@@ -44,9 +44,9 @@ def router(
 
     Keys, limits, sessions and admission queues read TANDEM_* environment variables (see README), e.g.:
 
-    TANDEM_NODE_MAX_CONCURRENCY: requests sent to one node at once, the rest queue by class (64).
+    TANDEM_ROUTER_NODE_MAX_CONCURRENCY: requests sent to one node at once, the rest queue by class (64).
 
-    TANDEM_NODE_MAX_QUEUE: queued requests per node before batch, then interactive, is shed with 503 (256).
+    TANDEM_ROUTER_NODE_MAX_QUEUE: queued requests per node before batch, then interactive, is shed with 503 (256).
 
     TANDEM_REQUEST_DEADLINE_S: default wait for a node slot before a request is dropped unserved (30).
 

@@ -1,16 +1,27 @@
-"""Settings of the router process: one typed object, built once at start-up and passed down."""
+"""Settings of the router process: one typed object, built once at start-up and passed down.
+
+``RouterSettings`` is the root: its own fields are ``TANDEM_ROUTER_<FIELD>`` (the HTTP edge, planning,
+upstream, records), but the Redis URL and the cluster name, which are every process's
+(``TANDEM_REDIS_URL``, ``TANDEM_CLUSTER``, ``contracts.config``). Its ``admission`` section
+(``router.admission.context.AdmissionSettings``: keys, limits, sessions, node slots) is read from the
+environment under its own names in the same build (``settings_customise_sources``), so one object holds
+everything the process was told and each component is handed its part: ``AdmissionContext`` the
+section, the rest the root. The section's Redis URL and cluster are the root's (a ``--redis-url`` moves
+both), unless a caller hands a section of its own.
+"""
 
 from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from contracts.cluster import CLUSTER_ENV, DEFAULT_CLUSTER, NAME_PATTERN
-from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from contracts.config import DEFAULT_REDIS_URL, REDIS_URL_ENV, section_env
 from router.admission.context import AdmissionSettings
 from router.policies import PolicyName
 from telemetry.priority import CpuPriority
@@ -24,6 +35,21 @@ class FallbackPolicy(enum.StrEnum):
     ERROR = "error"  # return a 502 to the client
 
 
+_SHARED = {"redis_url": REDIS_URL_ENV, "cluster": CLUSTER_ENV}
+"""The root's fields its admission section shares, with the variable each is read from."""
+
+
+class _AdmissionEnv(PydanticBaseSettingsSource):
+    """The ``admission`` section's variables, under their own names (``AdmissionSettings.ENV_PREFIX``)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: ``__call__`` reads the whole section at once
+
+    def __call__(self) -> dict[str, Any]:
+        values = section_env(AdmissionSettings, AdmissionSettings.ENV_PREFIX, skip=frozenset(_SHARED))
+        return {"admission": values} if values else {}
+
+
 class RouterSettings(BaseSettings):
     """Every field can also come from the environment as ``TANDEM_ROUTER_<FIELD>``, but the Redis URL,
     which is every process's ``TANDEM_REDIS_URL`` (``contracts.config``)."""
@@ -31,6 +57,31 @@ class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="TANDEM_ROUTER_", frozen=True, validate_by_name=True, validate_by_alias=True
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _AdmissionEnv(settings_cls), dotenv_settings, file_secret_settings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _section_shares_the_root(cls, data: Any) -> Any:
+        """The admission section's Redis URL and cluster are the root's, unless the section was handed
+        in whole or names them itself (an input rule, before validation: nothing is filled in after)."""
+        if not isinstance(data, dict) or isinstance(data.get("admission"), AdmissionSettings):
+            return data
+        section = dict(data.get("admission") or {})
+        for name, env in _SHARED.items():
+            root = data.get(name, data.get(env))
+            if root is not None:
+                section.setdefault(name, root)
+        return {**data, "admission": section}
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -108,9 +159,8 @@ class RouterSettings(BaseSettings):
     """OTLP/HTTP endpoint (``http://host:4318/v1/traces``) that receives each finished request's spans
     (``telemetry.tracing``: route, prefill, transfer, decode, stream), exported in batches by a thread
     of their own. None (the default): no span is built."""
-    admission: AdmissionSettings | None = None
-    """Keys, rate limits and sessions; None reads them from the environment (TANDEM_*) with this
-    router's redis_url."""
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    """Keys, rate limits, sessions and node slots (``TANDEM_*``, see ``AdmissionSettings``)."""
     default_max_tokens: int | None = None
     """max_tokens applied when a request gives none (None: up to the context window, as vLLM does)."""
     tokenize: Literal["auto", "always"] = "auto"

@@ -5,7 +5,8 @@ docstring (the string literal right after it). This module finds those classes a
 ``class X(BaseSettings)`` in the project's packages, by reading their source, then importing the module
 that defines it), and writes one table row per environment variable: its name (the class's
 ``env_prefix`` plus the field's name, or the field's alias; a nested section adds its name and the
-class's ``env_nested_delimiter``), its default, the processes that read it and the field's docstring.
+class's ``env_nested_delimiter``, or has names of its own, its ``ENV_PREFIX`` plus the field's name),
+its default, the processes that read it and the field's docstring.
 A variable several classes read (``TANDEM_REDIS_URL``) is one row.
 
 Two tables, each between marker comments in its file and rewritten in place:
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from pydantic import BaseModel, ByteSize
+from pydantic import AliasChoices, BaseModel, ByteSize
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings
@@ -48,7 +49,7 @@ README_SETTINGS: tuple[str, ...] = (
     "TANDEM_REDIS_URL",
     "TANDEM_DATABASE_URL",
     "TANDEM_AUTH",
-    "TANDEM_NODE_MAX_CONCURRENCY",
+    "TANDEM_ROUTER_NODE_MAX_CONCURRENCY",
     "TANDEM_REQUEST_DEADLINE_S",
     "TANDEM_ROUTER_POLICY",
     "TANDEM_ROUTER_MODELS",
@@ -238,14 +239,30 @@ def _walk(
         section = _section_model(info.annotation)
         if section is not None and section in classes:
             continue  # a settings class of its own: its rows come from it
+        section_prefix = getattr(section, "ENV_PREFIX", None)
+        if section is not None and isinstance(section_prefix, str):
+            out.extend(_walk(section, section_prefix, None, classes))  # a section read under its own names
+            continue
         if section is not None and delimiter:
             out.extend(_walk(section, f"{prefix}{name.upper()}{delimiter}", delimiter, classes))
             continue
-        alias = info.validation_alias if isinstance(info.validation_alias, str) else info.alias
+        alias, old = _env_names(info)
         env = (alias or f"{prefix}{name}").upper()
         doc = (info.description or docs.get(name, "") or _type_doc(info.annotation)).replace("``", "`")
+        if old:
+            doc += f" Deprecated name, still read: {', '.join(f'`{o.upper()}`' for o in old)}."
         out.append(Setting(env, format_default(info), (), doc, tuple(_choices(info.annotation))))
     return out
+
+
+def _env_names(info: FieldInfo) -> tuple[str | None, list[str]]:
+    """The field's variable (None: prefix plus name) and the older names it is still read under: an
+    ``AliasChoices`` lists the current name first."""
+    alias = info.validation_alias
+    if isinstance(alias, AliasChoices):
+        names = [c for c in alias.choices if isinstance(c, str)]
+        return (names[0], names[1:]) if names else (None, [])
+    return (alias if isinstance(alias, str) else info.alias), []
 
 
 def _cell(text: str) -> str:

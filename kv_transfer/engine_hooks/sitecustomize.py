@@ -29,13 +29,20 @@ never complete, whatever UCX_TLS), so instead the threads NIXL starts when vLLM 
 moved to SCHED_IDLE: they still run whenever a core has nothing else to do (which is exactly when a
 transfer is being waited for), and never take a core from compute.
 ``TANDEM_NIXL_PROGRESS_THREAD`` = ``idle`` (default) | ``normal`` (NIXL as shipped).
+
+Both variables cross a process boundary (the node agent writes them, ``node_agent.node.engine_env``; every
+engine process reads them here), so they stay in the environment, read once by ``HookSettings.from_env``:
+the standard library only, since this runs at the start of every engine process before anything else.
 """
+
+from __future__ import annotations
 
 import importlib.abc
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -44,12 +51,31 @@ RECHECK_MS = 100
 """A sleeping step-queue reader looks again this often even without a notification (vLLM: 5 s)."""
 
 
+SPIN_MS_ENV = "TANDEM_ENGINE_SPIN_MS"
+NIXL_PROGRESS_ENV = "TANDEM_NIXL_PROGRESS_THREAD"
+
+
+@dataclass(frozen=True, slots=True)
+class HookSettings:
+    """The hooks' two settings, as the node agent handed them to this engine process."""
+
+    demote_nixl: bool = True
+    """``TANDEM_NIXL_PROGRESS_THREAD`` is ``idle`` (its default): NIXL's threads go to SCHED_IDLE."""
+    spin_ms: float | None = None
+    """``TANDEM_ENGINE_SPIN_MS``: the step queues' longest spin; None (unset): vLLM's own."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> HookSettings:
+        raw = env.get(SPIN_MS_ENV, "")
+        return cls(demote_nixl=env.get(NIXL_PROGRESS_ENV, "idle") == "idle", spin_ms=float(raw) if raw else None)
+
+
 def _threads() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def _demote_nixl_threads() -> None:
-    if os.environ.get("TANDEM_NIXL_PROGRESS_THREAD", "idle") != "idle":
+def _demote_nixl_threads(settings: HookSettings) -> None:
+    if not settings.demote_nixl:
         return
     try:
         import nixl_cu12._api as api  # what vLLM's nixl_utils resolves `nixl._api` to on this host
@@ -72,7 +98,8 @@ def _demote_nixl_threads() -> None:
     api.nixl_agent.__init__ = __init__  # type: ignore[method-assign]
 
 
-_demote_nixl_threads()
+SETTINGS = HookSettings.from_env()
+_demote_nixl_threads(SETTINGS)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -98,11 +125,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _cap_step_queue_spin() -> None:
-    raw = os.environ.get("TANDEM_ENGINE_SPIN_MS", "")
-    if not raw:
+def _cap_step_queue_spin(settings: HookSettings) -> None:
+    if settings.spin_ms is None:
         return  # vLLM's own spin
-    spin_s = float(raw) / 1000
+    spin_s = settings.spin_ms / 1000
 
     def patch(module: ModuleType) -> None:
         import zmq
@@ -126,4 +152,4 @@ def _cap_step_queue_spin() -> None:
         sys.meta_path.insert(0, _AfterImport(STEP_QUEUES, patch))
 
 
-_cap_step_queue_spin()
+_cap_step_queue_spin(SETTINGS)

@@ -28,7 +28,7 @@ keys_app = typer.Typer(
 
 def _run(work: Callable[[AdmissionContext], Awaitable[T]]) -> T:
     async def main() -> T:
-        ctx = await AdmissionContext.create(AdmissionSettings(), start_writer=False)
+        ctx = await AdmissionContext.create(AdmissionSettings.from_env(), start_writer=False)
         try:
             return await work(ctx)
         finally:

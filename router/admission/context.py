@@ -1,23 +1,25 @@
 """Settings and the one object that owns the admission and session machinery of a router process.
 
-``AdmissionSettings`` reads ``TANDEM_*`` environment variables (pydantic-settings). ``AdmissionContext``
-is built from it once at start-up (``await AdmissionContext.create(settings)``), passed to whatever needs
-it (HTTP dependencies, the sessions router, the CLI) and closed at shutdown. Nothing is module-global.
+``AdmissionSettings`` is the router's admission section (``RouterSettings.admission``): its variables
+keep the names users know, ``TANDEM_<FIELD>`` (``ENV_PREFIX``), but for the node slots, which say whose
+they are (``TANDEM_ROUTER_NODE_*``; the old ``TANDEM_NODE_*`` names are still read). ``tandem keys``,
+which runs no router, reads the same section with ``from_env``. ``AdmissionContext`` is built from it
+once at start-up (``await AdmissionContext.create(settings)``), passed to whatever needs it (HTTP
+dependencies, the sessions router, the CLI) and closed at shutdown. Nothing is module-global.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import redis.asyncio as aioredis
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from contracts.cluster import DEFAULT_CLUSTER
 from contracts.cluster import prefix as cluster_prefix
-from contracts.config import DEFAULT_REDIS_URL
+from contracts.config import DEFAULT_REDIS_URL, section_env
 from router.admission.concurrency import TenantStreams
 from router.admission.keys import ANONYMOUS_TENANT, KeyStore, Tenant
 from router.admission.priority import AdmissionController
@@ -26,10 +28,12 @@ from router.sessions.sql import Database, open_database
 from router.sessions.store import RegionCache, SessionStore
 
 
-class AdmissionSettings(BaseSettings):
-    """Admission, keys, limits and sessions. Every field is ``TANDEM_<NAME>`` in the environment."""
+class AdmissionSettings(BaseModel):
+    """Admission, keys, limits and sessions. Every field is ``TANDEM_<NAME>`` in the environment but the
+    node slots (``TANDEM_ROUTER_NODE_*``); in a router, ``redis_url`` and ``cluster`` are the router's."""
 
-    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
+    ENV_PREFIX: ClassVar[str] = "TANDEM_"
 
     redis_url: str = DEFAULT_REDIS_URL
     """Redis for keys and rate limits (shared by all regions' routers), and the home region's session
@@ -77,12 +81,16 @@ class AdmissionSettings(BaseSettings):
     tenant_max_streams_overrides: dict[str, int] = Field(default_factory=dict)
     """Per-tenant exceptions to ``tenant_max_streams``, as JSON: ``{"acme": 100, "batch-team": 0}``."""
 
-    node_max_concurrency: int = 64
+    node_max_concurrency: int = Field(
+        default=64, validation_alias=AliasChoices("TANDEM_ROUTER_NODE_MAX_CONCURRENCY", "TANDEM_NODE_MAX_CONCURRENCY")
+    )
     """Requests one router sends to one node at once (a P/D request holds a slot on its decode node for
     the whole answer and one on its prefill node for the prefill leg); the rest queue by class then
     arrival. Set it near the engine's batch capacity (vLLM ``max_num_seqs``), so that the engine never
     queues FIFO what the router could have ordered by class, yet batches fully."""
-    node_max_queue: int = 256
+    node_max_queue: int = Field(
+        default=256, validation_alias=AliasChoices("TANDEM_ROUTER_NODE_MAX_QUEUE", "TANDEM_NODE_MAX_QUEUE")
+    )
     """Queued requests per node beyond which batch (then interactive) requests are shed with 503."""
     request_deadline_s: float = 30.0
     """Default time budget, from arrival at the router, for a request to get its node slots; a request
@@ -107,6 +115,11 @@ class AdmissionSettings(BaseSettings):
     """Sessions longer than this are read from the store on every read instead of cached."""
     session_queue_size: int = 10_000
     """Turns waiting for the background writer; beyond it, turns are dropped and counted."""
+
+    @classmethod
+    def from_env(cls) -> AdmissionSettings:
+        """The section as the environment sets it, for a process without a router (``tandem keys``)."""
+        return cls.model_validate(section_env(cls, cls.ENV_PREFIX))
 
 
 @dataclass

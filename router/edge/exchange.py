@@ -50,6 +50,7 @@ from router.edge.disconnect import DisconnectWatch
 from router.edge.limits import check_chat, parse_json
 from router.edge.openai_errors import document_error_schema, error_responses, response_for
 from router.edge.schemas import ChatCompletionRequest, CompletionRequest, Message
+from router.edge.services import services_of
 from router.edge.sse import RelayResponse
 from router.planning.cache_salt import CacheSalts, take_client_salt
 from router.planning.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
@@ -66,7 +67,7 @@ kept forever). The lake's ``requested_model`` keeps what the client sent."""
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     raw = await request.body()  # bounded by BodyLimit: never more than max_body_bytes
-    settings = request.app.state.settings
+    settings = services_of(request).settings
     data = parse_json(raw, settings.max_json_depth, settings.max_json_containers)
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
@@ -137,7 +138,7 @@ class Exchange:
     def __init__(
         self, request: Request, kind: Kind, endpoint: str, api: Api | None = None, socket: SocketTurn | None = None
     ) -> None:
-        state = request.app.state
+        state = services_of(request)
         self.api = api
         self.socket = socket
         """The WebSocket this request is one message of (``router.edge.codecs.websocket``); None: plain HTTP."""

@@ -5,7 +5,7 @@ to refresh the ``Date`` header. On an idle router those wake-ups were most of it
 second, measured with ``/proc``), taken from the engines on a shared host and counted in every
 request's share (``tandem bench overhead``). Here the main loop sleeps until a shutdown signal wakes
 it, and the Date header is refreshed once a second as a job of the app's housekeeping loop
-(``router.housekeeping``, ``app.state.housekeeping``), in the wake-up the fleet refresh needs anyway.
+(``router.housekeeping``, ``Services.housekeeping``), in the wake-up the fleet refresh needs anyway.
 An app without one gets a tick of its own, once a second, as often as the header changes.
 
 The heap built at startup (every imported module, the FastAPI app, the tokenizers, pyarrow: about half
@@ -28,11 +28,13 @@ import contextlib
 import gc
 import logging
 import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
+from router.edge.services import RouterApp
 from router.housekeeping import Housekeeping
 from telemetry.priority import CpuPriority, apply_cpu_priority
 
@@ -43,9 +45,10 @@ class RouterServer(uvicorn.Server):
     _loop: asyncio.AbstractEventLoop | None = None
     _wake: asyncio.Event | None = None
 
-    def __init__(self, config: uvicorn.Config, housekeeping: Housekeeping | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, housekeeping: Callable[[], Housekeeping | None] = lambda: None) -> None:
         super().__init__(config)
         self.housekeeping = housekeeping
+        """The app's loop, asked for once the app has started (it opens with the app's services)."""
 
     async def main_loop(self) -> None:
         # uvicorn calls this once the app's startup is done (tokenizers warm, pyarrow loaded): the
@@ -53,8 +56,9 @@ class RouterServer(uvicorn.Server):
         log.info("startup heap frozen: %d objects out of the collector's full passes", freeze_startup_heap())
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         should_exit = await self.on_tick(0)  # counter % 10 == 0: on_tick refreshes the Date header
-        if self.housekeeping is not None:
-            self.housekeeping.every(1.0, self._refresh_date, name="date-header")
+        housekeeping = self.housekeeping()
+        if housekeeping is not None:
+            housekeeping.every(1.0, self._refresh_date, name="date-header")
             while not should_exit:
                 await self._wake.wait()
                 self._wake.clear()
@@ -121,5 +125,8 @@ def serve(
         # socket arm's ITL 7 ms over SSE's with it on).
         ws_per_message_deflate=False,
     )
-    housekeeping = getattr(getattr(app, "state", None), "housekeeping", None)
+
+    def housekeeping() -> Housekeeping | None:
+        return app.services.housekeeping if isinstance(app, RouterApp) else None
+
     RouterServer(config, housekeeping).run(sockets=[shared_socket(host, port)] if reuse_port else None)

@@ -44,6 +44,15 @@ class Candidate:
         return self.node.info.node_id
 
 
+class PolicyName(enum.StrEnum):
+    """The routing policies, one module each: the router's ``policy`` setting (``TANDEM_ROUTER_POLICY``),
+    each policy's ``name``, the benchmarks' arms and the Helm chart's enum all come from here."""
+
+    CACHE_AWARE = "cache_aware"
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+
+
 class ReasonCode(enum.StrEnum):
     """Why a policy chose a node. ``Decision.code`` is the rule that chose the node that prefills (whose
     cache decides the hit), ``Decision.decode_code`` the one that chose the decode node. Per code, what

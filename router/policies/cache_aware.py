@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from router.policies.base import Candidate, Decision, ReasonCode, RoutingRequest
+from router.policies.base import Candidate, Decision, PolicyName, ReasonCode, RoutingRequest
 
 
 class PrefixLookup(Protocol):
@@ -93,7 +93,7 @@ def _load(c: Candidate) -> int:
 
 
 class CacheAware:
-    name = "cache_aware"
+    name = PolicyName.CACHE_AWARE.value
 
     def __init__(self, index: PrefixLookup, config: CacheAwareConfig | None = None) -> None:
         self.index = index

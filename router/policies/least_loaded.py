@@ -8,7 +8,7 @@ then to the node id so the choice is deterministic.
 
 from __future__ import annotations
 
-from router.policies.base import Candidate, Decision, ReasonCode, RoutingRequest
+from router.policies.base import Candidate, Decision, PolicyName, ReasonCode, RoutingRequest
 
 
 def _load_key(c: Candidate) -> tuple[float, float, str]:
@@ -16,7 +16,7 @@ def _load_key(c: Candidate) -> tuple[float, float, str]:
 
 
 class LeastLoaded:
-    name = "least_loaded"
+    name = PolicyName.LEAST_LOADED.value
 
     def select(self, request: RoutingRequest, prefill: list[Candidate], decode: list[Candidate]) -> Decision:
         d = min(decode, key=_load_key)

@@ -8,11 +8,11 @@ against. With an empty prefill pool the decode node prefills itself.
 
 from __future__ import annotations
 
-from router.policies.base import Candidate, Decision, ReasonCode, RoutingRequest
+from router.policies.base import Candidate, Decision, PolicyName, ReasonCode, RoutingRequest
 
 
 class RoundRobin:
-    name = "round_robin"
+    name = PolicyName.ROUND_ROBIN.value
 
     def __init__(self) -> None:
         self._prefill_turn = 0

@@ -4,6 +4,7 @@ and the default cluster reads keys written before names existed."""
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -89,11 +90,18 @@ def test_settings_refuse_a_bad_cluster_name(monkeypatch: pytest.MonkeyPatch) -> 
     assert RouterSettings().cluster == "staging"
 
 
-def test_router_metrics_name_the_cluster() -> None:
+def test_router_metrics_name_the_cluster(redis_unit_url: str, tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
     from prometheus_client import generate_latest
 
+    from router.admission.context import AdmissionSettings
     from router.edge.app import create_app
     from router.settings import RouterSettings
 
-    app = create_app(RouterSettings(cluster="staging"))
-    assert b'tandem_cluster_info{cluster="staging"} 1.0' in generate_latest(app.state.metrics.registry)
+    admission = AdmissionSettings(redis_url=redis_unit_url, cluster="staging", sqlite_path=tmp_path / "keys.db")
+    settings = RouterSettings(
+        cluster="staging", redis_url=redis_unit_url, registry_refresh_s=60, telemetry=False, admission=admission
+    )
+    app = create_app(settings)
+    with TestClient(app):  # the metrics open with the app's services
+        assert b'tandem_cluster_info{cluster="staging"} 1.0' in generate_latest(app.services.metrics.registry)

@@ -22,8 +22,6 @@ OVER_FILES = {
 """Files over the limit, with their lines now."""
 
 OVER_FUNCTIONS = {
-    "router/edge/app.py::create_app": 294,
-    "router/edge/app.py::create_app.lifespan": 104,
     "router/edge/exchange.py::Exchange._answer": 101,
 }
 """Functions over the limit, with their lines now."""
@@ -73,3 +71,13 @@ def test_no_function_over_the_limit_but_the_listed_ones_and_none_grows() -> None
     assert not new, f"functions over {MAX_FUNCTION_LINES} lines: {new}"
     assert not grown, f"listed functions grew (listed, now): {grown}"
     assert not done, f"now within the limit: remove from OVER_FUNCTIONS: {done}"
+
+
+MAX_WIRING_LINES = 60
+"""``create_app`` only wires routes (issue 36): the resources are ``open_services``'s."""
+
+
+def test_the_router_app_only_wires_routes() -> None:
+    sizes = _functions(ROOT / "router/edge/app.py")
+    assert sizes["create_app"] < MAX_WIRING_LINES, sizes
+    assert all(size < MAX_WIRING_LINES for size in sizes.values()), sizes

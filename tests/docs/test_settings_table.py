@@ -6,9 +6,9 @@ from __future__ import annotations
 import enum
 import shutil
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem import settings_doc
@@ -55,6 +55,12 @@ class _Section(BaseModel):
     """How deep."""
 
 
+class _OwnNames(BaseModel):
+    ENV_PREFIX: ClassVar[str] = "OWN_"
+    limit: int = 5
+    """Read as OWN_LIMIT, whatever the root's prefix."""
+
+
 class _Example(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EX_", env_nested_delimiter="__")
 
@@ -62,16 +68,31 @@ class _Example(BaseSettings):
     """A plain field. Its second sentence."""
     aliased: str = Field(default="x", validation_alias="EX_OTHER_NAME")
     """Read under another name."""
+    renamed: int = Field(default=2, validation_alias=AliasChoices("EX_NEW_NAME", "EX_OLD_NAME"))
+    """Renamed."""
     colour: _Colour = _Colour.RED
     mode: Literal["a", "b"] = "a"
     """Which mode."""
     tags: frozenset[str] = frozenset({"b", "a"})
     section: _Section = Field(default_factory=_Section)
+    own: _OwnNames = Field(default_factory=_OwnNames)
 
 
 def test_the_generator_reads_names_defaults_and_docstrings() -> None:
     rows = {s.env: s for s in collect([_Example])}
-    assert set(rows) == {"EX_PLAIN", "EX_OTHER_NAME", "EX_COLOUR", "EX_MODE", "EX_TAGS", "EX_SECTION__DEPTH"}
+    assert set(rows) == {
+        *(
+            "EX_PLAIN",
+            "EX_OTHER_NAME",
+            "EX_NEW_NAME",
+            "EX_COLOUR",
+            "EX_MODE",
+            "EX_TAGS",
+            "EX_SECTION__DEPTH",
+            "OWN_LIMIT",
+        )
+    }
+    assert rows["EX_NEW_NAME"].doc == "Renamed. Deprecated name, still read: `EX_OLD_NAME`."
     assert rows["EX_PLAIN"].default == "`1.5`"
     assert rows["EX_PLAIN"].doc == "A plain field. Its second sentence."
     assert rows["EX_OTHER_NAME"].doc == "Read under another name."

@@ -24,8 +24,8 @@ SYSTEM = "You are a coding agent working in a Python repository. " + " ".join(
 def test_routed_cached_tokens_equal_engine_cached_tokens(cluster: LiveCluster) -> None:
     settings = RouterSettings(redis_url=cluster.redis_url, policy="cache_aware", telemetry=False)
     with TestClient(create_app(settings)) as client:
-        index = client.app.state.index
-        node = client.app.state.fleet.nodes[0].info
+        index = client.app.services.index
+        node = client.app.services.fleet.nodes[0].info
         tok, hasher = _load(node.model_path), BlockHasher(node.block_size, "sha256_cbor")
         messages = [
             {"role": "system", "content": SYSTEM},

@@ -109,7 +109,7 @@ class Running:
             timeout=30,
         ).json()["tokens"]
         keys = list(BlockHasher(BLOCK, "sha256_cbor").keys(ids))[: (len(ids) - 1) // BLOCK]
-        return self.on_router_loop(lambda: self.app.state.index.split(self.model.name, keys, f"tier-{self.port}"))
+        return self.on_router_loop(lambda: self.app.services.index.split(self.model.name, keys, f"tier-{self.port}"))
 
     def routed(self, prompt: str) -> dict[str, Any]:
         body = {"model": self.model.name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
@@ -216,8 +216,8 @@ def test_the_router_knows_what_the_tier_holds_and_says_where_each_token_came_fro
     running.complete("hi")  # ... published at the engine's next step (an idle engine publishes nothing)
     assert wait_for(lambda: running.split(prompt)[0] == 0 and running.split(prompt)[1] > 0, timeout_s=30), (
         running.split(prompt),
-        running.on_router_loop(lambda: running.app.state.index.block_counts()),
-        running.on_router_loop(lambda: {k: str(v) for k, v in running.app.state.subscribers.stats().items()}),
+        running.on_router_loop(lambda: running.app.services.index.block_counts()),
+        running.on_router_loop(lambda: {k: str(v) for k, v in running.app.services.subscribers.stats().items()}),
     )
     own, tier_blocks = running.split(prompt)
     again = running.routed(prompt)

@@ -1,6 +1,6 @@
 """Fault injection on a real P/D cluster with our connector: router, prefill and decode nodes as their own
 processes, KV over ZeroMQ tcp with checksums, faults armed on the prefill node's block server over its
-own socket (TANDEM_KV_FAULTS=1), nodes killed with SIGKILL.
+own socket (TANDEM_NODE_KV_FAULTS=1), nodes killed with SIGKILL.
 
 After every fault: the surviving nodes hold no lease and no KV block (their free-block counts are back
 at baseline), no request outlives its deadline, and the client got the right answer (retried or
@@ -50,7 +50,7 @@ DEADLINE_S = 300.0
 """What any request may take here, compute included (a 2k-token float32 prefill on one shared core);
 the tests that are about hangs assert tighter bounds themselves."""
 NODE_ENV = {
-    "TANDEM_KV_FAULTS": "1",
+    "TANDEM_NODE_KV_FAULTS": "1",
     "TANDEM_NODE_KV_TRANSPORT": "tcp",
     "TANDEM_NODE_KV_LEASE_S": str(LEASE_S),
     "TANDEM_NODE_KV_TRANSFER_TIMEOUT_S": str(TRANSFER_TIMEOUT_S),

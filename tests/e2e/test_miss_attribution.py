@@ -73,7 +73,7 @@ class MissCluster:
 
     @property
     def index(self) -> Any:
-        return self.app.state.index.get(self.model)
+        return self.app.services.index.get(self.model)
 
     def on_router_loop(self, fn: Any) -> Any:
         """Run ``fn()`` on the router's event loop (the index is owned by it) and return its result."""
@@ -98,7 +98,7 @@ class MissCluster:
         return r.json()
 
     def held_by(self, prompt_keys: list[int]) -> dict[str, int]:
-        return self.on_router_loop(lambda: self.app.state.index.longest_prefix(self.model, prompt_keys))
+        return self.on_router_loop(lambda: self.app.services.index.longest_prefix(self.model, prompt_keys))
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ def test_each_kind_of_miss_is_attributed_as_such(mc: MissCluster) -> None:
     b_keys = mc.keys(b)
     mc.complete(b)
     assert wait_for(lambda: mc.held_by(b_keys).get("ma-n0") == len(b_keys), 30), mc.held_by(b_keys)
-    policy = mc.app.state.orchestrator.policy
+    policy = mc.app.services.orchestrator.policy
     policy.config = CacheAwareConfig(imbalance_threshold=0)
     body = {"model": mc.model, "prompt": b, "max_tokens": 64, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{mc.url}/v1/completions", json=body, timeout=300) as held:

@@ -46,7 +46,7 @@ def test_killed_node_leaves_the_index_and_returns_without_stale_hits(cluster: Li
     node = _start_node(cluster, tmp_path / "node.log")
     try:
         with TestClient(create_app(settings)) as client:
-            state = client.app.state
+            state = client.app.services
 
             def ids() -> set[str]:
                 return {n.info.node_id for n in state.fleet.nodes}

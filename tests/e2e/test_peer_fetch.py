@@ -124,7 +124,7 @@ class Running:
         """Leading blocks of ``prompt`` the router's index says ``node``'s engine holds."""
         ids = self.ids(prompt)
         keys = list(BlockHasher(BLOCK, "sha256_cbor").keys(ids))[: (len(ids) - 1) // BLOCK]
-        own = on_server_loop(self.server, lambda: self.app.state.index.own_prefix(self.model.name, keys))
+        own = on_server_loop(self.server, lambda: self.app.services.index.own_prefix(self.model.name, keys))
         return int(own.get(node, 0))
 
     def router_sees_idle(self, node: str) -> bool:

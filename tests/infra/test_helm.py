@@ -46,7 +46,7 @@ import sys
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import kubernetes_validate
 import pytest
@@ -825,13 +825,14 @@ def test_chart_refuses(overrides: Obj, message: str) -> None:
 def test_values_schema_names_what_the_processes_accept() -> None:
     """values.schema.json's enums are the settings' own choices, so the chart refuses what a node or a
     router would refuse at start, and nothing they accept."""
-    from kv_transfer import ConnectorKind
+    from kv_transfer import ConnectorKind, TransportName
     from router.policies import PolicyName
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     node = schema["$defs"]["node"]["properties"]
     assert node["connector"]["enum"] == [c.value for c in ConnectorKind]
-    assert tuple(node["kvTransport"]["enum"]) == get_args(NodeSettings.model_fields["kv_transport"].annotation)
+    assert node["kvTransport"]["enum"] == [t.value for t in TransportName]
+    assert NodeSettings.model_fields["kv_transport"].annotation is TransportName
     assert schema["properties"]["router"]["properties"]["policy"]["enum"] == [p.value for p in PolicyName]
 
 

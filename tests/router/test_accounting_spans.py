@@ -29,11 +29,11 @@ def test_a_finished_request_becomes_one_trace_in_order() -> None:
 
 def test_no_endpoint_no_tracer_and_an_endpoint_a_tracer(redis_unit_url: str) -> None:
     with TestClient(create_app(RouterSettings(redis_url=redis_unit_url, registry_refresh_s=60))) as c:
-        assert c.app.state.accounting.tracer is None  # type: ignore[attr-defined]
+        assert c.app.services.accounting.tracer is None  # type: ignore[attr-defined]
     # Nothing listens at the endpoint: export fails in the provider's thread, never in a request.
     settings = RouterSettings(
         redis_url=redis_unit_url, registry_refresh_s=60, otlp_traces_endpoint="http://127.0.0.1:1/v1/traces"
     )
     with TestClient(create_app(settings)) as c:
-        assert c.app.state.accounting.tracer is not None  # type: ignore[attr-defined]
+        assert c.app.services.accounting.tracer is not None  # type: ignore[attr-defined]
         assert c.get("/health").status_code in (200, 503)

@@ -38,7 +38,7 @@ async def test_the_queue_is_released_at_the_first_event_while_the_answer_streams
         )
         await register_nodes([node])
         app, server, url = in_process_router(REDIS_URL, tmp_path, f"test-{model}:", tokenize="always", telemetry=False)
-        policy = app.state.orchestrator.policy
+        policy = app.services.orchestrator.policy
 
         def queued() -> dict[str, int]:
             return dict(policy._queued)  # a copy, read from the test's thread

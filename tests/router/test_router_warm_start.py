@@ -18,7 +18,7 @@ def test_the_router_serves_only_after_its_tokenizer_is_loaded(redis_unit_url: st
     model = str(default_model_dir())
     app = create_app(RouterSettings(redis_url=redis_unit_url, registry_refresh_s=60, warm_models=[model, "/no/such"]))
     with TestClient(app):  # returns once the lifespan has started: when uvicorn would listen
-        assert app.state.orchestrator.tokenizer.loaded == {model}  # a folder not on this host is skipped
+        assert app.services.orchestrator.tokenizer.loaded == {model}  # a folder not on this host is skipped
 
 
 def test_warming_renders_a_chat_so_the_first_request_finds_the_template_compiled() -> None:

@@ -93,7 +93,7 @@ async def test_routing_keys_carry_the_tenant_salt(tmp_path: Path) -> None:
         assert ids is not None and len(ids) > 3 * r.node.block_size
         salt = CacheSalts.from_cluster_secret().salt("acme", authenticated=True)
         keys = BlockHasher(r.node.block_size).keys(ids, cache_salt=salt)
-        r.app.state.index.model(r.model, r.node.block_size).add_blocks(r.node.node_id, keys)
+        r.app.services.index.model(r.model, r.node.block_size).add_blocks(r.node.node_id, keys)
 
         def fleet_cached(resp: httpx.Response) -> int:
             assert resp.status_code == 200, resp.text

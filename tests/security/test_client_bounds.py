@@ -101,7 +101,7 @@ async def test_a_trickled_body_is_408_at_the_deadline_and_frees_its_slot(tmp_pat
         assert 1.0 <= took < 4.0
         # the one stream slot of the tenant is back: the next request is served, not a 429
         end = time.monotonic() + 10
-        while r.app.state.admission.streams.inflight("anonymous"):
+        while r.app.services.admission.streams.inflight("anonymous"):
             assert time.monotonic() < end, "the slot was not freed"
             await asyncio.sleep(0.02)
         await _served(client, r)

@@ -46,7 +46,7 @@ async def _until(check, timeout_s: float = 20) -> None:  # noqa: ANN001
 
 
 def _inflight(r: Router, tenant: str) -> int:
-    return int(r.app.state.admission.streams.inflight(tenant))
+    return int(r.app.services.admission.streams.inflight(tenant))
 
 
 async def test_over_the_limit_is_429_and_every_exit_frees_the_slot(tmp_path: Path) -> None:

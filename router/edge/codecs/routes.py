@@ -25,13 +25,14 @@ from router.edge.codecs.store import ResponseStore
 from router.edge.codecs.websocket import socket_router
 from router.edge.limits import parse_json
 from router.edge.openai_errors import error_responses
+from router.edge.services import services_of
 
 
 async def _tenant(request: Request) -> Tenant:
     authorization = request.headers.get("authorization")
     if authorization is None and request.headers.get("x-api-key"):
         authorization = f"Bearer {request.headers['x-api-key']}"
-    tenant: Tenant = await request.app.state.admission.gate.authenticate(authorization)
+    tenant: Tenant = await services_of(request).admission.gate.authenticate(authorization)
     return tenant
 
 
@@ -70,7 +71,7 @@ def agent_router() -> APIRouter:
     errors = error_responses(401, 404)
 
     def store(request: Request) -> ResponseStore:
-        s: ResponseStore = request.app.state.response_store
+        s: ResponseStore = services_of(request).response_store
         return s
 
     @router.get("/v1/responses/{response_id}", responses=errors)
@@ -109,16 +110,16 @@ def agent_router() -> APIRouter:
     async def count_tokens(request: Request) -> JSONResponse:
         try:
             await _tenant(request)
-            settings = request.app.state.settings
+            settings = services_of(request).settings
             body = parse_json(await request.body(), settings.max_json_depth, settings.max_json_containers)
             check_schema("count_tokens", body)
             body = {**body, "max_tokens": 1, "stream": False}
             internal = decode_body("messages", body, {})
-            served = request.app.state.fleet.models()
+            served = services_of(request).fleet.models()
             node = served.get(internal.model)
             if node is None:
                 raise ModelNotFound(f"model: {internal.model}", param="model")
-            ids = await request.app.state.orchestrator.tokenizer.token_ids(node.info, to_chat_body(internal))
+            ids = await services_of(request).orchestrator.tokenizer.token_ids(node.info, to_chat_body(internal))
             if ids is None:
                 raise InvalidRequest("this model's tokenizer is not available to the router", param="model")
             return JSONResponse({"input_tokens": len(ids)})

@@ -66,6 +66,7 @@ from router.edge.codecs.store import ResponseStore, SocketResponses
 from router.edge.codecs.websocket_frames import Bad, Cancel, Create, busy_event, error_event, parse_client_message
 from router.edge.direct_write import RAW_SEND
 from router.edge.openai_errors import response_for
+from router.edge.services import services_of
 from router.sessions.models import SESSION_HEADER, validate_id
 from router.tokenizer import SESSION_TOKENS
 
@@ -192,7 +193,7 @@ class SocketSession:
         path = "/v1/responses" if api == "responses" else "/v1/chat/completions"
         self.scope = _http_scope(ws, path, authorization)
         """Every message's request scope: the upgrade's, as a POST to the HTTP route (a copy per message)."""
-        state = ws.app.state
+        state = services_of(ws)
         self.settings = state.settings
         store: ResponseStore = state.response_store
         self.turn = SocketTurn(SocketResponses(store), session_id)
@@ -344,7 +345,7 @@ def _http_scope(ws: WebSocket, path: str, authorization: str | None) -> dict[str
 
 async def serve(ws: WebSocket, api: SocketApi, table: SocketTable) -> None:
     """One upgrade: authenticate, take a slot of the tenant's, accept, run the socket's session."""
-    state = ws.app.state
+    state = services_of(ws)
     authorization, subprotocol = _key_from(ws)
     metrics = state.metrics
     try:
