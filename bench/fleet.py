@@ -4,7 +4,8 @@ colocated nodes serves coding-agent sessions.
 Arms, each on fresh engines with the same ``vllm serve`` command line (``node_agent.node.engine_command``
 for one colocated node, one core slice each, ``infra.launcher.assign_cores``):
 
-    tandem                 ``tandem up --both N`` as a user gets it (its defaults)
+    tandem                 ``tandem up --both N`` as a user gets it (its defaults; the shared cache by
+                           ``infra.shared_cache``'s rule: off below three nodes)
     tandem_tier            the same with a host tier every node shares and peer fetch
                            (``--host-tier``, ``--peer-kv``)
     vllm_router_cache_aware   vllm-router 0.1.17 ``--policy cache_aware`` over N plain engines
@@ -63,6 +64,7 @@ from contracts.config import redis_url as configured_redis_url
 from contracts.registry import Role
 from contracts.secret import engine_auth_headers
 from infra.launcher import Cluster, ClusterSpec, assign_cores
+from infra.shared_cache import shared_cache_default
 from kv_transfer import ENGINE_HOOKS
 from node_agent.node import EngineProcess, engine_env
 from node_agent.settings import NodeSettings
@@ -336,6 +338,8 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
             for e in engines:
                 e.stop()
         return
+    tier = arm == "tandem_tier"
+    default = shared_cache_default(cfg.nodes)  # the defaults arm gets what `tandem up` gives a user
     spec = ClusterSpec(
         prefill=0,
         decode=0,
@@ -348,8 +352,8 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
         routers=cfg.routers,
         workdir=cfg.workdir / f"cluster-{tag}",
         router_env=(("TANDEM_DATABASE_URL", f"sqlite:///{(cfg.workdir / f'router-{tag}.db').resolve()}"),),
-        host_tier=cfg.host_tier if arm == "tandem_tier" else None,
-        peer_kv=arm == "tandem_tier",
+        host_tier=cfg.host_tier if tier else default.host_tier,
+        peer_kv=tier or default.peer_kv,
     )
     with Cluster(spec) as cluster:
         urls = cluster.role_urls("both")
