@@ -28,8 +28,7 @@ Per arm (requests of every round pooled):
                         inside vLLM's buckets); client minus engine is what the path between them adds
     sessions_per_min    sessions whose every turn succeeded, per minute of the arm's wall time
     non_engine_cpu_s    CPU seconds of every process of the arm that is not an engine, over the run:
-                        routers, node agents, lake writer, host tier; vllm-router. Redis is shared with
-                        other users of the host and not counted.
+                        routers, node agents, lake writer, host tier, the arm's own Redis; vllm-router.
 
 Targets (issue 37), Tandem's defaults against vllm-router ``cache_aware``: sessions per minute
 >= 1.10x, client ITL p50 <= 1.05x, TTFT p99 <= 0.8x, hit >= +0.03; and the defaults arm at least
@@ -109,8 +108,10 @@ class FleetBenchConfig:
     """Router replicas of the Tandem arms; None: ``tandem up``'s default for this host."""
     model: str | None = None
     port_base: int = 19700
-    """Engines use port_base + 10 * i, routers port_base + 50 (vllm-router's metrics + 51)."""
-    redis_url: str = field(default_factory=lambda: configured_redis_url(db=12))
+    """Engines use port_base + 10 * i, routers port_base + 50 (vllm-router's metrics + 51), Redis + 60."""
+    redis_url: str | None = None
+    """Registry Redis of the Tandem arms; None: one of each arm's own (port_base + 60), so nothing else
+    on the host's Redis (a test's FLUSHDB of a shared database) takes a cluster's registry mid-run."""
     workdir: Path = Path(".tandem/bench-fleet")
 
 
@@ -288,7 +289,7 @@ def _node_settings(cfg: FleetBenchConfig, i: int, logs: Path) -> NodeSettings:
         log_dir=logs,
         node_id=f"plain-{cfg.port_base + 10 * i}",
         engine_auth=False,
-        redis_url=cfg.redis_url,
+        redis_url=cfg.redis_url or configured_redis_url(),  # unused: a plain engine registers nowhere
     )
 
 
@@ -348,6 +349,8 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
         router_port=router_port,
         node_base_port=cfg.port_base,
         redis_url=cfg.redis_url,
+        embedded_redis=cfg.redis_url is None,
+        redis_port=cfg.port_base + 60,
         kv_cache_gib=cfg.kv_cache_gib,
         routers=cfg.routers,
         workdir=cfg.workdir / f"cluster-{tag}",
@@ -357,7 +360,7 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
     )
     with Cluster(spec) as cluster:
         urls = cluster.role_urls("both")
-        others = {name: p.pid for name, p in cluster.procs if name != "redis"}
+        others = {name: p.pid for name, p in cluster.procs if name != "redis" or cfg.redis_url is None}
         command: list[str] = []
         with contextlib.suppress(psutil.Error, StopIteration, IndexError):  # recorded only
             agent = next(p for name, p in cluster.procs if name.startswith("both"))
