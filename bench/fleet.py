@@ -5,7 +5,7 @@ Arms, each on fresh engines with the same ``vllm serve`` command line (``node_ag
 for one colocated node, one core slice each, ``infra.launcher.assign_cores``):
 
     tandem                 ``tandem up --both N`` as a user gets it (its defaults; the shared cache by
-                           ``infra.shared_cache``'s rule: off below three nodes)
+                           ``infra.shared_cache``'s rule: off below four nodes)
     tandem_tier            the same with a host tier every node shares and peer fetch
                            (``--host-tier``, ``--peer-kv``)
     vllm_router_cache_aware   vllm-router 0.1.17 ``--policy cache_aware`` over N plain engines

@@ -145,7 +145,7 @@ _UpHostTier = Annotated[
     typer.Option(
         help="Give every node a shared host tier of this size (e.g. 2GiB, in /dev/shm): finished prompts' "
         "KV blocks are kept there and loaded instead of recomputed (`tandem tier serve`); off: none. "
-        "Default: on from 3 colocated nodes of one model, sized from the memory available "
+        "Default: on from 4 colocated nodes of one model, sized from the memory available "
         "(infra/shared_cache.py), else none."
     ),
 ]
@@ -155,7 +155,7 @@ _UpPeerKv = Annotated[
     typer.Option(
         help="Colocated nodes run our KV connector: a node loads a prompt prefix another node holds instead "
         "of computing it, when the router measures that faster (peer fetch). Default: with the default "
-        "host tier (from 3 colocated nodes of one model)."
+        "host tier (from 4 colocated nodes of one model)."
     ),
 ]
 

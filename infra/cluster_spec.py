@@ -88,7 +88,7 @@ class ClusterSpec:
     host_tier: str | None = None
     """Size of a host tier every node shares (``2GiB``; ``tandem tier serve``); None: no host tier.
     A spec is taken as given; ``tandem up`` fills this and ``peer_kv`` by ``infra.shared_cache``'s rule
-    (on from three colocated nodes of one model, measured) unless its options name them."""
+    (on from four colocated nodes of one model, measured) unless its options name them."""
     tier_env: tuple[tuple[str, str], ...] = ()
     """Environment of the host tier's process on top of this one's (``TANDEM_TIER_*`` settings)."""
     keep_host_tier: bool = False

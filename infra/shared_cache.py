@@ -15,9 +15,9 @@ The rule, from measurement on 2-core hosts (SmolLM2-135M, CPU engines):
   4.8 s. A repository's sessions spread over several nodes; the tier holds each block once for all of
   them, and a node loads what another computed.
 
-So the threshold is ``MIN_NODES`` colocated nodes of one model (three: the first count past the
-measured two, where the engines' caches start to hold the same contexts several times over), and a
-tier only where the host has the memory: ``TIER_SHARE`` of the memory available at start, at most
+So the threshold is ``MIN_NODES`` colocated nodes of one model (four: the count measured paying; three
+is not measured, and the tier's cost per engine step is certain where its gain is not), and a tier
+only where the host has the memory: 1/``TIER_SHARE`` of the memory available at start, at most
 ``TIER_MAX`` (the size ``bench fleet`` measured), at least ``TIER_MIN`` (the size ``bench kv-cache``
 measured paying), and never more than half of what /dev/shm has free (the tier's file lives there).
 Not for P/D clusters (their nodes already move KV between roles), several served models (the tier
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-MIN_NODES = 3
+MIN_NODES = 4
 """Colocated nodes of one model from which the shared cache is on by default."""
 TIER_MAX = 2 << 30
 TIER_MIN = 192 << 20

@@ -1,4 +1,4 @@
-"""The shared cache's default (``infra.shared_cache``): on from three colocated nodes of one model on a host
+"""The shared cache's default (``infra.shared_cache``): on from four colocated nodes of one model on a host
 with the memory for a tier, and what ``tandem up`` starts by it (the cluster itself is not started)."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
-def test_two_nodes_run_without_it_and_three_with_it() -> None:
-    two = shared_cache_default(2, tier_bytes=GIB)
-    assert (two.host_tier, two.peer_kv) == (None, False)
-    three = shared_cache_default(MIN_NODES, tier_bytes=GIB)
-    assert (three.host_tier, three.peer_kv) == ("1024MiB", True)
-    assert "3 colocated nodes" in three.reason
+def test_three_nodes_run_without_it_and_four_with_it() -> None:
+    three = shared_cache_default(3, tier_bytes=GIB)
+    assert (three.host_tier, three.peer_kv) == (None, False)
+    four = shared_cache_default(MIN_NODES, tier_bytes=GIB)
+    assert (four.host_tier, four.peer_kv) == ("1024MiB", True)
+    assert "4 colocated nodes" in four.reason
 
 
 @pytest.mark.parametrize(
@@ -63,18 +63,18 @@ def _up(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[object, str]:
 
 
 def test_tandem_up_turns_it_on_by_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec, said = _up(monkeypatch, "--both", "3")
+    spec, said = _up(monkeypatch, "--both", "4")
     assert (spec.host_tier, spec.peer_kv) == ("512MiB", True)
-    assert "shared cache: on (3 colocated nodes: 512 MiB host tier)" in said
-    spec, said = _up(monkeypatch, "--both", "2")
+    assert "shared cache: on (4 colocated nodes: 512 MiB host tier)" in said
+    spec, said = _up(monkeypatch, "--both", "3")
     assert (spec.host_tier, spec.peer_kv) == (None, False)
-    assert "shared cache: off (2 colocated node(s)" in said
+    assert "shared cache: off (3 colocated node(s)" in said
 
 
 def test_the_options_override_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec, _ = _up(monkeypatch, "--both", "3", "--host-tier", "off")
+    spec, _ = _up(monkeypatch, "--both", "4", "--host-tier", "off")
     assert (spec.host_tier, spec.peer_kv) == (None, True)
-    spec, _ = _up(monkeypatch, "--both", "3", "--no-peer-kv")
+    spec, _ = _up(monkeypatch, "--both", "4", "--no-peer-kv")
     assert (spec.host_tier, spec.peer_kv) == ("512MiB", False)
     spec, said = _up(monkeypatch, "--both", "2", "--host-tier", "1GiB")
     assert (spec.host_tier, spec.peer_kv) == ("1GiB", False)
