@@ -29,6 +29,8 @@ Per arm (requests of every round pooled):
     sessions_per_min    sessions whose every turn succeeded, per minute of the arm's wall time
     non_engine_cpu_s    CPU seconds of every process of the arm that is not an engine, over the run:
                         routers, node agents, lake writer, host tier, the arm's own Redis; vllm-router.
+    outside_cpu_s       CPU seconds the host spent outside the benchmark meanwhile (others' work): a run
+                        that lost its cores to it is told apart from one that was slow by itself.
 
 Targets (issue 37), Tandem's defaults against vllm-router ``cache_aware``: sessions per minute
 >= 1.10x, client ITL p50 <= 1.05x, TTFT p99 <= 0.8x, hit >= +0.03; and the defaults arm at least
@@ -56,7 +58,7 @@ import psutil
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
 from bench.charts import grouped_bars, save, subplots
 from bench.loadgen import SentRequest, percentile, run_sessions
-from bench.procs import sched_cpu_s, served_model, wait_http
+from bench.procs import outside_cpu_s, sched_cpu_s, served_model, wait_http
 from bench.routing import _Tokens
 from bench.vllm_router import PeerWorker, VllmRouter
 from contracts.config import redis_url as configured_redis_url
@@ -130,6 +132,8 @@ class RunRecord:
     engine_itl_sum_s: float
     non_engine_cpu_s: dict[str, float]
     """Process name -> CPU seconds over the run."""
+    outside_cpu_s: float = 0.0
+    """CPU seconds the host spent on work outside the benchmark over the run (``procs.outside_cpu_s``)."""
 
 
 def parse_histogram(text: str, name: str) -> tuple[dict[float, float], float, float]:
@@ -221,6 +225,7 @@ def summarize(runs: Sequence[RunRecord]) -> dict[str, Any]:
         "path_itl_p50_ms": round(client_p50 - engine_p50, 1),
         "non_engine_cpu_s": round(sum(cpu.values()), 2),
         "non_engine_cpu_by_process": cpu,
+        "outside_cpu_s": round(sum(r.outside_cpu_s for r in runs), 2),
         "per_run_wall_s": [round(r.wall_s, 1) for r in runs],
     }
 
@@ -416,11 +421,11 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
                 _warm(served)
                 mine = [dataclasses.replace(s, session_id=f"{s.session_id}-{arm}") for s in scripts]
                 buckets0, sum0, cpu0 = _scrape(served)
-                start = time.perf_counter()
+                start, outside = time.perf_counter(), outside_cpu_s()
                 sent = asyncio.run(
                     run_sessions(served.url, served.model, mine, cfg.max_tokens, max_sessions=cfg.concurrency)
                 )
-                wall = time.perf_counter() - start
+                wall, outside = time.perf_counter() - start, outside_cpu_s() - outside
                 buckets1, sum1, cpu1 = _scrape(served)
             record = RunRecord(
                 arm=arm,
@@ -431,13 +436,15 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
                 engine_itl_buckets=diff_buckets(buckets0, buckets1),
                 engine_itl_sum_s=sum1 - sum0,
                 non_engine_cpu_s={k: round(cpu1[k] - cpu0.get(k, 0.0), 3) for k in cpu1},
+                outside_cpu_s=outside,
             )
             runs.append(record)
             one = summarize([record])
             _log(
                 f"{tag}: {one['wall_s']} s, {one['sessions_per_min']} sessions/min, hit {one['hit']}, "
                 f"TTFT p50/p99 {one['ttft_p50_ms']}/{one['ttft_p99_ms']} ms, ITL client/engine "
-                f"{one['client_itl_p50_ms']}/{one['engine_itl_p50_ms']} ms, errors {one['errors']}"
+                f"{one['client_itl_p50_ms']}/{one['engine_itl_p50_ms']} ms, errors {one['errors']}, "
+                f"outside CPU {one['outside_cpu_s']} s"
             )
             partial = {"partial": True, "runs": {f"r{r.round}-{r.arm}": summarize([r]) for r in runs}}
             out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=2, default=str))
