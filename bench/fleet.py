@@ -4,7 +4,8 @@ colocated nodes serves coding-agent sessions.
 Arms, each on fresh engines with the same ``vllm serve`` command line (``node_agent.node.engine_command``
 for one colocated node, one core slice each, ``infra.launcher.assign_cores``):
 
-    tandem                 ``tandem up --both N`` as a user gets it (its defaults)
+    tandem                 ``tandem up --both N`` as a user gets it (its defaults; the shared cache by
+                           ``infra.shared_cache``'s rule: off below four nodes)
     tandem_tier            the same with a host tier every node shares and peer fetch
                            (``--host-tier``, ``--peer-kv``)
     vllm_router_cache_aware   vllm-router 0.1.17 ``--policy cache_aware`` over N plain engines
@@ -27,8 +28,9 @@ Per arm (requests of every round pooled):
                         inside vLLM's buckets); client minus engine is what the path between them adds
     sessions_per_min    sessions whose every turn succeeded, per minute of the arm's wall time
     non_engine_cpu_s    CPU seconds of every process of the arm that is not an engine, over the run:
-                        routers, node agents, lake writer, host tier; vllm-router. Redis is shared with
-                        other users of the host and not counted.
+                        routers, node agents, lake writer, host tier, the arm's own Redis; vllm-router.
+    outside_cpu_s       CPU seconds the host spent outside the benchmark meanwhile (others' work): a run
+                        that lost its cores to it is told apart from one that was slow by itself.
 
 Targets (issue 37), Tandem's defaults against vllm-router ``cache_aware``: sessions per minute
 >= 1.10x, client ITL p50 <= 1.05x, TTFT p99 <= 0.8x, hit >= +0.03; and the defaults arm at least
@@ -56,13 +58,14 @@ import psutil
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
 from bench.charts import grouped_bars, save, subplots
 from bench.loadgen import SentRequest, percentile, run_sessions
-from bench.procs import sched_cpu_s, served_model, wait_http
+from bench.procs import outside_cpu_s, sched_cpu_s, served_model, wait_http
 from bench.routing import _Tokens
 from bench.vllm_router import PeerWorker, VllmRouter
 from contracts.config import redis_url as configured_redis_url
 from contracts.registry import Role
 from contracts.secret import engine_auth_headers
 from infra.launcher import Cluster, ClusterSpec, assign_cores
+from infra.shared_cache import shared_cache_default
 from kv_transfer import ENGINE_HOOKS
 from node_agent.node import EngineProcess, engine_env
 from node_agent.settings import NodeSettings
@@ -107,8 +110,10 @@ class FleetBenchConfig:
     """Router replicas of the Tandem arms; None: ``tandem up``'s default for this host."""
     model: str | None = None
     port_base: int = 19700
-    """Engines use port_base + 10 * i, routers port_base + 50 (vllm-router's metrics + 51)."""
-    redis_url: str = field(default_factory=lambda: configured_redis_url(db=12))
+    """Engines use port_base + 10 * i, routers port_base + 50 (vllm-router's metrics + 51), Redis + 60."""
+    redis_url: str | None = None
+    """Registry Redis of the Tandem arms; None: one of each arm's own (port_base + 60), so nothing else
+    on the host's Redis (a test's FLUSHDB of a shared database) takes a cluster's registry mid-run."""
     workdir: Path = Path(".tandem/bench-fleet")
 
 
@@ -127,6 +132,8 @@ class RunRecord:
     engine_itl_sum_s: float
     non_engine_cpu_s: dict[str, float]
     """Process name -> CPU seconds over the run."""
+    outside_cpu_s: float = 0.0
+    """CPU seconds the host spent on work outside the benchmark over the run (``procs.outside_cpu_s``)."""
 
 
 def parse_histogram(text: str, name: str) -> tuple[dict[float, float], float, float]:
@@ -218,6 +225,7 @@ def summarize(runs: Sequence[RunRecord]) -> dict[str, Any]:
         "path_itl_p50_ms": round(client_p50 - engine_p50, 1),
         "non_engine_cpu_s": round(sum(cpu.values()), 2),
         "non_engine_cpu_by_process": cpu,
+        "outside_cpu_s": round(sum(r.outside_cpu_s for r in runs), 2),
         "per_run_wall_s": [round(r.wall_s, 1) for r in runs],
     }
 
@@ -286,7 +294,7 @@ def _node_settings(cfg: FleetBenchConfig, i: int, logs: Path) -> NodeSettings:
         log_dir=logs,
         node_id=f"plain-{cfg.port_base + 10 * i}",
         engine_auth=False,
-        redis_url=cfg.redis_url,
+        redis_url=cfg.redis_url or configured_redis_url(),  # unused: a plain engine registers nowhere
     )
 
 
@@ -336,6 +344,8 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
             for e in engines:
                 e.stop()
         return
+    tier = arm == "tandem_tier"
+    default = shared_cache_default(cfg.nodes)  # the defaults arm gets what `tandem up` gives a user
     spec = ClusterSpec(
         prefill=0,
         decode=0,
@@ -344,16 +354,18 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
         router_port=router_port,
         node_base_port=cfg.port_base,
         redis_url=cfg.redis_url,
+        embedded_redis=cfg.redis_url is None,
+        redis_port=cfg.port_base + 60,
         kv_cache_gib=cfg.kv_cache_gib,
         routers=cfg.routers,
         workdir=cfg.workdir / f"cluster-{tag}",
         router_env=(("TANDEM_DATABASE_URL", f"sqlite:///{(cfg.workdir / f'router-{tag}.db').resolve()}"),),
-        host_tier=cfg.host_tier if arm == "tandem_tier" else None,
-        peer_kv=arm == "tandem_tier",
+        host_tier=cfg.host_tier if tier else default.host_tier,
+        peer_kv=tier or default.peer_kv,
     )
     with Cluster(spec) as cluster:
         urls = cluster.role_urls("both")
-        others = {name: p.pid for name, p in cluster.procs if name != "redis"}
+        others = {name: p.pid for name, p in cluster.procs if name != "redis" or cfg.redis_url is None}
         command: list[str] = []
         with contextlib.suppress(psutil.Error, StopIteration, IndexError):  # recorded only
             agent = next(p for name, p in cluster.procs if name.startswith("both"))
@@ -409,11 +421,11 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
                 _warm(served)
                 mine = [dataclasses.replace(s, session_id=f"{s.session_id}-{arm}") for s in scripts]
                 buckets0, sum0, cpu0 = _scrape(served)
-                start = time.perf_counter()
+                start, outside = time.perf_counter(), outside_cpu_s()
                 sent = asyncio.run(
                     run_sessions(served.url, served.model, mine, cfg.max_tokens, max_sessions=cfg.concurrency)
                 )
-                wall = time.perf_counter() - start
+                wall, outside = time.perf_counter() - start, outside_cpu_s() - outside
                 buckets1, sum1, cpu1 = _scrape(served)
             record = RunRecord(
                 arm=arm,
@@ -424,13 +436,15 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
                 engine_itl_buckets=diff_buckets(buckets0, buckets1),
                 engine_itl_sum_s=sum1 - sum0,
                 non_engine_cpu_s={k: round(cpu1[k] - cpu0.get(k, 0.0), 3) for k in cpu1},
+                outside_cpu_s=outside,
             )
             runs.append(record)
             one = summarize([record])
             _log(
                 f"{tag}: {one['wall_s']} s, {one['sessions_per_min']} sessions/min, hit {one['hit']}, "
                 f"TTFT p50/p99 {one['ttft_p50_ms']}/{one['ttft_p99_ms']} ms, ITL client/engine "
-                f"{one['client_itl_p50_ms']}/{one['engine_itl_p50_ms']} ms, errors {one['errors']}"
+                f"{one['client_itl_p50_ms']}/{one['engine_itl_p50_ms']} ms, errors {one['errors']}, "
+                f"outside CPU {one['outside_cpu_s']} s"
             )
             partial = {"partial": True, "runs": {f"r{r.round}-{r.arm}": summarize([r]) for r in runs}}
             out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=2, default=str))

@@ -43,6 +43,15 @@ def cpu_s(pid: int) -> float:
         return 0.0
 
 
+def outside_cpu_s() -> float:
+    """CPU seconds the host has been busy so far outside this process and its descendants (steal
+    included): over a run, what other users of the host took from its cores, where engines whose
+    threads meet at every step stall on any of them. Descendants gone before the end are not subtracted."""
+    t = psutil.cpu_times()
+    busy = sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+    return busy - cpu_s(os.getpid())
+
+
 def sched_cpu_s(pid: int) -> float:
     """CPU seconds of every thread of ``pid`` from the scheduler's nanosecond counters
     (``/proc/<pid>/task/*/schedstat``): for windows of a few tens of ms, where ``cpu_times``'s 10 ms

@@ -20,6 +20,7 @@ from kv_transfer import ConnectorKind
 
 if TYPE_CHECKING:
     from infra.launcher import Cluster, ModelSpec
+    from infra.shared_cache import SharedCache
 
 model_app = typer.Typer(help="Prepare and inspect models.", no_args_is_help=True)
 
@@ -143,15 +144,18 @@ _UpHostTier = Annotated[
     str | None,
     typer.Option(
         help="Give every node a shared host tier of this size (e.g. 2GiB, in /dev/shm): finished prompts' "
-        "KV blocks are kept there and loaded instead of recomputed (`tandem tier serve`). Default: none."
+        "KV blocks are kept there and loaded instead of recomputed (`tandem tier serve`); off: none. "
+        "Default: on from 4 colocated nodes of one model, sized from the memory available "
+        "(infra/shared_cache.py), else none."
     ),
 ]
 
 _UpPeerKv = Annotated[
-    bool,
+    bool | None,
     typer.Option(
         help="Colocated nodes run our KV connector: a node loads a prompt prefix another node holds instead "
-        "of computing it, when the router measures that faster (peer fetch). Default: off."
+        "of computing it, when the router measures that faster (peer fetch). Default: with the default "
+        "host tier (from 4 colocated nodes of one model)."
     ),
 ]
 
@@ -180,7 +184,7 @@ def up(
     lake: _UpLake = None,
     policy: _UpPolicy = None,
     host_tier: _UpHostTier = None,
-    peer_kv: _UpPeerKv = False,
+    peer_kv: _UpPeerKv = None,
     keep_host_tier: _UpKeepHostTier = False,
 ) -> None:
     """Start a local cluster (Redis if needed, nodes, router) and run it until Ctrl-C or SIGTERM."""
@@ -195,6 +199,7 @@ def up(
         if len(folders) > 1 or (folders and served):
             raise ConfigError("give one --model FOLDER, or NAME=PATH models (repeated, or [served] in --models)")
     workdir = workdir or default_workdir(cluster_name)
+    shared = _shared_cache(both, prefill + decode, served, connector, host_tier)
     spec = ClusterSpec(
         prefill=prefill,
         decode=decode,
@@ -213,11 +218,31 @@ def up(
         workdir=workdir,
         lake=lake_dir(lake, workdir=workdir).path,
         policy=policy,
-        host_tier=host_tier,
+        host_tier=shared.host_tier if host_tier is None else (None if host_tier == "off" else host_tier),
         keep_host_tier=keep_host_tier,
-        peer_kv=peer_kv,
+        peer_kv=shared.peer_kv if peer_kv is None else peer_kv,
     )
+    if host_tier is None:
+        console.print(f"shared cache: {shared.reason}")
+    elif peer_kv is None:
+        console.print(f"peer fetch: {'on' if shared.peer_kv else 'off'} (by default with {both} colocated node(s))")
     _run_cluster(Cluster(spec), f"{prefill}P + {decode}D + {both} colocated", served)
+
+
+def _shared_cache(
+    colocated: int, pd_nodes: int, served: tuple[ModelSpec, ...], connector: ConnectorKind | None, tier: str | None
+) -> SharedCache:
+    """``tandem up``'s shared cache where no option names it: ``infra.shared_cache``'s rule (with
+    ``--host-tier`` given, the rule decides peer fetch alone, as if the host had the memory)."""
+    from infra.shared_cache import TIER_MIN, shared_cache_default
+
+    return shared_cache_default(
+        colocated,
+        pd_nodes=pd_nodes,
+        models=max(len(served), 1),
+        connector=connector.value if connector else None,
+        tier_bytes=TIER_MIN if tier is not None else None,
+    )
 
 
 def _run_cluster(cluster: Cluster, shape: str, served: tuple[ModelSpec, ...]) -> None:

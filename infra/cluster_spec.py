@@ -87,12 +87,8 @@ class ClusterSpec:
     """Environment of every node process on top of this one's (``TANDEM_NODE_*`` settings)."""
     host_tier: str | None = None
     """Size of a host tier every node shares (``2GiB``; ``tandem tier serve``); None: no host tier.
-    Off by default, with ``peer_kv``, by measurement: they pay only when the sessions' shared contexts
-    outgrow the engines' own KV caches, or a node must load a prefix another computed. On a 2-core host,
-    two one-core nodes with 1 GiB of KV each, agent sessions over three repositories of ~1.5k shared
-    tokens (``tandem bench fleet``, 2 rounds): the same hit with both on (0.821), 16.7 sessions per
-    minute against 20.6 and client ITL p50 69 ms against 50 ms (the connector a peer-fetching node runs
-    costs every engine step). Turn them on when the working set exceeds the nodes' KV caches."""
+    A spec is taken as given; ``tandem up`` fills this and ``peer_kv`` by ``infra.shared_cache``'s rule
+    (on from four colocated nodes of one model, measured) unless its options name them."""
     tier_env: tuple[tuple[str, str], ...] = ()
     """Environment of the host tier's process on top of this one's (``TANDEM_TIER_*`` settings)."""
     keep_host_tier: bool = False

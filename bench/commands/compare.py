@@ -184,10 +184,12 @@ def bench_fleet(
     routers: Annotated[
         int | None, typer.Option(min=1, help="Router replicas of the Tandem arms (default: tandem up's).")
     ] = None,
-    port_base: Annotated[int, typer.Option(help="First engine port (engine i: +10*i; routers +50, +51).")] = 19700,
+    port_base: Annotated[
+        int, typer.Option(help="First engine port (engine i: +10*i; routers +50, +51; Redis +60).")
+    ] = 19700,
     redis_url: Annotated[
         str | None,
-        typer.Option(help="Registry Redis of the Tandem arms (default: $TANDEM_REDIS_URL, database 12)."),
+        typer.Option(help="Registry Redis of the Tandem arms (default: an embedded one per arm, port-base + 60)."),
     ] = None,
 ) -> None:
     """Tandem (defaults; with host tier + peer fetch) against vllm-router (cache_aware, round_robin) on N
@@ -210,7 +212,7 @@ def bench_fleet(
         host_tier=host_tier,
         routers=routers,
         port_base=port_base,
-        redis_url=redis_url or _redis_url(db=12),
+        redis_url=redis_url,
     )
     with clean_errors():
         result = run_fleet_bench(out, cfg)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
 
+import psutil
 import pytest
 
 from bench.fleet import (
@@ -19,6 +22,7 @@ from bench.fleet import (
     targets,
 )
 from bench.loadgen import RequestResult, SentRequest, SessionScript, run_sessions
+from bench.procs import outside_cpu_s
 from bench.standin_engine import ServerThread, StandInEngine
 from contracts.registry import Role
 from kv_transfer import ENGINE_HOOKS
@@ -132,3 +136,23 @@ def test_an_agent_pool_runs_at_most_its_size_of_sessions_at_once(max_sessions: i
     for start, _ in spans.values():
         assert sum(lo <= start < hi for lo, hi in spans.values()) <= max_sessions
     assert sum(s.late_s > 0 for s in sent) >= len(scripts) - max_sessions
+
+
+def test_outside_cpu_leaves_out_what_this_process_and_its_children_burn() -> None:
+    def busy() -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - t.iowait - t.guest - t.guest_nice
+
+    burn = (
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass\n"
+        "print(flush=True)\ntime.sleep(60)"
+    )
+    host, outside = busy(), outside_cpu_s()
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline()  # the burn is done, the child still alive
+        host, outside = busy() - host, outside_cpu_s() - outside
+    finally:
+        child.kill()
+        child.wait()
+    assert host - outside >= 0.5  # the child's half second (and this process's own) is not outside

@@ -1,0 +1,81 @@
+"""When ``tandem up`` turns the shared cache on by itself: a host tier every colocated node shares, plus peer
+fetch (``ClusterSpec.host_tier``, ``ClusterSpec.peer_kv``). ``shared_cache_default`` is the rule;
+``tandem up --host-tier SIZE|off`` and ``--peer-kv/--no-peer-kv`` override it.
+
+The rule, from measurement on 2-core hosts (SmolLM2-135M, CPU engines):
+
+- Two colocated nodes: off. ``tandem bench fleet --nodes 2`` (agent sessions over three repositories of
+  ~1.5k shared tokens, 1 GiB of KV per node): the same hit with the tier and peer fetch on (0.821) and
+  fewer sessions per minute (16.7 against 20.6; client ITL p50 69 ms against 50 ms: the connector a
+  peer-fetching node runs costs every engine step). Cache-aware routing keeps a repository's sessions
+  on one node, so its engine already holds the context: ``tandem bench kv-cache --nodes 2`` found the
+  tier level with giving the engines its memory (hit 0.903 against 0.904).
+- Four colocated nodes: on. ``tandem bench kv-cache`` (four nodes, a 192 MiB tier): hit 0.876 against
+  0.579 for the engines alone and 0.737 for the engines given the tier's memory, TTFT p50 0.93 s against
+  4.8 s. A repository's sessions spread over several nodes; the tier holds each block once for all of
+  them, and a node loads what another computed.
+
+So the threshold is ``MIN_NODES`` colocated nodes of one model (four: the count measured paying; three
+is not measured, and the tier's cost per engine step is certain where its gain is not), and a tier
+only where the host has the memory: 1/``TIER_SHARE`` of the memory available at start, at most
+``TIER_MAX`` (the size ``bench fleet`` measured), at least ``TIER_MIN`` (the size ``bench kv-cache``
+measured paying), and never more than half of what /dev/shm has free (the tier's file lives there).
+Not for P/D clusters (their nodes already move KV between roles), several served models (the tier
+holds one model's layout) or the NIXL connector (it serves no prefixes to peers).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+MIN_NODES = 4
+"""Colocated nodes of one model from which the shared cache is on by default."""
+TIER_MAX = 2 << 30
+TIER_MIN = 192 << 20
+TIER_SHARE = 8
+"""The default tier takes at most 1/TIER_SHARE of the memory available when the cluster starts."""
+SHM = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class SharedCache:
+    """What ``tandem up`` runs: a host tier of ``host_tier`` (None: none) and peer fetch, and why."""
+
+    host_tier: str | None
+    peer_kv: bool
+    reason: str
+
+
+def default_tier_bytes(available: int | None = None, shm_free: int | None = None) -> int:
+    """The default tier's size on this host (0: too little memory for one that pays)."""
+    available = psutil.virtual_memory().available if available is None else available
+    if shm_free is None:
+        shm_free = shutil.disk_usage(SHM).free if SHM.is_dir() else 0
+    size = min(TIER_MAX, available // TIER_SHARE, shm_free // 2)
+    size -= size % (1 << 20)  # whole MiB: a readable size in `tandem up`'s output and the tier's
+    return size if size >= TIER_MIN else 0
+
+
+def shared_cache_default(
+    colocated: int,
+    *,
+    pd_nodes: int = 0,
+    models: int = 1,
+    connector: str | None = None,
+    tier_bytes: int | None = None,
+) -> SharedCache:
+    """The rule (this module's docstring): on for ``MIN_NODES`` or more colocated nodes of one model on a
+    host with the memory for a tier, off otherwise. ``tier_bytes`` stands for ``default_tier_bytes()``."""
+    if pd_nodes or models > 1 or connector not in (None, "tandem"):
+        why = "P/D nodes" if pd_nodes else "several models" if models > 1 else f"the {connector} connector"
+        return SharedCache(None, False, f"off ({why})")
+    if colocated < MIN_NODES:
+        return SharedCache(None, False, f"off ({colocated} colocated node(s); on from {MIN_NODES})")
+    size = default_tier_bytes() if tier_bytes is None else tier_bytes
+    if size < TIER_MIN:
+        return SharedCache(None, False, f"off (under {TIER_MIN >> 20} MiB of memory to spare for a host tier)")
+    return SharedCache(f"{size >> 20}MiB", True, f"on ({colocated} colocated nodes: {size >> 20} MiB host tier)")
