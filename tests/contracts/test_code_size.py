@@ -16,15 +16,12 @@ PACKAGES: list[str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
-OVER_FILES = {
-    "router/planning/orchestrator.py": 909,
-}
+OVER_FILES: dict[str, int] = {}
 """Files over the limit, with their lines now."""
 
 OVER_FUNCTIONS = {
     "router/edge/app.py::create_app": 294,
     "router/edge/app.py::create_app.lifespan": 104,
-    "router/edge/exchange.py::Exchange._answer": 101,
 }
 """Functions over the limit, with their lines now."""
 
