@@ -33,7 +33,16 @@ from router.planning.retention import RETAIN_FIELD
 from router.planning.selection import another_node
 from router.policies.base import Candidate, Decision, ReasonCode, RoutingPolicy, RoutingRequest
 from router.record.metrics import RouterMetrics
-from router.record.trace import Kind, RequestTrace, note_answer
+from router.record.trace import (
+    Kind,
+    RequestTrace,
+    note_answer,
+    note_colocated,
+    note_decode_node,
+    note_pair,
+    note_peer_fetch,
+    note_retry,
+)
 from router.settings import FallbackPolicy, RouterSettings
 from router.upstream.node_client import NodeClient
 from router.upstream.sse_upstream import SseStream
@@ -89,16 +98,14 @@ class Legs:
         runs the prefill leg closes ``prefill_slot`` when it ends. A node that prefills itself may load a
         prefix from a peer first (``router.planning.peer_fetch``)."""
         path = PATHS[kind]
-        trace.decode_node = decision.decode.node_id
-        trace.decode_role = decision.decode.node.info.role.value
+        note_decode_node(trace, decision.decode)
         if decision.prefill is None:
             trace.mode = "colocated"
             if rr is not None and pools is not None:
                 body = await self._peer_prefix(body, decision.decode, rr, pools, trace)
             return Leg(decision, decision.decode.node.info.url + path, body)
 
-        trace.mode, trace.prefill_node = "disaggregated", decision.prefill.node_id
-        trace.kv_connector = decision.prefill.node.info.kv_connector
+        note_pair(trace, decision.prefill)
         if self.settings.layerwise and layerwise.eligible(decision.prefill, decision.decode):
             self.metrics.layerwise_pairs.inc()
             return await self._layerwise_legs(path, body, decision, decision.prefill, trace, prefill_slot, background)
@@ -119,7 +126,7 @@ class Legs:
             await prefill_slot.aclose()
         decode_body = dict(body)
         if kv_params is None:
-            trace.mode, trace.kv_connector = "colocated", None
+            note_colocated(trace)
         else:
             decode_body["kv_transfer_params"] = trace.kv_params = kv_params
         return Leg(decision, decision.decode.node.info.url + path, decode_body)
@@ -162,7 +169,7 @@ class Legs:
             raise exc
         self._node_failed(prefill, exc)
         self._fallback(exc, trace)
-        trace.mode, trace.kv_connector, trace.kv_params = "colocated", None, None
+        note_colocated(trace)
         return Leg(decision, decision.decode.node.info.url + path, body)
 
     async def _layerwise_prefill(
@@ -212,16 +219,7 @@ class Legs:
             "prefix_tokens": plan.prefix_tokens,
             "prefix_key": rr.block_keys[plan.prefix_tokens // target.node.info.block_size - 1],
         }
-        trace.peer_node, trace.peer_tokens = plan.source.node_id, plan.prefix_tokens - plan.own_tokens
-        trace.kv_connector = "tandem"
-        if trace.prefix_view is not None:  # the prefix the node now reuses, for miss attribution
-            trace.prefix_view = replace(
-                trace.prefix_view,
-                routed_tokens=plan.prefix_tokens,
-                routed_tier_tokens=0,
-                routed_peer_tokens=trace.peer_tokens,
-            )
-            trace.routed_cached_tokens = plan.prefix_tokens
+        note_peer_fetch(trace, plan.source.node_id, plan.prefix_tokens, plan.own_tokens)
         self._peer_outcome(trace, "fetched")
         return out
 
@@ -366,18 +364,9 @@ class Legs:
         retain = (leg.body.get("kv_transfer_params") or {}).get(RETAIN_FIELD)
         if retain is not None and target.node.info.host_tier_events_endpoint:
             body["kv_transfer_params"] = {RETAIN_FIELD: retain}  # the retry's node keeps the session too
-        if trace.peer_node is not None:  # the fetch went with the failed leg: the retry computes or hits
-            if trace.prefix_view is not None:
-                view = trace.prefix_view
-                trace.prefix_view = replace(
-                    view, routed_tokens=view.routed_tokens - view.routed_peer_tokens, routed_peer_tokens=0
-                )
-            trace.peer_node, trace.peer_tokens, trace.kv_params = None, 0, None
         log.warning("decode leg on %s failed (%s); %s", failed.node_id, exc.message, why)
         self.metrics.fallbacks.inc()
-        trace.fallback, trace.mode, trace.decode_node = True, "colocated", target.node_id
-        trace.decode_role = target.node.info.role.value
-        trace.reason = f"{trace.reason}; decode leg failed, {why}"
+        note_retry(trace, target, why)
         return Leg(replace(leg.decision, decode=target, prefill=None), target.node.info.url + path, body)
 
     async def complete(self, leg: Leg, trace: RequestTrace, background: Background | None = None) -> dict[str, Any]:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from router.admission.priority_class import Priority
 from router.kv_index import MissAttribution, PrefixView, attribute
 from router.model_table import Resolution
-from router.policies.base import Decision, ReasonCode
+from router.policies.base import Candidate, Decision, ReasonCode
 
 Kind = Literal["chat", "completion"]
 RouteMode = Literal["disaggregated", "colocated"]
@@ -123,6 +123,53 @@ class RequestTrace:
 
 def new_request_id(kind: Kind) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def note_decode_node(trace: RequestTrace, node: Candidate) -> None:
+    """The node that serves the request's answer (its decode leg)."""
+    trace.decode_node, trace.decode_role = node.node_id, node.node.info.role.value
+
+
+def note_pair(trace: RequestTrace, prefill: Candidate) -> None:
+    """A P/D pair: ``prefill`` computes the prompt, its connector moves the KV to the decode node."""
+    trace.mode, trace.prefill_node = "disaggregated", prefill.node_id
+    trace.kv_connector = prefill.node.info.kv_connector
+
+
+def note_colocated(trace: RequestTrace) -> None:
+    """The pair's prefill leg failed and the decode node prefills for itself: no transfer any more."""
+    trace.mode, trace.kv_connector, trace.kv_params = "colocated", None, None
+
+
+def note_peer_fetch(trace: RequestTrace, source: str, prefix_tokens: int, own_tokens: int) -> None:
+    """The serving node loads the first ``prefix_tokens`` of the prompt from ``source``
+    (``router.planning.peer_fetch``), ``own_tokens`` of them already its own; for miss attribution the
+    routed prefix becomes the fetched one."""
+    trace.peer_node, trace.peer_tokens = source, prefix_tokens - own_tokens
+    trace.kv_connector = "tandem"
+    if trace.prefix_view is not None:
+        trace.prefix_view = replace(
+            trace.prefix_view,
+            routed_tokens=prefix_tokens,
+            routed_tier_tokens=0,
+            routed_peer_tokens=trace.peer_tokens,
+        )
+        trace.routed_cached_tokens = prefix_tokens
+
+
+def note_retry(trace: RequestTrace, target: Candidate, why: str) -> None:
+    """The decode leg failed before its first token and ``target`` serves the request alone. A peer
+    fetch went with the failed leg: the retry computes or hits, so its prefix no longer counts."""
+    if trace.peer_node is not None:
+        if trace.prefix_view is not None:
+            view = trace.prefix_view
+            trace.prefix_view = replace(
+                view, routed_tokens=view.routed_tokens - view.routed_peer_tokens, routed_peer_tokens=0
+            )
+        trace.peer_node, trace.peer_tokens, trace.kv_params = None, 0, None
+    trace.fallback, trace.mode = True, "colocated"
+    note_decode_node(trace, target)
+    trace.reason = f"{trace.reason}; decode leg failed, {why}"
 
 
 class RateSink(Protocol):
