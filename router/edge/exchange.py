@@ -137,8 +137,9 @@ class GenerationRoute:
 
 
 class Exchange:
-    """One request's life (see the module docstring). ``run`` is the list of steps; ``_exit`` is the
-    one place that lets go of what the request holds."""
+    """One request's life (see the module docstring). ``run`` is the list of steps: ``_answer``
+    (``_admit``, ``_read``, ``_plan``, ``_open``), the response sent (respond), ``_exit``, the one place
+    that lets go of what the request holds."""
 
     def __init__(
         self, request: Request, kind: Kind, endpoint: str, api: Api | None = None, socket: SocketTurn | None = None
