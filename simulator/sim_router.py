@@ -6,7 +6,7 @@ router gives it. Candidates are ``router.policies.Candidate`` of ``LiveNode`` re
 ``NodeLoad`` (running, waiting, KV usage) is refreshed every ``heartbeat_s`` simulated seconds (the
 real router re-reads the registry each second), plus the router's own in-flight count per node
 (as ``router.fleet.Fleet.track``: on the prefill node during the prefill leg, on the decode node
-until the answer ends); the pool choice is ``Orchestrator._select``'s (P/D when both pools
+until the answer ends); the pool choice is ``router.planning.selection.select``'s (P/D when both pools
 exist, else colocated, else decode: ``select_pools``, checked equal to the real one by a test);
 ``on_prefilled`` is called at the first token (the router calls it when a stream's first event
 arrives) and ``on_complete`` when the request ends. The prefix lookup (``SimLookup``) reads a
@@ -37,7 +37,7 @@ LogEntry = tuple[str, object]
 
 
 def select_pools(policy: RoutingPolicy, rr: RoutingRequest, pools: Pools) -> Decision:
-    """The pool choice of ``router.planning.orchestrator.Orchestrator._select`` with no client preference."""
+    """The pool choice of ``router.planning.selection.select`` with no client preference."""
     if pools.prefill and pools.decode:
         return policy.select(rr, pools.prefill, pools.decode)
     if pools.colocated:

@@ -53,9 +53,11 @@ from router.edge.schemas import ChatCompletionRequest, CompletionRequest, Messag
 from router.edge.services import services_of
 from router.edge.sse import RelayResponse
 from router.planning.cache_salt import CacheSalts, take_client_salt
-from router.planning.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
+from router.planning.legs import Leg
+from router.planning.orchestrator import Orchestrator, RequestPlan, TokenCharge
 from router.record.accounting import Accounting
-from router.sessions.http import HISTORY_HEADER, HistoryMode, prepend_history, session_params
+from router.record.trace import Kind, RequestTrace, RouteMode, new_request_id
+from router.sessions.http import HISTORY_HEADER, HistoryMode, SessionParams, prepend_history, session_params
 from router.sessions.models import _ID, SESSION_HEADER
 from router.settings import RouterSettings
 
@@ -79,11 +81,15 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         raise ValidationFailed(f"{loc or 'body'}: {first.get('msg')}", param=loc or None, code="invalid_value") from exc
 
 
-def route_preference(request: Request, tenant: Tenant, settings: RouterSettings) -> str | None:
-    prefer = request.headers.get("x-tandem-route")
-    if prefer is None:
+ROUTE_MODES: dict[str, RouteMode] = {"colocated": "colocated", "disaggregated": "disaggregated"}
+
+
+def route_preference(request: Request, tenant: Tenant, settings: RouterSettings) -> RouteMode | None:
+    header = request.headers.get("x-tandem-route")
+    if header is None:
         return None
-    if prefer not in ("colocated", "disaggregated"):
+    prefer = ROUTE_MODES.get(header)
+    if prefer is None:
         raise InvalidRequest("x-tandem-route must be `colocated` or `disaggregated`", param="x-tandem-route")
     allowed = settings.route_header == "always" or (settings.route_header == "auto" and tenant.may_administer)
     if not allowed:
@@ -132,8 +138,9 @@ class GenerationRoute:
 
 
 class Exchange:
-    """One request's life (see the module docstring). ``run`` is the list of steps; ``_exit`` is the
-    one place that lets go of what the request holds."""
+    """One request's life (see the module docstring). ``run`` is the list of steps: ``_answer``
+    (``_admit``, ``_read``, ``_plan``, ``_open``), the response sent (respond), ``_exit``, the one place
+    that lets go of what the request holds."""
 
     def __init__(
         self, request: Request, kind: Kind, endpoint: str, api: Api | None = None, socket: SocketTurn | None = None
@@ -201,10 +208,17 @@ class Exchange:
 
     async def _answer(self, receive: Receive) -> Response:
         """admit, read, plan, open: everything before the first byte of the answer."""
-        request, ctx = self.request, self.ctx
         arrival = time.monotonic()
-        # Authentication and the request-rate limit come first: an unauthenticated client learns
-        # nothing else about the request (401/429 before any 400).
+        admission = await self._admit()
+        req, plan, headers = await self._read(receive, admission, arrival)
+        assert self.trace is not None  # set by ``_read``: from here on the request has a record
+        leg = await self._plan(plan, self.trace)
+        return await self._open(req, leg, self.trace, headers)
+
+    async def _admit(self) -> Admission:
+        """Authentication and the request-rate limit come first: an unauthenticated client learns
+        nothing else about the request (401/429 before any 400)."""
+        request, ctx = self.request, self.ctx
         authorization = request.headers.get("authorization")
         if authorization is None and self.api == "messages" and request.headers.get("x-api-key"):
             authorization = f"Bearer {request.headers['x-api-key']}"  # Anthropic's own key header
@@ -213,31 +227,32 @@ class Exchange:
         )
         # One of the tenant's stream slots, held until ``_exit`` (every way a request ends goes through it).
         self.holds.callback(ctx.streams.acquire(admission.tenant.tenant_id))
+        return admission
+
+    async def _read(
+        self, receive: Receive, admission: Admission, arrival: float
+    ) -> tuple[ChatCompletionRequest | CompletionRequest, RequestPlan, dict[str, str]]:
+        """The body, the edge's rules, the session and its history: the request, what planning is
+        asked for, and the answer's headers. Sets the trace once every check passed."""
+        request, ctx, tenant = self.request, self.ctx, admission.tenant
+        req: ChatCompletionRequest | CompletionRequest
         if self.api is not None:
             raw = parse_json(await request.body(), self.settings.max_json_depth, self.settings.max_json_containers)
-            self.intake = await decode(self.api, raw, dict(request.headers), self.store, admission.tenant.tenant_id)
+            self.intake = await decode(self.api, raw, dict(request.headers), self.store, tenant.tenant_id)
             req = self.intake.chat
         else:
             req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
         # From here until the answer's end, a client that leaves cancels this task (router.edge.disconnect).
         self.watch = DisconnectWatch(receive)
-        tenant = admission.tenant
         cache_salt = self.salts.salt(
             tenant.tenant_id, authenticated=tenant.key_id is not None, client_salt=take_client_salt(req.model_extra)
         )
-        prefer = route_preference(request, admission.tenant, self.settings)
-        pin = node_pin(request, admission.tenant, self.settings, prefer)
+        prefer = route_preference(request, tenant, self.settings)
+        pin = node_pin(request, tenant, self.settings, prefer)
         deadline = request_deadline(
             request.headers.get(DEADLINE_HEADER), ctx.settings.request_deadline_s, arrival=arrival
         )
-        session_header = self.intake.session_id if self.intake is not None else request.headers.get(SESSION_HEADER)
-        socket_session = self.socket.session_id if self.socket is not None else None
-        session = await session_params(session_header or socket_session, request.headers.get(HISTORY_HEADER))
-        # A request that names no session is sessionless, as with OpenAI or vLLM: storing a session and
-        # a turn for each such request cost a Redis read and four writes plus a database row every time,
-        # for ids that no client ever sent back. In server-history mode the router keeps the history,
-        # so there a session is created and its id returned.
-        session_id = session.session_id if not session.created or session.mode is HistoryMode.SERVER else None
+        session, session_id = await self._session()
         trace = RequestTrace(
             request_id=new_request_id(self.kind),
             kind=self.kind,
@@ -245,7 +260,7 @@ class Exchange:
             stream=req.stream,
             transport="http" if self.socket is None else "websocket",
             session_id=session_id,
-            tenant_id=admission.tenant.tenant_id,
+            tenant_id=tenant.tenant_id,
             priority=admission.priority,
             deadline=deadline,
         )
@@ -263,20 +278,63 @@ class Exchange:
         if session.mode is HistoryMode.SERVER:
             if messages is None or session_id is None:
                 raise InvalidRequest(f"{HISTORY_HEADER}: server applies to chat completions only", param=HISTORY_HEADER)
-            messages = await prepend_history(ctx.sessions, admission.tenant.tenant_id, session_id, messages)
+            messages = await prepend_history(ctx.sessions, tenant.tenant_id, session_id, messages)
             req.messages = [Message.model_validate(m) for m in messages]
         # From here on the request has a record: whatever way it ends, ``_exit`` writes it.
         self.trace, self.messages = trace, messages
+        req.check_supported()
         headers = {"x-session-id": session_id} if session_id else {}
+        plan = RequestPlan(
+            self.kind,
+            req.model,
+            req.body(),
+            req.requested_max_tokens(),
+            prefer=prefer,
+            pin=pin,
+            cache_salt=cache_salt,
+            charge=self._charge(admission),
+            background=self.spawn,
+        )
+        return req, plan, headers
+
+    async def _plan(self, plan: RequestPlan, trace: RequestTrace) -> Leg:
+        """Route, charge, take the node slots, run the prefill leg (``router.planning``); the decode
+        leg it returns is let go at the exit, whatever happens."""
+        leg = self.leg = await self.orch.plan(plan, trace)
+        self.holds.push_async_callback(leg.release)
+        return leg
+
+    async def _session(self) -> tuple[SessionParams, str | None]:
+        """The session the request names (a header, the agent API's field, its socket), and the id the
+        request is recorded under."""
+        request = self.request
+        session_header = self.intake.session_id if self.intake is not None else request.headers.get(SESSION_HEADER)
+        socket_session = self.socket.session_id if self.socket is not None else None
+        session = await session_params(session_header or socket_session, request.headers.get(HISTORY_HEADER))
+        # A request that names no session is sessionless, as with OpenAI or vLLM: storing a session and
+        # a turn for each such request cost a Redis read and four writes plus a database row every time,
+        # for ids that no client ever sent back. In server-history mode the router keeps the history,
+        # so there a session is created and its id returned.
+        session_id = session.session_id if not session.created or session.mode is HistoryMode.SERVER else None
+        return session, session_id
+
+    def _charge(self, admission: Admission) -> TokenCharge | None:
+        """The token charge planning calls once the prompt is counted; no token bucket, no charge (the
+        prompt is then tokenized only if routing needs it)."""
+        gate = self.ctx.gate
+        if not gate.charges_tokens(admission):
+            return None
 
         async def charge(prompt_tokens: int, max_tokens: int | None) -> None:
-            await ctx.gate.charge_tokens(admission, prompt_tokens, max_tokens)
+            await gate.charge_tokens(admission, prompt_tokens, max_tokens)
 
-        # No token bucket, no charge: the prompt is then tokenized only if routing needs it.
-        charges = charge if ctx.gate.charges_tokens(admission) else None
-        plan = self.orch.plan(self.kind, req, trace, prefer, charges, cache_salt, self.spawn, pin)  # type: ignore[arg-type]
-        leg = self.leg = await plan
-        self.holds.push_async_callback(leg.release)
+        return charge
+
+    async def _open(
+        self, req: ChatCompletionRequest | CompletionRequest, leg: Leg, trace: RequestTrace, headers: dict[str, str]
+    ) -> Response:
+        """open, respond: the whole answer (not streamed), or the decode stream opened up to its first
+        events and the relay that sends it."""
         if not req.stream:
             answer = await self.orch.complete(leg, trace, self.spawn)
             self.outcome = ("ok", 200, None)

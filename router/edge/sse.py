@@ -9,7 +9,7 @@ Per-chunk cost is what bounds a router's throughput (issue 11: every token of th
 so a chunk that passes unchanged is never re-encoded:
 
 - The router sends the engine ``X-Request-Id`` so that the engine's chunk ``id`` already is the
-  router's response id (``Orchestrator._headers``). Should an engine still use another id, the id is
+  router's response id (``router.planning.legs.Legs._headers``). Should an engine still use another id, the id is
   replaced in the bytes (its first occurrence, which is the ``id`` field).
 - Each payload is decoded once into a narrow typed view (``_Chunk``: text, tool-call deltas, finish
   reason, usage), which msgspec does in about a microsecond; the trace takes what the records need.
@@ -45,7 +45,7 @@ from contracts.errors import ClientStalled, TandemError
 from router.edge.direct_write import DirectWriter, direct_writer
 from router.edge.disconnect import DisconnectWatch
 from router.edge.openai_errors import error_from_exception
-from router.planning.orchestrator import RequestTrace, record_usage
+from router.record.trace import RequestTrace, record_usage
 from router.upstream.sse_upstream import SseStream
 
 log = logging.getLogger("tandem.router.sse")

@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any
 from contracts.errors import TandemError
 from kv_transfer.control import is_tandem_params, lease_report
 from router.admission.ratelimit import Admission
-from router.planning.orchestrator import RequestTrace, note_rates
-from router.planning.peer_fetch import FetchRates
 from router.record.metrics import RouterMetrics
 from router.record.records import request_record, tool_call_records
 from router.record.responses import ResponseIndex, ResponseRef
+from router.record.trace import RateSink, RequestTrace, note_rates
 from router.record.turns import TurnRecorder
 from telemetry import Emitter
 from telemetry.tracing import SpanIds, record_spans
@@ -37,7 +36,7 @@ class Accounting:
         turns: TurnRecorder | None = None,
         spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None,
         tracer: Tracer | None = None,
-        rates: FetchRates | None = None,
+        rates: RateSink | None = None,
     ) -> None:
         self.metrics = metrics
         self.rates = rates
@@ -88,7 +87,7 @@ class Accounting:
         self.metrics.transports.labels(endpoint, trace.transport).inc()
         if self.tracer is not None:
             # span objects only; the provider's thread exports them. The ids are those the legs'
-            # traceparent named (Orchestrator._headers), so the engines' spans nest under these.
+            # traceparent named (``router.planning.legs.Legs._headers``), so the engines' spans nest under these.
             ids = None
             if trace.trace_id is not None:
                 ids = SpanIds(trace.trace_id, trace.prefill_span_id, trace.decode_span_id)

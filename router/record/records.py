@@ -6,7 +6,7 @@ import json
 import statistics
 from typing import Any
 
-from router.planning.orchestrator import RequestTrace, settle_miss
+from router.record.trace import RequestTrace, settle_miss
 
 _NO_MISS: dict[str, Any] = {
     "uncached_tokens": None,

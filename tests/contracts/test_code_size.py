@@ -16,14 +16,10 @@ PACKAGES: list[str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
-OVER_FILES = {
-    "router/planning/orchestrator.py": 909,
-}
+OVER_FILES: dict[str, int] = {}
 """Files over the limit, with their lines now."""
 
-OVER_FUNCTIONS = {
-    "router/edge/exchange.py::Exchange._answer": 101,
-}
+OVER_FUNCTIONS: dict[str, int] = {}
 """Functions over the limit, with their lines now."""
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from contracts.errors import UpstreamError
 from router.edge.sse import RelayResponse
-from router.planning.orchestrator import RequestTrace
+from router.record.trace import RequestTrace
 
 RID = "chatcmpl-0123456789abcdef"
 

@@ -16,7 +16,7 @@ import pytest
 
 from infra.redis_server import start_embedded
 from router.admission.context import AdmissionContext, AdmissionSettings
-from router.planning.orchestrator import RequestTrace
+from router.record.trace import RequestTrace
 from router.record.turns import TurnRecorder
 
 

@@ -2,7 +2,7 @@
 the simulator's own prefix lookup (its nodes' block pools), must equal those of the real router's
 pieces given the same inputs: a fresh real ``CacheAware`` over a real ``FleetIndex`` that receives
 the simulator's KV events as ``BlockStored`` / ``BlockRemoved``, chosen through the real
-``Orchestrator._select``, with ``on_complete`` at the same points. Any difference in the lookup, in
+``router.planning.selection.select``, with ``on_complete`` at the same points. Any difference in the lookup, in
 the events, in the pool choice or in the policy's state fails the test."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from contracts.registry import Role
 from router.kv_index import FleetIndex
 from router.kv_index.events import BlockRemoved, BlockStored
-from router.planning.orchestrator import Orchestrator
-from router.policies import CacheAware, CacheAwareConfig, Decision, LeastLoaded
+from router.planning.selection import select
+from router.policies import CacheAware, CacheAwareConfig, Decision, LeastLoaded, RoutingPolicy
 from router.settings import RouterSettings
 from simulator.fleet import FleetSim, NodeSpec, select_pools
 from traces.synth import AgenticSpec, synth_agentic
@@ -33,16 +33,16 @@ TRACE = synth_agentic(
 CONFIG = CacheAwareConfig(imbalance_threshold=4, local_prefill_max_tokens=256)
 
 
-def _real_router(index: FleetIndex) -> Orchestrator:
-    """The real router's routing part; nothing else of it is called."""
-    policy = CacheAware(index, CONFIG)
-    return Orchestrator(RouterSettings(), fleet=None, client=None, policy=policy, tokenizer=None, metrics=None)  # type: ignore[arg-type]
+def _real_router(index: FleetIndex) -> RoutingPolicy:
+    """The real router's policy, as its settings build it; the real pool choice is ``select``."""
+    return CacheAware(index, CONFIG)
 
 
 def _replay_through_real_router(sim: FleetSim) -> list[tuple[Decision, Decision]]:
     index = FleetIndex()
     model = index.model(sim.model, sim.block_size)
-    orch = _real_router(index)
+    policy = _real_router(index)
+    retry_after = RouterSettings().retry_after_s
     real_of: dict[int, Decision] = {}
     pairs = []
     for kind, item in sim.log:
@@ -53,13 +53,13 @@ def _replay_through_real_router(sim: FleetSim) -> list[tuple[Decision, Decision]
             model.apply(node_id, cls(block_hashes=[key], medium="GPU", **extra))
         elif kind == "route":
             rr, pools, decision = item
-            real = orch._select(rr, pools, None)
+            real = select(policy, rr, pools, None, retry_after)
             real_of[id(decision)] = real
             pairs.append((decision, real))
         elif kind == "prefilled":
-            orch.policy.on_prefilled(real_of[id(item)])
+            policy.on_prefilled(real_of[id(item)])
         else:
-            orch.policy.on_complete(real_of[id(item)])
+            policy.on_complete(real_of[id(item)])
     return pairs
 
 
@@ -109,13 +109,13 @@ def test_a_changed_lookup_is_caught():
     assert any(_key(s) != _key(r) for s, r in pairs)
 
 
-def test_pool_choice_equals_the_orchestrators():
+def test_pool_choice_equals_the_routers_selection():
     specs = [NodeSpec(Role.PREFILL), NodeSpec(Role.DECODE), NodeSpec(Role.BOTH)]
     sim = FleetSim(specs, lambda lookup: LeastLoaded(), record=True)
     sim.run(synth_agentic(AgenticSpec(sessions=3, seed=1, max_input_tokens=8000)))
-    orch = Orchestrator(RouterSettings(), fleet=None, client=None, policy=LeastLoaded(), tokenizer=None, metrics=None)  # type: ignore[arg-type]
+    real, retry_after = LeastLoaded(), RouterSettings().retry_after_s
     routes = [item for kind, item in sim.log if kind == "route"]
     assert len(routes) >= 3
     for rr, pools, _ in routes:
         for p in (pools, type(pools)([], pools.decode, pools.colocated), type(pools)([], [], pools.colocated)):
-            assert _key(select_pools(LeastLoaded(), rr, p))[:2] == _key(orch._select(rr, p, None))[:2]
+            assert _key(select_pools(LeastLoaded(), rr, p))[:2] == _key(select(real, rr, p, None, retry_after))[:2]

@@ -40,7 +40,7 @@ from router.edge.codecs.internal import (
     Usage,
     collect,
 )
-from router.planning.orchestrator import RequestTrace, record_usage
+from router.record.trace import RequestTrace, record_usage
 
 _decode = msgspec.json.decode
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
