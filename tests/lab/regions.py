@@ -253,24 +253,21 @@ class RegionsCluster(LabCluster):
             return asyncio.run(run())
 
     def stop(self) -> None:
-        """Routers, nodes, then stores, of the regions not lost; the lab's ``down`` kills the rest."""
-        order = [f"{kind}-{r}" for kind in ("router", "node", "postgres", "redis") for r in REGIONS]
-        for name in order:
+        """Routers, nodes, then stores, of the regions not lost (the lab's ``down`` kills whatever is left),
+        then ``LabCluster.stop``, which finds nothing of its own to stop and prints each log's tail."""
+        for name in [f"{kind}-{r}" for kind in ("router", "node", "postgres", "redis") for r in REGIONS]:
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue
-            with contextlib.suppress(ProcessLookupError):
-                # PostgreSQL's fast shutdown is SIGINT; everything else stops on SIGTERM.
-                os.killpg(proc.pid, signal.SIGINT if name.startswith("postgres") else signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
+            # PostgreSQL's fast shutdown is SIGINT; everything else stops on SIGTERM.
+            first = signal.SIGINT if name.startswith("postgres") else signal.SIGTERM
+            for sig, wait_s in ((first, 60.0), (signal.SIGKILL, None)):
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for log in sorted((self.workdir / "logs").rglob("*.log")):
-            tail = "".join(log.read_text(errors="replace").splitlines(True)[-15:])
-            print(f"--- {log.relative_to(self.workdir)}\n{tail}")
+                    os.killpg(proc.pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(wait_s)
+                    break
+        super().stop()
         if self._pg_root is not None:
             shutil.rmtree(self._pg_root, ignore_errors=True)
 

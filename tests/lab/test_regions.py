@@ -129,10 +129,13 @@ def test_a_session_moves_to_region_b_when_region_a_is_lost(rc: RegionsCluster) -
     server = {"x-session-id": SESSION, "x-tandem-history": "server"}
     base = {r: rc.region_router_url(r) for r in ("a", "b")}
     answers: list[str] = []
+    ttfts: list[float] = []
     with rc.lab.inside("client"), httpx.Client(timeout=10) as http:
         client = openai.OpenAI(base_url=f"{base['a']}/v1", api_key="none", max_retries=0, timeout=60)
         for i in range(LOST_AFTER):
-            answers.append(_stream(client, rc.model, [{"role": "user", "content": TURNS[i]}], extra_headers=server)[0])
+            answer, _, ttft = _stream(client, rc.model, [{"role": "user", "content": TURNS[i]}], extra_headers=server)
+            answers.append(answer)
+            ttfts.append(ttft)
             replication = asyncio.run(_replication(rc, i + 1)) if i + 1 == LOST_AFTER else {}
             _recorded(http, base["a"], i + 1)
         assert rc.query("a", "SELECT count(*) FROM tandem_turns")[0][0] == LOST_AFTER
@@ -172,7 +175,8 @@ def test_a_session_moves_to_region_b_when_region_a_is_lost(rc: RegionsCluster) -
         assert turns[LOST_AFTER]["messages"] == new
 
         last = [{"role": "user", "content": TURNS[-1]}]
-        answers.append(_stream(client, rc.model, last, extra_headers=server)[0])
+        answer, _, last_ttft = _stream(client, rc.model, last, extra_headers=server)
+        answers.append(answer)
         turns = _recorded(http, base["b"], len(TURNS))
 
     assert [t["messages"][0]["content"] for t in turns] == TURNS
@@ -180,7 +184,14 @@ def test_a_session_moves_to_region_b_when_region_a_is_lost(rc: RegionsCluster) -
     assert len({t["turn_id"] for t in turns}) == len(TURNS)
     assert rc.query("b", "SELECT count(*) FROM tandem_turns WHERE session_id = $1", SESSION)[0][0] == len(TURNS)
     assert _cache_turns(rc, "b") == len(TURNS)
-    figures = {**replication, "promote_s": promoted_s, "failover_ttft_s": ttft, "lost_to_answered_s": answered_s}
+    figures = {
+        **replication,
+        "ttft_turn3_a_s": ttfts[-1],
+        "promote_s": promoted_s,
+        "failover_ttft_s": ttft,
+        "lost_to_answered_s": answered_s,
+        "ttft_turn5_b_s": last_ttft,
+    }
     print("REGIONS", " ".join(f"{k}={v:.4f}" for k, v in figures.items()))
 
 
