@@ -98,7 +98,17 @@ class RegionsCluster(LabCluster):
 
     # -- processes ------------------------------------------------------------------------------------
     def _region_env(self, host: str, region: str) -> dict[str, str]:
-        return {**self._env(host), "TANDEM_REDIS_URL": self.region_redis_url(region)}
+        """``LabCluster._env`` with the region's own Redis (that one names the single store host)."""
+        tmp = self.workdir / "hosts" / host
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+        return {
+            **env,
+            "TMPDIR": str(tmp),
+            "TANDEM_CLUSTER_SECRET": self.secret,
+            "TANDEM_REDIS_URL": self.region_redis_url(region),
+            "PYTHONUNBUFFERED": "1",
+        }
 
     def _pg_home(self, region: str) -> Path:
         assert self._pg_root is not None
@@ -195,6 +205,19 @@ class RegionsCluster(LabCluster):
                 "TANDEM_ROUTER_TELEMETRY_JOURNAL_DIR": str(self.workdir / f"journal-{region}"),
             }
             self._spawn(host, host, argv, env)
+
+    def wait_routers(self, timeout_s: float = 60.0) -> None:
+        """Both routers answer HTTP (``/health`` says 503 while they see no node: enough for the store)."""
+        deadline = time.monotonic() + timeout_s
+        with self.lab.inside("client"), httpx.Client(timeout=2) as http:
+            for region in REGIONS:
+                while True:
+                    with contextlib.suppress(httpx.HTTPError):
+                        http.get(f"{self.region_router_url(region)}/health")
+                        break
+                    if self.dead() or time.monotonic() > deadline:
+                        raise RuntimeError(f"router {region} did not start: {', '.join(self.dead()) or 'timeout'}")
+                    time.sleep(0.2)  # polling a process that has no readiness callback
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Each router sees its region's node, then one warm-up request per region from the client host

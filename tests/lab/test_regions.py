@@ -195,10 +195,10 @@ def test_a_session_moves_to_region_b_when_region_a_is_lost(rc: RegionsCluster) -
     print("REGIONS", " ".join(f"{k}={v:.4f}" for k, v in figures.items()))
 
 
-def _turn(n: int) -> Turn:
+def _turn(n: int, session: str = "sess-store-failover") -> Turn:
     return Turn(
         turn_id=f"t{n}",
-        session_id="sess-store-failover",
+        session_id=session,
         tenant_id=ANONYMOUS_TENANT,
         created_at=float(n),
         messages=[Message(role="user", content=f"turn {n}")],
@@ -221,24 +221,34 @@ async def _write(store: SessionStore, *turns: Turn) -> None:
 
 
 def test_the_session_store_of_region_b_fails_over_to_its_promoted_replica(tmp_path: Path) -> None:
-    """Region b's store reads region a's turns through the primary, then, region a lost and the replica
-    promoted, through its own server: the first read finds its pooled connection dead within the
-    connect timeout and is retried on a fresh one, and writes land in region b's store."""
-    session = _turn(0).session_id
+    """Region b's router and a session store beside it read region a's turns through the primary, then,
+    region a lost and the replica promoted, through their own region's server: each first read finds its
+    pooled connection dead within the connect timeout and is retried on a fresh one; writes land in
+    region b's store. No engine: the turns are written by a session store in region a's router host."""
+    session, unread = _turn(0).session_id, "sess-unread"
     with regions_cluster(tmp_path, engines=False) as rc:
+        rc.start_routers()
+        rc.wait_routers()
+        sessions_b = f"{rc.region_router_url('b')}/v1/sessions"
         loop = asyncio.new_event_loop()
         try:
             with rc.lab.inside("router-a"):
                 a = loop.run_until_complete(_store(rc, "a"))
-                loop.run_until_complete(_write(a, _turn(0), _turn(1), _turn(2)))
+                loop.run_until_complete(_write(a, *(_turn(n) for n in range(3)), _turn(0, unread), _turn(1, unread)))
             with rc.lab.inside("router-b"):
                 b = loop.run_until_complete(_store(rc, "b"))
                 before = loop.run_until_complete(b.read_store(ANONYMOUS_TENANT, session))
+            with rc.lab.inside("client"), httpx.Client(timeout=30) as http:
+                assert len(http.get(f"{sessions_b}/{session}").json()["turns"]) == 3  # from the primary
             rc.lose_region_a()
             rc.promote()
+            with rc.lab.inside("client"), httpx.Client(timeout=30) as http:
+                t0 = time.monotonic()
+                served = http.get(f"{sessions_b}/{unread}")  # not in region b's cache: read from the store
+                router_read_s = time.monotonic() - t0
             with rc.lab.inside("router-b"):
                 t0 = time.monotonic()
-                history = loop.run_until_complete(b.get_history(ANONYMOUS_TENANT, session))
+                history = loop.run_until_complete(b.read_store(ANONYMOUS_TENANT, session))  # the store, not a cache
                 read_s = time.monotonic() - t0
                 loop.run_until_complete(_write(b, _turn(3)))
                 after = loop.run_until_complete(b.read_store(ANONYMOUS_TENANT, session))
@@ -246,10 +256,12 @@ def test_the_session_store_of_region_b_fails_over_to_its_promoted_replica(tmp_pa
             loop.run_until_complete(a.close())  # its writer, idle: nothing of region a is reached
         finally:
             loop.close()
+        assert served.status_code == 200 and [t["turn_id"] for t in served.json()["turns"]] == ["t0", "t1"]
+        assert router_read_s < FAILOVER_S + 3.0, router_read_s  # neither the 5 s statement timeout nor a 503
         assert [t.turn_id for t in before] == ["t0", "t1", "t2"]  # read across the link, from the primary
         assert [t.turn_id for t in history] == ["t0", "t1", "t2"]
-        assert read_s < FAILOVER_S + 3.0, read_s  # neither the 5 s statement timeout nor a failure
+        assert read_s < FAILOVER_S + 3.0, read_s
         assert [t.turn_id for t in after] == ["t0", "t1", "t2", "t3"]
         assert b.stats.failed == 0 and b.stats.written == 1
         assert rc.query("b", "SELECT pg_is_in_recovery()")[0][0] is False
-        print(f"REGIONS store failover read {read_s:.3f} s")
+        print(f"REGIONS store failover: router read {router_read_s:.3f} s, store read {read_s:.3f} s")
