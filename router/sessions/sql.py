@@ -18,14 +18,15 @@ Failover (PostgreSQL). A URL may name several servers, libpq-style, and which on
 ``postgresql://user:pw@a:5432,b:5432/db?target_session_attrs=read-write`` connects to the first that
 takes writes (asyncpg reads both). When that server is lost and another is promoted, the pool's
 connections to the lost one are dead, and on a partition nothing tells the router so: a statement sent on
-one would wait out its timeout. Two things end that early. Each connection's socket carries
-``TCP_USER_TIMEOUT`` = ``connect_timeout_s`` (``_FailFastConnection``): sent data that no server kernel
-acknowledges within it breaks the connection (a slow query does not: its server still acknowledges).
-A broken connection (``_CONNECTION_LOST``) then expires the whole pool, whose connections went to the
-same server, so every next statement connects afresh to whichever server takes writes now, and a read
-(``fetch``) is retried once at once on such a fresh connection: reads are safe to repeat. A write is not
-retried here (it may have committed before the connection broke): its caller retries, as the session
-writer does with its idempotent inserts. ``tests/lab/test_regions.py`` runs this between two regions.
+one would wait out its timeout. Two things end that early. Each connection's socket gives its server
+``connect_timeout_s`` to answer at the TCP level (``_fail_fast_connection``: ``TCP_USER_TIMEOUT`` for
+sent data, keepalive probes while idle); past it the connection breaks (a slow query does not: its
+server's kernel still answers). A broken connection (``_CONNECTION_LOST``) then expires the whole pool,
+whose connections went to the same server, so every next statement connects afresh to whichever server
+takes writes now, and a read (``fetch``) is retried once at once on such a fresh connection: reads are
+safe to repeat. A write is not retried here (it may have committed before the connection broke): its
+caller retries, as the session writer does with its idempotent inserts. ``tests/lab/test_regions.py``
+runs this between two regions.
 
 ``open_database(url)`` picks the backend: ``postgresql://...`` → PostgreSQL, ``sqlite:///path`` or a
 bare path → SQLite. A PostgreSQL URL may carry ``?schema=NAME`` (not a libpq option; we strip it) to
@@ -34,6 +35,7 @@ keep every table inside one schema, which tests use to isolate runs.
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 import sqlite3
@@ -77,16 +79,30 @@ class Database(Protocol):
 
 
 def _fail_fast_connection(dead_after_s: float) -> type[asyncpg.Connection]:
-    """A connection class whose TCP socket gives up on data unacknowledged for ``dead_after_s`` (Linux
-    ``TCP_USER_TIMEOUT``; elsewhere, and on Unix sockets, the socket is left as it is)."""
+    """A connection class whose TCP socket is given up once its server is silent for about
+    ``dead_after_s``: data sent and never acknowledged (``TCP_USER_TIMEOUT``), and, on an idle
+    connection, keepalive probes from a third of it on (so a pooled connection to a lost server is
+    usually found dead, and replaced at its next use, before any statement waits on it). Probes are
+    answered by the server's kernel, so a slow query keeps its connection. Linux options; elsewhere,
+    and on Unix sockets, the socket is left as it is."""
+    idle, interval = max(1, int(dead_after_s / 3)), max(1, int(dead_after_s / 6))
+    options = {
+        "TCP_USER_TIMEOUT": int(dead_after_s * 1000),
+        "TCP_KEEPIDLE": idle,
+        "TCP_KEEPINTVL": interval,
+        "TCP_KEEPCNT": max(1, math.ceil((dead_after_s - idle) / interval)),
+    }
 
     class _FailFastConnection(asyncpg.Connection):
         def __init__(self, protocol: Any, transport: Any, *args: Any) -> None:
             super().__init__(protocol, transport, *args)
             sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                if hasattr(socket, "TCP_USER_TIMEOUT"):
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(dead_after_s * 1000))
+            if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or dead_after_s <= 0:
+                return
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for name, value in options.items():
+                if hasattr(socket, name):
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
     return _FailFastConnection
 
