@@ -28,7 +28,6 @@ import contextlib
 import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ import httpx
 import redis.asyncio as aioredis
 import uvloop
 
+from bench.host import host_record
 from bench.loadgen import one_request, percentile
 from bench.procs import router_command
 from bench.standin_engine import STANDIN_LABEL, free_port
@@ -405,12 +405,7 @@ def run_admission_bench(out: Path, cfg: AdmissionBenchConfig | None = None) -> d
     doc = {
         "benchmark": "admission",
         "time": time.time(),
-        "host": {
-            "cpus": os.cpu_count(),
-            "node": platform.node(),
-            "loadavg_1m_before": round(load_before[0], 2),
-            "loadavg_1m_after": round(os.getloadavg()[0], 2),
-        },
+        "host": host_record(load_before),
         "config": cfg.__dict__,
         "admission_fast_path": fast,
         "router": router,

@@ -23,10 +23,10 @@ salt in the shared system prompt, so no arm warms another), in this order:
     engines        the engines alone: ``node_blocks`` KV blocks each
     tier           our tiers: the same engines + a host tier of ``tier_mib`` (shared by every node: a
                    block one node offloaded, another loads) + cross-node reuse (``--peer-kv``: a node
-                   loads a prefix another's engine holds, ``router.peer_fetch``), retention off
+                   loads a prefix another's engine holds, ``router.planning.peer_fetch``), retention off
     bigger_cache   no tier; each engine given its share of the tier's memory as extra KV blocks
                    ("just give vLLM more memory", the baseline a user would try first)
-    retention      our tiers + session retention (pins across the tool pause, ``router.retention``)
+    retention      our tiers + session retention (pins across the tool pause, ``router.planning.retention``)
 
 The bench runs without auth, so every session is one tenant's: its pins may hold ``pin_share`` of the
 tier (``TANDEM_TIER_TENANT_PIN_SHARE`` of the tier process, set explicitly here and recorded).

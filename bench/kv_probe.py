@@ -4,12 +4,12 @@ The arms' own TTFT medians by origin mix load into the comparison (a remote hit 
 miss reads slower than a local hit that did not). This probe takes the load out: on two colocated nodes
 A and B, for each of ``n`` fresh prefixes (a new salt, so no block of it is cached anywhere) as long as
 the workload's system prompt plus one repository's context, three requests one after the other, each
-pinned with the admin header ``x-tandem-node`` (``router.exchange.node_pin``):
+pinned with the admin header ``x-tandem-node`` (``router.edge.exchange.node_pin``):
 
     miss     on A, the first sight of the prefix: computed
     local    on A again, another task after the same prefix: A's own cache
     remote   on B, which never saw it: B loads it from the host tier (A offloaded it when its request
-             ended) or from A (cross-node reuse, ``router.peer_fetch``)
+             ended) or from A (cross-node reuse, ``router.planning.peer_fetch``)
 
 Each request's prefix is the same; only the task after it differs, so the three compute the same few
 uncached tokens apart from what the origin supplies. No wait is needed between them: A's blocks reach

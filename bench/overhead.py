@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.host import host_record
 from bench.loadgen import percentile
 from bench.overhead_report import ARMS, plot, summarize, targets
 from bench.procs import cpu_s, served_model, wait_http
@@ -392,12 +392,7 @@ def _document(
     doc: dict[str, Any] = {
         "benchmark": "overhead",
         "time": time.time(),
-        "host": {
-            "cpus": os.cpu_count(),
-            "node": platform.node(),
-            "loadavg_1m_before": round(load_before[0], 2),
-            "loadavg_1m_after": round(os.getloadavg()[0], 2),
-        },
+        "host": host_record(load_before),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "arms": {
             "plain": "vllm serve with the node's flags, all cores, no agent",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -70,3 +71,14 @@ def served_model(url: str) -> str:
     resp = httpx.get(f"{url}/v1/models", headers=engine_auth_headers(loopback_only=True), timeout=10)
     resp.raise_for_status()
     return str(resp.json()["data"][0]["id"])
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], grace_s: float = 20.0) -> None:
+    """Stop processes in the reverse order of their start: SIGTERM, then SIGKILL after ``grace_s``."""
+    for p in reversed(procs):
+        p.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(grace_s)
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import subprocess
 import tempfile
@@ -21,12 +20,11 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.procs import sched_cpu_s
-from bench.router_ceiling import _async_redis, _count_chunks, _standin, _start_router
+from bench.procs import sched_cpu_s, stop_all
+from bench.router_ceiling import _async_redis, _count_chunks, _standin, _standin_node, _start_router
 from bench.standin_engine import free_port
 from contracts.config import redis_url as configured_redis_url
-from contracts.registry import NodeInfo, NodeRegistry, Role
-from node_agent.model import default_model_dir
+from contracts.registry import NodeInfo, NodeRegistry
 
 
 def main() -> None:
@@ -52,16 +50,7 @@ def main() -> None:
                 )
             )
             model = f"relay-cpu-{pace:g}-{uuid.uuid4().hex[:6]}"
-            info = NodeInfo(
-                node_id=f"standin-{model}",
-                role=Role.BOTH,
-                model=model,
-                url=f"http://127.0.0.1:{port}",
-                block_size=128,
-                max_model_len=1 << 20,
-                kv_connector="none",
-                model_path=str(default_model_dir()),  # the tokenizer the router warms, as for a real node
-            )
+            info = _standin_node(model, port)
             nodes.append((pace, info))  # before registering: a registration that fails half-way is removed too
             asyncio.run(NodeRegistry(_async_redis(args.redis_url), ttl_s=3600).register(info))
         port = free_port()
@@ -89,13 +78,7 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(20)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         for _, info in nodes:
             asyncio.run(NodeRegistry(_async_redis(args.redis_url), ttl_s=3600).deregister(info.node_id))
 

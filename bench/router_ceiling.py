@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import psutil
 
-from bench.procs import cpu_s, router_command, sched_cpu_s, wait_http
+from bench.procs import cpu_s, router_command, sched_cpu_s, stop_all, wait_http
 from bench.standin_engine import STANDIN_LABEL, free_port
 from contracts.errors import ConfigError
 from contracts.registry import Role
 
 if TYPE_CHECKING:
     from bench.overhead import OverheadBenchConfig
+    from contracts.registry import NodeInfo
 
 
 def _log(msg: str) -> None:
@@ -74,11 +75,28 @@ def _standin(port: int, log: Path, *args: str) -> subprocess.Popen[bytes]:
     return proc
 
 
+def _standin_node(model: str, port: int) -> NodeInfo:
+    """The registry entry of a stand-in engine on ``port`` serving ``model``: a colocated node whose
+    tokenizer (the one the router warms) is the default model's, as for a real node."""
+    from contracts.registry import NodeInfo
+    from node_agent.model import default_model_dir
+
+    return NodeInfo(
+        node_id=f"standin-{model}",
+        role=Role.BOTH,
+        model=model,
+        url=f"http://127.0.0.1:{port}",
+        block_size=128,
+        max_model_len=1 << 20,
+        kv_connector="none",
+        model_path=str(default_model_dir()),
+    )
+
+
 def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
     """SSE chunks relayed per second by the router process alone on one core (the first), over the
     stand-in engine and the load client on the others."""
-    from contracts.registry import NodeInfo, NodeRegistry
-    from node_agent.model import default_model_dir
+    from contracts.registry import NodeRegistry
 
     cores = sorted(os.sched_getaffinity(0))
     router_core, other = {cores[0]}, set(cores[1:]) or {cores[0]}
@@ -86,16 +104,7 @@ def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
     model = f"standin-ceiling-{uuid.uuid4().hex[:8]}"
     logs = cfg.workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    node = NodeInfo(
-        node_id=f"standin-{model}",
-        role=Role.BOTH,
-        model=model,
-        url=f"http://127.0.0.1:{engine_port}",
-        block_size=128,
-        max_model_len=1 << 20,
-        kv_connector="none",
-        model_path=str(default_model_dir()),
-    )
+    node = _standin_node(model, engine_port)
     procs: list[subprocess.Popen[bytes]] = []
     me = os.sched_getaffinity(0)
     try:
@@ -133,13 +142,7 @@ def router_ceiling(cfg: OverheadBenchConfig) -> dict[str, Any]:
         }
     finally:
         os.sched_setaffinity(0, me)
-        for p in reversed(procs):
-            p.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(20)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         for node_id in (node.node_id, f"{node.node_id}-paced"):
             asyncio.run(NodeRegistry(_async_redis(cfg.redis_url), ttl_s=3600).deregister(node_id))
 

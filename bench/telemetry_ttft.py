@@ -32,7 +32,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ import httpx
 
 from bench.loadgen import RequestResult, one_request, percentile, run_level, streamed_chat
 from bench.pd import bench_prompts
+from bench.procs import router_command, wait_http
 from contracts.errors import ConfigError
 from infra.launcher import Cluster, ClusterSpec
 from telemetry.query import query
@@ -57,23 +57,11 @@ def _start_off_router(cluster: Cluster, port: int) -> subprocess.Popen[bytes]:
         **dict(spec.router_env),
         "TANDEM_ROUTER_TELEMETRY": "false",
     }
-    cmd = [sys.executable, "-m", "tandem", "router", "--port", str(port), "--redis-url", cluster.redis_url]
+    cmd = router_command(port, cluster.redis_url)
     if spec.policy is not None:
         cmd += ["--policy", spec.policy]
     log = (cluster.logs / "router-telemetry-off.log").open("ab")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _wait_router(url: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)  # polling a child process without a readiness callback
-    raise ConfigError(f"router {url} not healthy")
 
 
 def _metric_sum(url: str, name: str) -> float:
@@ -189,7 +177,7 @@ def run_ttft_on_off(
         off = _start_off_router(cluster, off_port)
         try:
             urls = {"on": cluster.url, "off": f"http://127.0.0.1:{off_port}"}
-            _wait_router(urls["off"])
+            wait_http(f"{urls['off']}/health", lambda: off.poll() is None, 120)
             model = httpx.get(f"{cluster.url}/v1/models").json()["data"][0]["id"]
             prompts = bench_prompts()
             for mode in ("on", "off"):  # warm-up, discarded

@@ -2,7 +2,7 @@
 
 Lower libraries' errors (httpx, redis, zmq, vLLM's HTTP answers) are translated into the most specific
 type below at the boundary where they happen (``raise ... from exc``). Only the router's edge turns
-these into HTTP responses (``router.openai_errors``); nothing else knows about status codes except
+these into HTTP responses (``router.edge.openai_errors``); nothing else knows about status codes except
 through the ``status_code`` attribute each class declares.
 
     TandemError

@@ -18,7 +18,7 @@ Versions (``PARAMS_VERSION``, the ``tandem`` field of both)
        prompt tokens computed, lease deadline; optionally the transport the decode node must use. A
        report without a ``tandem`` field is a version-1 report (they carried none). Later, compatible
        additions (optional, absent from the dict when unset): ``layerwise``; ``prefix_tokens`` (a peer
-       prefix fetch, ``router.peer_fetch``: a node of an older release ignores it, pulls the whole
+       prefix fetch, ``router.planning.peer_fetch``: a node of an older release ignores it, pulls the whole
        prompt, finds the lease too short, and recomputes).
 """
 
@@ -67,7 +67,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
     (``remote_block_ids`` is empty) while the prefill computes, layer by layer; ``transfer_id`` is the
     one the sender gave the prefill leg (``LAYERWISE_ID_KEY``). tcp, ipc and shm only."""
     prefix_tokens: int | None = None
-    """A peer prefix fetch (``router.peer_fetch``): only the prompt's first ``prefix_tokens`` (whole
+    """A peer prefix fetch (``router.planning.peer_fetch``): only the prompt's first ``prefix_tokens`` (whole
     blocks, fewer than the prompt) come from the peer, which leased just those; the node computes the
     rest itself. None: the whole prompt comes from the peer (P/D)."""
     prefix_key: int | None = None

@@ -10,7 +10,7 @@ version, or malformed ones, are refused with an error in the log naming both ver
 prefilled here (nothing is pulled, nothing released: we cannot trust their endpoints), and the lease
 ends at its deadline on the prefill node.
 
-A peer prefix fetch (``TransferParams.prefix_tokens``, ``router.peer_fetch``) loads only the prompt's
+A peer prefix fetch (``TransferParams.prefix_tokens``, ``router.planning.peer_fetch``) loads only the prompt's
 first blocks from the peer, from the local hit on; vLLM then computes the rest of the prompt here as
 for any partial hit (its scheduler counts the loaded tokens as computed once the pull ends).
 """

@@ -23,7 +23,7 @@ The sequence, per request:
     worker     ... in which they are copied into the tier (Reserve -> copy -> Commit; blocks the tier
                holds already are not rewritten) and reported finished_sending, and vLLM frees them;
                a request the router marked for retention (``kv_transfer_params["tandem_retain"]``:
-               ttl, owner, tenant; ``router.retention``) then has its blocks pinned for the TTL
+               ttl, owner, tenant; ``router.planning.retention``) then has its blocks pinned for the TTL
 
 Exclusive under pressure (the tier's policy, ``host_tier.eviction``): those copies are stored as
 spares, since the engine still holds the blocks (it frees them into its prefix cache), and blocks just

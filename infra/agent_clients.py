@@ -172,43 +172,49 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> Ag
     return AgentRun(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """What an agent is pointed at: a server's root URL (no ``/v1``), the served model's name, an API key."""
+
+    url: str
+    model: str
+    api_key: str
+
+
 def run_codex(
     clients: AgentClients,
-    base_url: str,
-    model: str,
+    endpoint: Endpoint,
     prompt: str,
     workdir: Path,
-    api_key: str,
     timeout_s: float = 600,
     websockets: bool = False,
 ) -> AgentRun:
-    """``codex exec PROMPT`` in ``workdir`` against ``base_url`` (``…/v1``), with a Codex home of its own;
-    ``websockets``: over the Responses WebSocket mode."""
+    """``codex exec PROMPT`` in ``workdir`` against ``endpoint`` (Codex is given ``…/v1``), with a Codex
+    home of its own; ``websockets``: over the Responses WebSocket mode."""
     home = workdir / ".codex-home"
     home.mkdir(parents=True, exist_ok=True)
-    (home / "config.toml").write_text(codex_config(base_url, model, websockets=websockets))
+    (home / "config.toml").write_text(codex_config(f"{endpoint.url}/v1", endpoint.model, websockets=websockets))
     cmd = [str(clients.codex), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", prompt]
-    return _run(cmd, workdir, {"CODEX_HOME": str(home), "TANDEM_API_KEY": api_key}, timeout_s)
+    return _run(cmd, workdir, {"CODEX_HOME": str(home), "TANDEM_API_KEY": endpoint.api_key}, timeout_s)
 
 
 def run_claude(
     clients: AgentClients,
-    base_url: str,
-    model: str,
+    endpoint: Endpoint,
     prompt: str,
     workdir: Path,
-    api_key: str,
     tools: str | None = "Bash,Read,Edit,Write",
     timeout_s: float = 600,
 ) -> AgentRun:
-    """``claude -p PROMPT`` in ``workdir`` against ``base_url`` (the server root, no ``/v1``). ``tools``:
-    the built-in tools it offers (``--tools``; None: all of them, and skills, as a user gets by default)."""
+    """``claude -p PROMPT`` in ``workdir`` against ``endpoint`` (the server root). ``tools``: the built-in
+    tools it offers (``--tools``; None: all of them, and skills, as a user gets by default)."""
+    model = endpoint.model
     home = workdir / ".claude-home"
     home.mkdir(parents=True, exist_ok=True)
     env = {
         "HOME": str(home),
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": api_key,
+        "ANTHROPIC_BASE_URL": endpoint.url,
+        "ANTHROPIC_API_KEY": endpoint.api_key,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1",
         "DISABLE_AUTOUPDATER": "1",

@@ -72,7 +72,7 @@ class NodeSettings(BaseSettings):
     endpoints in its registry entry, so routers know what the tier holds. None: no host tier."""
     peer_kv: bool = False
     """A colocated node (role both) runs our connector too, so that peers can load the prefixes its engine
-    holds and it theirs, instead of computing them (the router's ``peer_fetch``, ``router.peer_fetch``).
+    holds and it theirs, instead of computing them (the router's ``peer_fetch``, ``router.planning.peer_fetch``).
     Prefill and decode nodes run it anyway. Off by default: a colocated node then runs a plain engine."""
     host_tier_timeout_s: float = 0.5
     """How long the engine waits for the tier to answer one lookup (on the scheduler's thread) before it
@@ -108,7 +108,7 @@ class NodeSettings(BaseSettings):
     kv_transfer/engine_hooks/sitecustomize.py."""
     engine_keep_alive_s: int = Field(default=90, ge=1)
     """How long the engine's HTTP server keeps an idle connection (VLLM_HTTP_TIMEOUT_KEEP_ALIVE; vLLM's
-    own is 5 s). Longer than the router keeps idle connections to engines (60 s, router/node_client.py),
+    own is 5 s). Longer than the router keeps idle connections to engines (60 s, router/upstream/node_client.py),
     so the router always closes first and never sends a request down a connection the engine is just
     closing ("Server disconnected without sending a response")."""
     heartbeat_s: float = 2.0

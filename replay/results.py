@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay.runner import Result
+from traces.figures import RunFigures
 
 SCHEMA_VERSION = 1
 
@@ -97,20 +98,12 @@ def write_results(table: pa.Table, path: Path, meta: dict[str, str]) -> None:
     pq.write_table(table.replace_schema_metadata(md), path)
 
 
-@dataclass(frozen=True)
-class Summary:
+@dataclass(frozen=True, kw_only=True)
+class Summary(RunFigures):
     requests: int
     ok: int
     errors: int
     cancelled: int
-    wall_s: float
-    ttft_p50_s: float
-    ttft_p90_s: float
-    ttft_p99_s: float
-    itl_p50_s: float
-    itl_p90_s: float
-    output_tok_s: float
-    observed_hit: float
     ceiling_hit: float
 
 

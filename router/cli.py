@@ -54,8 +54,8 @@ def router(
 
     Request headers: x-tandem-priority (interactive|batch; lowers the key's class, never raises it),
     x-tandem-deadline-ms, x-session-id, x-tandem-history (client|server)."""
-    from router.app import create_app
-    from router.server import serve
+    from router.edge.app import create_app
+    from router.edge.server import serve
     from router.settings import RouterSettings
 
     setup_logging(log_level)

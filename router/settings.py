@@ -57,12 +57,12 @@ class RouterSettings(BaseSettings):
     faster refresh buys no fresher loads, only idle CPU taken from the engines on a shared host."""
     prefill_fallback: FallbackPolicy = FallbackPolicy.LOCAL
     layerwise: bool = True
-    """Send a P/D pair's two legs at once (``router.layerwise``): the decode node pulls each layer while
+    """Send a P/D pair's two legs at once (``router.planning.layerwise``): the decode node pulls each layer while
     the prefill node computes it, so the transfer adds about one layer after the prefill instead of the
     whole prompt's KV. Used only where both nodes run our connector and the prefill node advertises its
     block server (registry schema 3); off: every pair is sequential (prefill, then a whole pull)."""
     peer_fetch: bool = True
-    """Cross-node prefix reuse (``router.peer_fetch``): when the node that serves a request lacks a prefix
+    """Cross-node prefix reuse (``router.planning.peer_fetch``): when the node that serves a request lacks a prefix
     a peer's engine holds, it loads those blocks from the peer instead of computing them, if the measured
     rates say that is faster (never otherwise). Only between colocated nodes that run our connector
     (``tandem up --peer-kv``): nothing changes elsewhere."""
@@ -74,7 +74,7 @@ class RouterSettings(BaseSettings):
     upstream_dead_after_s: float = Field(default=15.0, ge=0.0)
     """How long a connection to an engine may go without a sign of life from the engine host's kernel
     (TCP keepalive probes while the router waits, the acknowledgement of what it sent) before it counts
-    as broken (``router.sse_upstream.keep_alive``). A partition then ends the requests on it with an
+    as broken (``router.upstream.sse_upstream.keep_alive``). A partition then ends the requests on it with an
     error within this, where ``request_timeout_s`` alone held a stream for 10 minutes (measured on
     ``tandem lab``, decode host cut mid-stream: no byte, no error for 180 s before the client gave up).
     A busy or stalled engine is never cut by it: its kernel answers the probes whatever the engine
@@ -121,7 +121,7 @@ class RouterSettings(BaseSettings):
     over-long prompt itself (the same 400). ``always``: every request, so the router refuses over-long
     prompts before any node works and every record carries the fleet index's hit prediction."""
 
-    # -- the edge (router.edge): what a client may send ----------------------------------------------
+    # -- the edge (router.edge.limits): what a client may send ----------------------------------------------
     max_body_bytes: int = 10 * 1024 * 1024
     """Largest request body (bytes) on any route: a larger Content-Length is refused with 413 before the
     body is read, a chunked body at the byte that passes it. 10 MiB holds a full 128k-token context
@@ -157,12 +157,12 @@ class RouterSettings(BaseSettings):
     """Names a client may give in ``chat_template_kwargs`` (scalar values only); any other is a 400.
     In the environment, a JSON list."""
     shared_cache_tenants: frozenset[str] = frozenset()
-    """Tenants whose requests share one prefix cache (``router.cache_salt``): once auth is on, every other
+    """Tenants whose requests share one prefix cache (``router.planning.cache_salt``): once auth is on, every other
     tenant's requests carry a ``cache_salt`` of their own, so no tenant's prompts reuse (or reveal)
     another's cached blocks. ``["*"]``: every tenant shares, as with auth off. In the environment
     (``TANDEM_ROUTER_SHARED_CACHE_TENANTS``), a JSON list."""
     session_retention_s: float = Field(default=300.0, ge=0.0)
-    """How long the host tier keeps a session's context pinned after its turn (``router.retention``): a
+    """How long the host tier keeps a session's context pinned after its turn (``router.planning.retention``): a
     request naming a session (``x-session-id``, or OpenAI's ``prompt_cache_key``) asks the prefilling
     node's tier to keep its blocks through the tool pause before the next turn. A ``cache_control``
     ``ttl`` in the messages (Anthropic's ``5m`` / ``1h``) overrides it per request. 0: off."""
@@ -173,7 +173,7 @@ class RouterSettings(BaseSettings):
     auto (default) while auth is off or for admin keys; always; never. A request that may not gets 403."""
     ws_idle_timeout_s: float = Field(default=600.0, gt=0.0)
     """How long a WebSocket (``GET /v1/responses`` or ``/v1/chat/completions`` upgraded,
-    ``router.codecs.websocket``) may stay open with no response in flight and no message from its
+    ``router.edge.codecs.websocket``) may stay open with no response in flight and no message from its
     client; past it the router closes it (1000). A socket's turns ask the host tier to keep their
     context this long (at most ``session_retention_max_s``), so a tool pause the socket allows never
     outlives its pins."""

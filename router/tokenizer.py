@@ -5,7 +5,7 @@ prefill node (and, in P/D, KV blocks held for a decode that would then refuse it
 keys are computed from exactly the tokens the engine will hash. Nodes register their model folder; a
 router on another host without that folder skips both and lets the engine refuse instead.
 
-A session on one WebSocket (``router.codecs.websocket``) resends its whole conversation every turn, and
+A session on one WebSocket (``router.edge.codecs.websocket``) resends its whole conversation every turn, and
 encoding it is the largest part of the router's work per turn (10-20 ms for 6k tokens on a 2-core host,
 where rendering the template takes under half a millisecond). Its ``PrefixTokens`` (``SESSION_TOKENS``,
 set for the socket's requests) keep the last prompt's text and ids: a prompt that repeats that text up to
@@ -17,7 +17,7 @@ A prompt the router has the tokenizer for but cannot render (a template error, t
 refuses) is the client's error, a 400: the router never serves a prompt it counted as 0 tokens, which
 would bypass both the context check and the token limits. The template arguments are vLLM's: the
 request's ``add_generation_prompt`` (default true) and ``continue_final_message``, overridden by its
-``chat_template_kwargs`` (names from an allowlist, ``router.edge``), and a client ``chat_template`` only
+``chat_template_kwargs`` (names from an allowlist, ``router.edge.limits``), and a client ``chat_template`` only
 when the operator trusts them.
 
 Rendering is bounded in time (``render_timeout_s``, ``router.template_deadline``): a template that loops
@@ -218,7 +218,7 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"add_generation_prompt": body.get("add_generation_prompt", True)}
     if body.get("continue_final_message"):
         kwargs["continue_final_message"] = True
-    if body.get("chat_template") is not None:  # only present when the operator trusts them (router.edge)
+    if body.get("chat_template") is not None:  # only present when the operator trusts them (router.edge.limits)
         kwargs["chat_template"] = body["chat_template"]
     kwargs.update(body.get("chat_template_kwargs") or {})
     return kwargs

@@ -1,5 +1,6 @@
-"""SIMULATOR: a run's figures in the replay's terms (``replay.results.Summary``'s fields), so a simulated
-run and a real replay of the same trace compare metric by metric (``bench/sim.py``).
+"""SIMULATOR: a run's figures in the replay's terms (``traces.figures.RunFigures``, which
+``replay.results.Summary`` extends too), so a simulated run and a real replay of the same trace compare
+metric by metric (``bench/sim.py``).
 
 TTFT is arrival to first token; ITL the gaps between a request's tokens, pooled over requests (as the
 replay pools its chunk gaps); throughput output tokens over first arrival to last finish; the hit rate
@@ -13,19 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator.fleet import SIMULATED, FleetSim, SimRequest
+from traces.figures import RunFigures
 
 
-@dataclass(frozen=True)
-class SimSummary:
+@dataclass(frozen=True, kw_only=True)
+class SimSummary(RunFigures):
     requests: int
-    wall_s: float
-    ttft_p50_s: float
-    ttft_p90_s: float
-    ttft_p99_s: float
-    itl_p50_s: float
-    itl_p90_s: float
-    output_tok_s: float
-    observed_hit: float
     label: str = SIMULATED
 
 

@@ -37,7 +37,7 @@ LogEntry = tuple[str, object]
 
 
 def select_pools(policy: RoutingPolicy, rr: RoutingRequest, pools: Pools) -> Decision:
-    """The pool choice of ``router.orchestrator.Orchestrator._select`` with no client preference."""
+    """The pool choice of ``router.planning.orchestrator.Orchestrator._select`` with no client preference."""
     if pools.prefill and pools.decode:
         return policy.select(rr, pools.prefill, pools.decode)
     if pools.colocated:

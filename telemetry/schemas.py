@@ -45,8 +45,8 @@ filling added fields with nulls):
     4  requests: where the reused prompt tokens came from (local_cached_tokens, host_tier_cached_tokens,
        peer_cached_tokens: router.kv_index.attribution).
     5  host_tier: a new table, one row per host tier per interval (host_tier.lake).
-    6  requests: api, the API the client spoke (chat, completions, responses, messages: router.codecs).
-    7  requests: transport, how the request came (http, or websocket: router.codecs.websocket).
+    6  requests: api, the API the client spoke (chat, completions, responses, messages: router.edge.codecs).
+    7  requests: transport, how the request came (http, or websocket: router.edge.codecs.websocket).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Requests/min and tokens/min (``ratelimit``) bound what a tenant asks for over time, not what it holds
 now: a tenant could open hundreds of slow streams within its request rate and keep every node slot
 busy for minutes. So each generation request also holds one of its tenant's stream slots, from
-admission until the exchange lets go of everything it held (``router.exchange``: answer done, error,
+admission until the exchange lets go of everything it held (``router.edge.exchange``: answer done, error,
 client gone, client stalled, server shutdown: the same one exit). Over the limit: 429
 ``rate_limit_exceeded`` naming the limit, before any node works.
 

@@ -31,7 +31,7 @@ uncached tokens U = P - E along the prompt, each token into the first kind whose
 
 The reused tokens E split by where they came from (``usage.tandem.kv_origin``, the lake's
 ``local_cached_tokens`` / ``peer_cached_tokens`` / ``host_tier_cached_tokens``): the engine looks in
-its own cache first, then loads from a peer (``router.peer_fetch``: the prefix the peer leased) or
+its own cache first, then loads from a peer (``router.planning.peer_fetch``: the prefix the peer leased) or
 else its host tier, so the peer's and the tier's shares are what they were to add beyond the engine's
 own prefix, as far as E reaches there; the rest of E is the engine's own. vLLM reports only
 the sum (its count includes what a connector loaded), so this split is the index's, checked against
@@ -40,7 +40,7 @@ tier hit the engine did not take shows as undelivered.
 
 so cold + evicted + elsewhere + undelivered = U exactly, for every request with both figures. No
 figure is attributed when the router did not hash the prompt (one node and no token limits: see
-``router.orchestrator``) or the engine never reported its reuse (the request failed before).
+``router.planning.orchestrator``) or the engine never reported its reuse (the request failed before).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class PrefixView:
     """The part of ``routed_tokens`` the routed node's host tier holds (after the engine's own)."""
     routed_peer_tokens: int = 0
     """The part of ``routed_tokens`` the routed node loads from a peer (after its engine's own,
-    ``router.peer_fetch``); set once the peer leased them, when the tier's part is 0 (the peer's covers it)."""
+    ``router.planning.peer_fetch``); set once the peer leased them, when the tier's part is 0 (the peer's covers it)."""
     elsewhere_node: str | None = None
     """The node holding the fleet's longest prefix, when that is longer than the routed node's."""
     elsewhere_reason: str | None = None
@@ -133,7 +133,7 @@ class MissAttribution:
     local_hit: int = 0
     """Reused tokens from the prefilling engine's own cache."""
     peer_hit: int = 0
-    """Reused tokens loaded from a peer node's engine (``router.peer_fetch``)."""
+    """Reused tokens loaded from a peer node's engine (``router.planning.peer_fetch``)."""
     host_tier_hit: int = 0
     """Reused tokens its host tier supplied."""
 

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, Header, Path, Request, Response
 from contracts.errors import InvalidRequest, NotFound
 from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
-from router.openai_errors import error_responses
+from router.edge.openai_errors import error_responses
 from router.sessions.models import _ID, conversation, new_session_id, validate_id
 from router.sessions.store import SessionStore
 
@@ -55,7 +55,7 @@ async def session_params(
         raise InvalidRequest(f"{HISTORY_HEADER} must be 'client' or 'server'", param=HISTORY_HEADER) from exc
     if x_session_id:
         return SessionParams(validate_id(x_session_id, "x-session-id"), False, mode)
-    # Only server-history mode keeps a session the client did not name (router/app.py): an id is made
+    # Only server-history mode keeps a session the client did not name (router/edge/app.py): an id is made
     # for it alone, not for every nameless request (a uuid4 per request showed in the router's profile).
     return SessionParams(new_session_id() if mode is HistoryMode.SERVER else "", True, mode)
 
@@ -77,7 +77,7 @@ def sessions_router(store: SessionStore, deps: AdmissionDependencies) -> APIRout
 
     async def tenant_of(request: Request) -> Tenant:
         # The key is read from the request, not declared as a header parameter: the OpenAPI document
-        # names it once, as the bearer security scheme (router/app.py).
+        # names it once, as the bearer security scheme (router/edge/app.py).
         return await deps.tenant(request.headers.get("authorization"))
 
     # Documented, not validated by FastAPI: ``validate_id`` refuses a malformed id (400) after the key is checked.

@@ -92,7 +92,7 @@ def test_settings_refuse_a_bad_cluster_name(monkeypatch: pytest.MonkeyPatch) -> 
 def test_router_metrics_name_the_cluster() -> None:
     from prometheus_client import generate_latest
 
-    from router.app import create_app
+    from router.edge.app import create_app
     from router.settings import RouterSettings
 
     app = create_app(RouterSettings(cluster="staging"))

@@ -17,14 +17,14 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 OVER_FILES = {
-    "router/orchestrator.py": 909,
+    "router/planning/orchestrator.py": 909,
 }
 """Files over the limit, with their lines now."""
 
 OVER_FUNCTIONS = {
-    "router/app.py::create_app": 294,
-    "router/app.py::create_app.lifespan": 104,
-    "router/exchange.py::Exchange._answer": 101,
+    "router/edge/app.py::create_app": 294,
+    "router/edge/app.py::create_app.lifespan": 104,
+    "router/edge/exchange.py::Exchange._answer": 101,
 }
 """Functions over the limit, with their lines now."""
 

@@ -53,8 +53,8 @@ def test_node_options_left_out_leave_the_environment_in_force(monkeypatch: pytes
 
 def test_router_options_left_out_leave_the_environment_in_force(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
-    monkeypatch.setattr("router.app.create_app", lambda settings: seen.append(settings) or object())
-    monkeypatch.setattr("router.server.serve", lambda *a, **kw: None)
+    monkeypatch.setattr("router.edge.app.create_app", lambda settings: seen.append(settings) or object())
+    monkeypatch.setattr("router.edge.server.serve", lambda *a, **kw: None)
     monkeypatch.setenv("TANDEM_ROUTER_POLICY", "round_robin")
     assert CliRunner().invoke(app, ["router"]).exit_code == 0
     assert seen[-1].policy is PolicyName.ROUND_ROBIN

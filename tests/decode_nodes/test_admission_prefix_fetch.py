@@ -1,4 +1,4 @@
-"""A peer prefix fetch (``TransferParams.prefix_tokens``, ``router.peer_fetch``): the node reports only the
+"""A peer prefix fetch (``TransferParams.prefix_tokens``, ``router.planning.peer_fetch``): the node reports only the
 prefix's whole blocks past its own hit as loadable, pulls exactly those blocks by position into its own,
 and leaves the rest of the prompt to compute; a prefix it already holds releases the peer's lease."""
 

@@ -26,7 +26,7 @@ import httpx
 import pytest
 import redis
 
-from infra.agent_clients import AgentClients, install, run_claude, run_codex
+from infra.agent_clients import AgentClients, Endpoint, install, run_claude, run_codex
 from infra.agent_clients import agent_node_env as node_env
 from telemetry import query
 from tests.e2e.conftest import registry_empty
@@ -99,9 +99,13 @@ def _landed(cluster: AgentCluster, since: datetime, endpoint: str, at_least: int
     return _rows(cluster, since, endpoint)
 
 
+def _endpoint(cluster: AgentCluster) -> Endpoint:
+    return Endpoint(cluster.url, cluster.model, API_KEY)
+
+
 def test_codex_exec_completes_a_turn(agent_cluster: AgentCluster, clients: AgentClients, tmp_path: Path) -> None:
     since = datetime.now(UTC)
-    run = run_codex(clients, f"{agent_cluster.url}/v1", agent_cluster.model, PROMPT, tmp_path, API_KEY)
+    run = run_codex(clients, _endpoint(agent_cluster), PROMPT, tmp_path)
     assert run.returncode == 0, f"codex exec exited {run.returncode}:\n{run.stderr[-4000:]}"
     assert "ERROR" not in run.stderr, run.stderr[-4000:]
     assert run.stdout.strip(), "codex printed no answer"
@@ -116,8 +120,7 @@ def test_codex_exec_over_a_websocket_completes_a_turn(
     """Codex with ``supports_websockets = true``: its model calls come as ``response.create`` messages on
     one socket (the lake's ``transport``: Codex would fall back to HTTP on a refused upgrade, silently)."""
     since = datetime.now(UTC)
-    url = f"{agent_cluster.url}/v1"
-    run = run_codex(clients, url, agent_cluster.model, PROMPT, tmp_path, API_KEY, websockets=True)
+    run = run_codex(clients, _endpoint(agent_cluster), PROMPT, tmp_path, websockets=True)
     assert run.returncode == 0, f"codex exec exited {run.returncode}:\n{run.stderr[-4000:]}"
     assert "ERROR" not in run.stderr, run.stderr[-4000:]
     assert run.stdout.strip(), "codex printed no answer"
@@ -128,7 +131,7 @@ def test_codex_exec_over_a_websocket_completes_a_turn(
 
 def test_claude_p_completes_a_turn(agent_cluster: AgentCluster, clients: AgentClients, tmp_path: Path) -> None:
     since = datetime.now(UTC)
-    run = run_claude(clients, agent_cluster.url, agent_cluster.model, PROMPT, tmp_path, API_KEY)
+    run = run_claude(clients, _endpoint(agent_cluster), PROMPT, tmp_path)
     assert run.returncode == 0, f"claude -p exited {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
     assert run.stdout.strip() and "API Error" not in run.stdout, run.stdout[-2000:]
     rows = _landed(agent_cluster, since, "messages")
@@ -144,7 +147,7 @@ def test_claude_p_with_its_default_tools_and_skills_is_served(
     so the client may give up on the answer ("exceeded the … output token maximum", after asking it to
     continue); every request it sent must still be served: 200, no protocol error."""
     since = datetime.now(UTC)
-    run = run_claude(clients, agent_cluster.url, agent_cluster.model, PROMPT, tmp_path, API_KEY, tools=None)
+    run = run_claude(clients, _endpoint(agent_cluster), PROMPT, tmp_path, tools=None)
     gave_up = "output token maximum" in run.stdout
     assert run.returncode == 0 or gave_up, f"claude -p exited {run.returncode}:\n{run.stdout[-2000:]}"
     rows = _landed(agent_cluster, since, "messages", at_least=4 if gave_up else 1)  # gave up: 1 + 3 continues

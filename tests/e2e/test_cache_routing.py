@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from router.app import create_app
+from router.edge.app import create_app
 from router.kv_index import BlockHasher
 from router.settings import RouterSettings
 from router.tokenizer import _load, _token_ids
@@ -57,5 +57,5 @@ def test_routed_cached_tokens_equal_engine_cached_tokens(cluster: LiveCluster) -
             messages = [
                 *messages,
                 {"role": "assistant", "content": answer},
-                {"role": "user", "content": f"Tool output #{turn}:\n" + "router/app.py\n" * (20 + turn)},
+                {"role": "user", "content": f"Tool output #{turn}:\n" + "router/edge/app.py\n" * (20 + turn)},
             ]

@@ -31,7 +31,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from router.admission.context import AdmissionContext, AdmissionSettings
-from router.app import create_app
+from router.edge.app import create_app
 from router.sessions.models import Turn
 from router.settings import RouterSettings
 from telemetry import query

@@ -92,7 +92,7 @@ def _router_sum(cluster: LiveCluster, name: str) -> float:
 
 def test_a_client_gone_before_the_first_byte_leaves_no_slot_and_no_engine_request(cluster: LiveCluster) -> None:
     """The client leaves while its prompt is being prefilled, before the router has sent a byte: the
-    request's owner (router.exchange) lets go of everything, once. No engine keeps the request and
+    request's owner (router.edge.exchange) lets go of everything, once. No engine keeps the request and
     the router holds no node slot and counts nothing in flight."""
     import socket
     from urllib.parse import urlsplit

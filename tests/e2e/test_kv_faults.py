@@ -9,7 +9,7 @@ recomputed) or an OpenAI-format error.
 The cluster is this module's own (the session cluster must not lose nodes): one prefill and one decode
 node on small KV caches (20 blocks of 128 tokens, 2k context) so that one long request fills the decode
 node, and two routers over them: one that sends pairs sequentially (prefill, then a whole pull: the
-faults below that name no mode) and one that sends them layer-wise (``router.layerwise``: the tests
+faults below that name no mode) and one that sends them layer-wise (``router.planning.layerwise``: the tests
 named so). The two kill tests run last, in this order; the second starts a fresh decode node.
 """
 

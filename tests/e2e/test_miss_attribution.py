@@ -36,7 +36,7 @@ from bench.standin_engine import ServerThread
 from contracts.registry import Role
 from contracts.secret import engine_auth_headers
 from router.admission.context import AdmissionSettings
-from router.app import create_app
+from router.edge.app import create_app
 from router.kv_index import BlockHasher
 from router.policies import CacheAwareConfig
 from router.settings import RouterSettings

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from contracts.secret import engine_auth_headers
-from router.app import create_app
+from router.edge.app import create_app
 from router.settings import RouterSettings
 from tests.e2e.conftest import LiveCluster
 from tests.e2e.test_cache_routing import SYSTEM

@@ -1,4 +1,4 @@
-"""Cross-node prefix reuse on real engines (``router.peer_fetch``): two colocated float32 nodes that run
+"""Cross-node prefix reuse on real engines (``router.planning.peer_fetch``): two colocated float32 nodes that run
 our connector (``tandem node --peer-kv``) and a router in this process (Redis DB 10, ``least_loaded``,
 so every request goes to the node named first while the other holds the prefixes). The node loads
 each prompt's prefix from its peer and computes the rest, with the same greedy tokens the peer's own

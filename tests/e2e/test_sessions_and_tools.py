@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from router.admission.context import AdmissionContext, AdmissionSettings
-from router.app import create_app
+from router.edge.app import create_app
 from router.settings import RouterSettings
 from tests.e2e.conftest import LiveCluster
 from tests.support.helpers import wait_for

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from router.app import create_app
+from router.edge.app import create_app
 from router.settings import RouterSettings
 from telemetry import query
 from tests.e2e.conftest import LiveCluster, wait_for

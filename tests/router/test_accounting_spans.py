@@ -8,9 +8,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from router.accounting import Accounting
-from router.app import create_app
-from router.metrics import RouterMetrics
+from router.edge.app import create_app
+from router.record.accounting import Accounting
+from router.record.metrics import RouterMetrics
 from router.settings import RouterSettings
 from tests.telemetry.test_tracing import PD_WALK, _pd_trace
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.kv_activity import KVActivity
 from router.kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.record.kv_activity import KVActivity
 
 
 class _Sink:

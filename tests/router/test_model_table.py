@@ -11,8 +11,8 @@ import pytest
 from contracts.errors import ConfigError
 from contracts.models_file import ModelsFile
 from router.model_table import ModelTable, Resolution, Via
-from router.orchestrator import RequestTrace, note_resolution
-from router.records import request_record
+from router.planning.orchestrator import RequestTrace, note_resolution
+from router.record.records import request_record
 from telemetry.schemas import SCHEMAS
 
 TOML = """

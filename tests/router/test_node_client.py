@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from contracts.errors import EngineRejected, UpstreamError
-from router.node_client import NodeClient
+from router.upstream.node_client import NodeClient
 
 
 class SseServer:
@@ -214,7 +214,7 @@ class _NoConnection:
 
 
 def _split_reads(reads: list[bytes]) -> tuple[list[bytes], BaseException | None]:
-    from router.sse_upstream import SseStream
+    from router.upstream.sse_upstream import SseStream
 
     stream = SseStream("http://engine", _NoConnection(), asyncio.new_event_loop())  # type: ignore[arg-type]
     payloads: list[bytes] = []

@@ -1,4 +1,4 @@
-"""``router.peer_fetch``'s decision, isolated (a stand-in index answers the prefix lookups): fetch a
+"""``router.planning.peer_fetch``'s decision, isolated (a stand-in index answers the prefix lookups): fetch a
 peer's prefix only when the predicted fetch beats computing it, from the peer holding the most, only
 between nodes that serve peers; measurements move the rates, so a slow source stops being asked."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
-from router.peer_fetch import (
+from router.planning.peer_fetch import (
     PRIOR_PREFILL_S_PER_TOKEN,
     PRIOR_SOURCE_S,
     FetchRates,
@@ -106,7 +106,7 @@ def test_measurements_move_the_decision() -> None:
 
 
 def test_an_average_not_measured_for_a_while_drifts_back_to_its_prior(monkeypatch) -> None:
-    import router.peer_fetch as pf
+    import router.planning.peer_fetch as pf
 
     now = [1000.0]
     monkeypatch.setattr(pf.time, "monotonic", lambda: now[0])

@@ -1,4 +1,4 @@
-"""The response index (router.responses) against a real Redis: batched writes, answers before the
+"""The response index (router.record.responses) against a real Redis: batched writes, answers before the
 write lands, and a Redis outage that loses the ids without touching the caller."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from router.responses import MAX_BATCH, ResponseIndex, ResponseRef
+from router.record.responses import MAX_BATCH, ResponseIndex, ResponseRef
 
 
 def _ids(n: int) -> list[str]:

@@ -1,10 +1,10 @@
-"""Which requests ask the host tier to keep their context, for how long and as whose (``router.retention``)."""
+"""Which requests ask the host tier to keep their context, for how long and as whose (``router.planning.retention``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.retention import RETAIN_FIELD, parse_ttl, retention_for
+from router.planning.retention import RETAIN_FIELD, parse_ttl, retention_for
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from contracts.registry import Role
-from router.direct_write import DirectWriter, direct_writer
+from router.edge.direct_write import DirectWriter, direct_writer
 from tests.router.admission.support import wait_until
 from tests.support.standin_cluster import metric, standin_cluster
 

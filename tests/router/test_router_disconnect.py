@@ -1,6 +1,6 @@
 """A client that leaves cancels its request everywhere; one that stays is never taken for gone.
 
-The router notices a disconnect with one watcher task per request (``router.disconnect``); these run
+The router notices a disconnect with one watcher task per request (``router.edge.disconnect``); these run
 the real router (uvicorn, the exchange, the relay) over stand-in engines that stream paced tokens.
 """
 

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from contracts.registry import NodeInfo, NodeRegistry, Role
 from node_agent.model import default_model_dir
-from router.app import create_app
+from router.edge.app import create_app
 from router.settings import RouterSettings
 
 MODEL = "tiny"

@@ -1,4 +1,4 @@
-"""The router freezes its startup heap (``router.server.freeze_startup_heap``): a full collection then
+"""The router freezes its startup heap (``router.edge.server.freeze_startup_heap``): a full collection then
 walks only what came after start-up, not the half million objects every module, the app and the
 tokenizers left, which took 200-300 ms of CPU per collection inside benchmark windows."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from router.server import freeze_startup_heap
+from router.edge.server import freeze_startup_heap
 from tests.router.test_router_cpu_priority import _router
 
 

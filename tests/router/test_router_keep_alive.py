@@ -12,8 +12,8 @@ import pytest
 
 from node_agent.node import engine_env
 from node_agent.settings import NodeSettings
-from router.node_client import ENGINE_POOL_IDLE_S
 from router.settings import RouterSettings
+from router.upstream.node_client import ENGINE_POOL_IDLE_S
 from tests.router.test_router_cpu_priority import _router
 
 

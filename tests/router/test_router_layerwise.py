@@ -1,4 +1,4 @@
-"""Layer-wise pairs in the router's real request path (``router.layerwise``): both legs leave at once and
+"""Layer-wise pairs in the router's real request path (``router.planning.layerwise``): both legs leave at once and
 name one transfer id the router chose, the decode leg naming the prefill node's block server as the
 registry advertises it; a prefill leg that fails cancels the decode leg and the request follows the
 prefill fallback; the setting off, or a node that advertises no block server, keeps pairs sequential.

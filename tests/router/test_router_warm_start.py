@@ -9,7 +9,7 @@ import asyncio
 from fastapi.testclient import TestClient
 
 from node_agent.model import default_model_dir
-from router.app import create_app
+from router.edge.app import create_app
 from router.settings import RouterSettings
 from router.tokenizer import PromptTokenizer
 

@@ -12,8 +12,8 @@ from contextlib import AsyncExitStack
 import pytest
 
 from contracts.errors import UpstreamError
-from router.orchestrator import RequestTrace
-from router.sse import RelayResponse
+from router.edge.sse import RelayResponse
+from router.planning.orchestrator import RequestTrace
 
 RID = "chatcmpl-0123456789abcdef"
 
@@ -208,8 +208,8 @@ class _Client:
 
 async def _relay_over(engine: _PacedEngine) -> tuple[RelayResponse, RequestTrace, list, AsyncExitStack]:
     """A relay over a real upstream stream; the returned stack is what the request's owner
-    (router.exchange) closes when the request ends."""
-    from router.node_client import NodeClient
+    (router.edge.exchange) closes when the request ends."""
+    from router.upstream.node_client import NodeClient
 
     client = NodeClient(connect_timeout_s=5, request_timeout_s=10)
     url = await engine.start()

@@ -24,7 +24,7 @@ from bench.standin_engine import ServerThread, StandInEngine
 from contracts.registry import NodeInfo, NodeRegistry, Role
 from node_agent.model import default_model_dir
 from router.admission.context import AdmissionContext, AdmissionSettings
-from router.app import create_app
+from router.edge.app import create_app
 from router.settings import RouterSettings
 from tests.router.admission.support import delete_prefix
 
@@ -146,7 +146,7 @@ def router_process(tmp_path: Path, **env: str) -> Iterator[tuple[str, int]]:
             "-m",
             "uvicorn",
             "--factory",
-            "router.app:create_app",
+            "router.edge.app:create_app",
             "--host",
             "127.0.0.1",
             "--port",

@@ -157,7 +157,7 @@ def with_a_satisfiable_tool_choice(body: dict[str, Any]) -> dict[str, Any]:
     """``body`` with its ``tool_choice`` made one its ``tools`` satisfy, when it is well formed: a choice
     that demands a call (``required``, ``any``, a named tool) without tools is dropped, and a named one
     names the first tool. That a named tool is among the tools is a rule between two fields that no
-    static schema states (``router.codecs.internal.checked_tool_choice`` refuses it with a 400, as the
+    static schema states (``router.edge.codecs.internal.checked_tool_choice`` refuses it with a 400, as the
     APIs do); hypothesis would almost never guess a matching name."""
     choice, tools = body.get("tool_choice"), body.get("tools")
     names = _tool_names(tools) if isinstance(tools, list) else []

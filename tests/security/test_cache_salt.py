@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 
-from router.cache_salt import CacheSalts
 from router.kv_index import BlockHasher
+from router.planning.cache_salt import CacheSalts
 from router.tokenizer import PromptTokenizer
 from tests.security.support import Router, router
 

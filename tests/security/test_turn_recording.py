@@ -1,6 +1,6 @@
 """No silent loss of a session's turn (issue 35, item 5): when Redis dies at a stream's end the token
 settle fails, and the turn is still written to PostgreSQL (the settle and the turn are separate steps
-of ``router.turns``). A real redis-server (the embedded binary) is killed; real PostgreSQL."""
+of ``router.record.turns``). A real redis-server (the embedded binary) is killed; real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 from infra.redis_server import start_embedded
 from router.admission.context import AdmissionContext, AdmissionSettings
-from router.orchestrator import RequestTrace
-from router.turns import TurnRecorder
+from router.planning.orchestrator import RequestTrace
+from router.record.turns import TurnRecorder
 
 
 @pytest.fixture

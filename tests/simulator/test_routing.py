@@ -12,7 +12,7 @@ import pytest
 from contracts.registry import Role
 from router.kv_index import FleetIndex
 from router.kv_index.events import BlockRemoved, BlockStored
-from router.orchestrator import Orchestrator
+from router.planning.orchestrator import Orchestrator
 from router.policies import CacheAware, CacheAwareConfig, Decision, LeastLoaded
 from router.settings import RouterSettings
 from simulator.fleet import FleetSim, NodeSpec, select_pools

@@ -146,7 +146,7 @@ def in_process_router(redis_url: str, workdir: Path, key_prefix: str, **settings
     override ``RouterSettings`` fields. Returns (app, server, url); the caller exits the server."""
     from bench.standin_engine import ServerThread
     from router.admission.context import AdmissionSettings
-    from router.app import create_app
+    from router.edge.app import create_app
     from router.settings import RouterSettings
 
     admission = AdmissionSettings(

@@ -18,7 +18,7 @@ from bench.standin_engine import ServerThread, StandInEngine, free_port
 from contracts.registry import NodeInfo, NodeRegistry, Role
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.priority_class import Priority
-from router.app import create_app
+from router.edge.app import create_app
 from router.settings import RouterSettings
 from tests.router.admission.support import delete_prefix
 

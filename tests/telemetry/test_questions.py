@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from router.kv_index import PrefixView
-from router.orchestrator import RequestTrace
+from router.planning.orchestrator import RequestTrace
 from router.policies import ReasonCode
-from router.records import request_record
+from router.record.records import request_record
 from tandem.cli import app
 from telemetry.query import query
 from telemetry.questions import QUESTIONS

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 
 from contracts.registry import Role
 from router.kv_index import BlockHasher, FleetIndex, prefix_view
-from router.orchestrator import RequestTrace, note_decision, record_usage
+from router.planning.orchestrator import RequestTrace, note_decision, record_usage
 from router.policies import CacheAware, CacheAwareConfig, ReasonCode, RoutingRequest
-from router.records import request_record
+from router.record.records import request_record
 from telemetry.query import query
 from telemetry.schemas import SCHEMAS
 from tests.router.policies.helpers import cand

@@ -10,9 +10,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from router.orchestrator import RequestTrace
+from router.planning.orchestrator import RequestTrace
 from router.policies import ReasonCode
-from router.records import request_record
+from router.record.records import request_record
 from telemetry.tracing import PresetIds, SpanIds, record_spans, tracer_provider
 from tests.support.otlp_collector import OtlpCollector
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.codecs import messages, responses
-from router.codecs.intake import check_schema
-from router.codecs.internal import RequestError, to_chat_body
+from router.edge.codecs import messages, responses
+from router.edge.codecs.intake import check_schema
+from router.edge.codecs.internal import RequestError, to_chat_body
 
 FN = {"type": "function", "name": "exec_command", "parameters": {"type": "object", "properties": {}}}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.codecs.internal import (
+from router.edge.codecs.internal import (
     ChatChunkReader,
     Error,
     Finish,

@@ -8,8 +8,8 @@ import typing
 import pytest
 from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
 
-from router.codecs import messages
-from router.codecs.internal import (
+from router.edge.codecs import messages
+from router.edge.codecs.internal import (
     Error,
     Event,
     Finish,

@@ -8,8 +8,8 @@ import typing
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from router.codecs import responses
-from router.codecs.internal import (
+from router.edge.codecs import responses
+from router.edge.codecs.internal import (
     Error,
     Event,
     Finish,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.codecs.websocket_frames import (
+from router.edge.codecs.websocket_frames import (
     MAX_MESSAGE_BYTES,
     Bad,
     Cancel,

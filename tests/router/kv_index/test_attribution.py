@@ -204,7 +204,7 @@ def test_a_prefix_loaded_from_a_peer_is_the_peer_s_share() -> None:
 
     from router.kv_index import PrefixView
 
-    # the router's view once the peer leased 40 blocks for a node holding 10 itself (router.peer_fetch)
+    # the router's view once the peer leased 40 blocks for a node holding 10 itself (router.planning.peer_fetch)
     view = PrefixView(
         prompt_tokens=len(PROMPT),
         fleet_tokens=40 * BS,

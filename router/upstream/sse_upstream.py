@@ -1,7 +1,7 @@
 """Streamed answers from the engines: HTTP/1.1 over pooled keep-alive connections, parsed as the bytes
 arrive, and delivered to the relay without a task switch per chunk.
 
-Why not aiohttp here (it still serves every non-streamed call, ``router.node_client``): every token of
+Why not aiohttp here (it still serves every non-streamed call, ``router.upstream.node_client``): every token of
 the fleet crosses this path (issue 11), and in a pull client each chunk costs a future, a task wake-up
 and a climb back up a stack of coroutines (reader, iterator, relay, response) before the bytes are
 written on; its read timeout is also re-armed on every chunk. Measured over a paced stand-in engine
@@ -13,7 +13,7 @@ body callback splits SSE events, and:
   used for the first batch (so a refusal or a dead node raises before the client sees a status line)
   and by tests;
 - **push** (``attach(sink)``): later batches go straight from the parser callback to ``sink``, which
-  writes them to the client (``router.sse``). ``pause``/``resume`` stop reading the engine while the
+  writes them to the client (``router.edge.sse``). ``pause``/``resume`` stop reading the engine while the
   client's socket is full.
 
 Per stream::

@@ -6,7 +6,7 @@ import json
 import statistics
 from typing import Any
 
-from router.orchestrator import RequestTrace, settle_miss
+from router.planning.orchestrator import RequestTrace, settle_miss
 
 _NO_MISS: dict[str, Any] = {
     "uncached_tokens": None,
@@ -45,7 +45,7 @@ def request_record(
         "requested_model": trace.requested_model,
         "model_resolution": trace.model_resolution,
         "endpoint": endpoint,
-        "api": endpoint,  # every API's route is named after it (router.app)
+        "api": endpoint,  # every API's route is named after it (router.edge.app)
         "stream": trace.stream,
         "transport": trace.transport,
         "prefill_node": trace.prefill_node if trace.mode == "disaggregated" else None,

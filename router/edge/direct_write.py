@@ -14,7 +14,7 @@ client, and the relay's back-pressure depends on that wait) or once the client h
 then drops it). Under any other server, or a body uvicorn does not frame in chunks, there is no direct
 writer and every chunk takes the ASGI path.
 
-``RAW_SEND`` is the scope key under which the router's app (``router.app.RouterApp``) keeps the
+``RAW_SEND`` is the scope key under which the router's app (``router.edge.app.RouterApp``) keeps the
 server's own ``send`` for the relay to find.
 """
 

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from router.codecs.internal import (
+from router.edge.codecs.internal import (
     Completion,
     Error,
     Event,

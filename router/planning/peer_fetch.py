@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.layerwise import TANDEM
+from router.planning.layerwise import TANDEM
 from router.policies.base import Candidate
 
 PRIOR_PREFILL_S_PER_TOKEN = 1.5e-3

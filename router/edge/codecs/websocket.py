@@ -11,7 +11,7 @@ body per message, the SSE ``data:`` payloads back one per message, ``[DONE]`` la
                  checked once: a refusal is the HTTP answer to the upgrade (401, or 429 past the
                  tenant's ``ws_max_per_tenant`` open sockets), in the API's error shape
     message      one response at a time: it runs through the cluster's one generation path
-                 (``router.exchange.Exchange``, admitted and rate-limited per response, planned,
+                 (``router.edge.exchange.Exchange``, admitted and rate-limited per response, planned,
                  relayed, recorded), its events written to the socket as they come; a second
                  ``response.create`` meanwhile gets an ``error`` event and the socket stays open
     cancel       ``response.cancel`` (or the socket closing) cancels the response in flight
@@ -28,9 +28,9 @@ body per message, the SSE ``data:`` payloads back one per message, ``[DONE]`` la
 
 The socket is the session: a response naming no session belongs to the socket's (the upgrade's
 ``x-session-id``, else one made for the socket), so its turns share affinity, retention and the lake's
-session; its retention lasts at least the idle timeout (``router.retention.retention_default``);
+session; its retention lasts at least the idle timeout (``router.planning.retention.retention_default``);
 its last response stays in memory, so the next ``previous_response_id`` needs no store read, even
-with ``store: false`` (``router.codecs.store.SocketResponses``); and its last prompt stays encoded, so
+with ``store: false`` (``router.edge.codecs.store.SocketResponses``); and its last prompt stays encoded, so
 the next one, which repeats it, is encoded from its end only (``router.tokenizer.PrefixTokens``: the
 largest part of the router's work per turn on a long conversation).
 
@@ -60,12 +60,12 @@ from starlette.requests import Request
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from contracts.errors import RateLimited, TandemError
-from router.codecs.internal import Api
-from router.codecs.socket_turn import SocketTurn
-from router.codecs.store import ResponseStore, SocketResponses
-from router.codecs.websocket_frames import Bad, Cancel, Create, busy_event, error_event, parse_client_message
-from router.direct_write import RAW_SEND
-from router.openai_errors import response_for
+from router.edge.codecs.internal import Api
+from router.edge.codecs.socket_turn import SocketTurn
+from router.edge.codecs.store import ResponseStore, SocketResponses
+from router.edge.codecs.websocket_frames import Bad, Cancel, Create, busy_event, error_event, parse_client_message
+from router.edge.direct_write import RAW_SEND
+from router.edge.openai_errors import response_for
 from router.sessions.models import SESSION_HEADER, validate_id
 from router.tokenizer import SESSION_TOKENS
 
@@ -240,7 +240,7 @@ class SocketSession:
             self._start(parsed)
 
     def _start(self, create: Create) -> None:
-        from router.exchange import Exchange  # the exchange imports the codecs: import it when used
+        from router.edge.exchange import Exchange  # the exchange imports the codecs: import it when used
 
         bridge = self.bridge = _Bridge(self.ws, _encode(create.body), self.api)
         scope = dict(self.scope)
@@ -293,7 +293,7 @@ class SocketSession:
 
     def _abort(self) -> None:
         """Drop the connection now, unsent bytes and all (uvicorn's transport, found as the relay finds
-        it: ``router.direct_write``). Under another server the handler just returns and the server
+        it: ``router.edge.direct_write``). Under another server the handler just returns and the server
         closes the connection its own way."""
         protocol = getattr(self.ws.scope.get(RAW_SEND), "__self__", None)
         transport = getattr(protocol, "transport", None)

@@ -1,6 +1,6 @@
-"""What a response asked for on a WebSocket brings to the one generation path (``router.exchange``).
+"""What a response asked for on a WebSocket brings to the one generation path (``router.edge.exchange``).
 
-A socket is one agent session (``router.codecs.websocket``): every response on it runs through the same
+A socket is one agent session (``router.edge.codecs.websocket``): every response on it runs through the same
 ``Exchange`` as an HTTP request, with three differences carried here: the store it chains through keeps
 the socket's last response in memory (``SocketResponses``), a response naming no session belongs to the
 socket's, its prompt is encoded from the end of the previous one (``PrefixTokens``), and its record says
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.codecs.store import SocketResponses
+from router.edge.codecs.store import SocketResponses
 from router.tokenizer import PrefixTokens
 
 

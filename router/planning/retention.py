@@ -17,7 +17,7 @@ far as they fill blocks on a colocated node, the prompt's on a P/D pair (the pre
 
 Each turn replaces the owner's pins, so the blocks of a superseded turn that the new one does not share
 (the old tail) are unpinned and demoted: they are the first to leave. The hint travels to the engine in
-``kv_transfer_params["tandem_retain"]``, a field only the router sets (``router.schemas.INTERNAL_FIELDS``),
+``kv_transfer_params["tandem_retain"]``, a field only the router sets (``router.edge.schemas.INTERNAL_FIELDS``),
 and only to a node whose registry entry names a host tier.
 """
 
@@ -72,7 +72,7 @@ def _cache_controls(messages: Any) -> Iterable[Any]:
 
 def retention_default(settings: Any, transport: str) -> float:
     """The TTL a request asks for when its messages name none: ``session_retention_s``; on a WebSocket
-    (``router.codecs.websocket``) at least the socket's idle timeout, as the tool pause a socket allows
+    (``router.edge.codecs.websocket``) at least the socket's idle timeout, as the tool pause a socket allows
     is that long and its pins must outlive it. 0 stays 0 (retention off)."""
     default_s: float = settings.session_retention_s
     if transport == "websocket" and default_s > 0:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 from contracts.errors import TandemError
 from kv_transfer.control import is_tandem_params, lease_report
 from router.admission.ratelimit import Admission
-from router.metrics import RouterMetrics
-from router.orchestrator import RequestTrace, note_rates
-from router.peer_fetch import FetchRates
-from router.records import request_record, tool_call_records
-from router.responses import ResponseIndex, ResponseRef
-from router.turns import TurnRecorder
+from router.planning.orchestrator import RequestTrace, note_rates
+from router.planning.peer_fetch import FetchRates
+from router.record.metrics import RouterMetrics
+from router.record.records import request_record, tool_call_records
+from router.record.responses import ResponseIndex, ResponseRef
+from router.record.turns import TurnRecorder
 from telemetry import Emitter
 from telemetry.tracing import SpanIds, record_spans
 
@@ -41,7 +41,7 @@ class Accounting:
     ) -> None:
         self.metrics = metrics
         self.rates = rates
-        """What finished requests measured for cross-node prefix reuse (``router.peer_fetch``)."""
+        """What finished requests measured for cross-node prefix reuse (``router.planning.peer_fetch``)."""
         self.tracer = tracer
         """OpenTelemetry spans of each finished request (``telemetry.tracing``); None: none built."""
         self.emitter = emitter

@@ -1,7 +1,7 @@
 """The router's HTTP edge: OpenAI-compatible API over FastAPI, SSE streaming, errors in OpenAI's shape.
 
     POST /v1/chat/completions   POST /v1/completions   (stream and non-stream)
-    POST /v1/responses          POST /v1/messages      (the same path, decoded and encoded by router.codecs)
+    POST /v1/responses          POST /v1/messages      (the same path, decoded and encoded by router.edge.codecs)
     GET|DELETE /v1/responses/{id}   POST /v1/responses/{id}/cancel   GET /v1/responses/{id}/input_items
     POST /v1/messages/count_tokens
     GET  /v1/models             GET  /health           GET  /metrics          GET /cluster
@@ -12,7 +12,7 @@ Once auth is on (a key exists, or ``TANDEM_AUTH=required``), every route but ``/
 it says the key is optional, which is what the server does);
 ``/metrics`` and ``/cluster`` (node URLs, load) need an admin key (403 otherwise); feedback is accepted
 only from the tenant that owns the response (another's → 404, as if it did not exist). Bodies are
-bounded before they are read (``router.edge``: 413, then JSON depth, message count and size: 400).
+bounded before they are read (``router.edge.limits``: 413, then JSON depth, message count and size: 400).
 
 Admission on every generation route, in this order: auth + requests/min (401, 429), body checks,
 session and history headers, tokens/min after tokenizing (429), then a slot on each chosen node, queued
@@ -20,7 +20,7 @@ by class (the key's, lowered by ``x-tandem-priority``) until the deadline (``x-t
 ``TANDEM_REQUEST_DEADLINE_S``): shed → 503 + Retry-After, code ``overloaded``/``shed``; expired → 503 +
 Retry-After, code ``deadline_exceeded``, and no engine ever saw the request.
 
-A client that disconnects cancels its request everywhere: one ``router.exchange.Exchange`` owns each
+A client that disconnects cancels its request everywhere: one ``router.edge.exchange.Exchange`` owns each
 generation request from admission to its record, and lets go of everything it held exactly once.
 """
 
@@ -48,36 +48,36 @@ from contracts.errors import (
 )
 from contracts.registry import LiveNode, NodeRegistry, Role, registry_proof_key
 from contracts.secret import curve_keys, engine_auth_headers, load_cluster_secret
-from router.accounting import Accounting
 from router.admission.context import AdmissionContext, AdmissionSettings
 from router.admission.http import AdmissionDependencies
 from router.admission.keys import Tenant
 from router.admission.rejections import RejectedRecords
-from router.api_document import install_document
 from router.background import TaskSet
-from router.cache_salt import CacheSalts
-from router.codecs.routes import agent_router
-from router.codecs.store import ResponseStore
-from router.direct_write import RAW_SEND
-from router.edge import BodyLimit
-from router.exchange import GenerationRoute, parse_body
+from router.edge.api_document import install_document
+from router.edge.codecs.routes import agent_router
+from router.edge.codecs.store import ResponseStore
+from router.edge.direct_write import RAW_SEND
+from router.edge.exchange import GenerationRoute, parse_body
+from router.edge.limits import BodyLimit
+from router.edge.openai_errors import error_responses, install_error_handlers
+from router.edge.schemas import JsonInt
 from router.fleet import Fleet
 from router.housekeeping import Housekeeping
-from router.kv_activity import KVActivity
 from router.kv_index import CurveClient, FleetIndex, KVEventSubscribers
-from router.metrics import RouterMetrics
 from router.model_table import ModelTable
-from router.node_client import NodeClient
-from router.openai_errors import error_responses, install_error_handlers
-from router.orchestrator import Orchestrator
-from router.peer_fetch import PeerFetch
+from router.planning.cache_salt import CacheSalts
+from router.planning.orchestrator import Orchestrator
+from router.planning.peer_fetch import PeerFetch
 from router.policies import CacheAware, LeastLoaded, RoundRobin, RoutingPolicy
-from router.responses import ResponseIndex
-from router.schemas import JsonInt
+from router.record.accounting import Accounting
+from router.record.kv_activity import KVActivity
+from router.record.metrics import RouterMetrics
+from router.record.responses import ResponseIndex
+from router.record.turns import TurnRecorder
 from router.sessions.http import sessions_router
 from router.settings import RouterSettings
 from router.tokenizer import PromptTokenizer
-from router.turns import TurnRecorder
+from router.upstream.node_client import NodeClient
 from telemetry import Emitter, EmitterConfig
 from telemetry.batches import warm_batches
 from telemetry.tracing import tracer_provider
@@ -148,7 +148,7 @@ def _kv_events_curve_client() -> CurveClient:
 
 class RouterApp(FastAPI):
     """The router's app: keeps the server's own ``send`` in the scope, where the SSE relay finds it
-    to write body chunks past the middlewares' send wrappers (``router.direct_write``)."""
+    to write body chunks past the middlewares' send wrappers (``router.edge.direct_write``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[RAW_SEND] = send
@@ -293,10 +293,10 @@ def create_app(settings: RouterSettings | None = None) -> FastAPI:
         return tenant
 
     # The generation routes are plain ASGI apps: each request is one ``Exchange`` that owns its whole
-    # life, the sending of the answer included (router.exchange).
+    # life, the sending of the answer included (router.edge.exchange).
     app.router.add_route("/v1/chat/completions", GenerationRoute("chat", "chat"), methods=["POST"])
     app.router.add_route("/v1/completions", GenerationRoute("completion", "completions"), methods=["POST"])
-    # Responses and Messages: decoded at the edge into the same chat request (router.codecs.intake).
+    # Responses and Messages: decoded at the edge into the same chat request (router.edge.codecs.intake).
     app.router.add_route("/v1/responses", GenerationRoute("chat", "responses", "responses"), methods=["POST"])
     app.router.add_route("/v1/messages", GenerationRoute("chat", "messages", "messages"), methods=["POST"])
     app.include_router(agent_router())

@@ -1,11 +1,11 @@
-"""What a client may send on a WebSocket (``router.codecs.websocket``), classified; and the error events.
+"""What a client may send on a WebSocket (``router.edge.codecs.websocket``), classified; and the error events.
 
 Responses (OpenAI's WebSocket mode): ``{"type": "response.create", ...}`` (the body of a
 ``POST /v1/responses`` with the ``type`` key added, or nested under ``response``; ``stream`` is implied)
 or ``{"type": "response.cancel"}``. Chat Completions: a chat request body per message (``type``, if
 present, ``chat.completion.create``; ``stream`` implied), or ``{"type": "cancel"}``. Anything else is
 answered with an ``error`` event and the socket stays open. A message is parsed under the same limits
-as an HTTP body (``router.edge.parse_json``: size, nesting, container count), so one message cannot
+as an HTTP body (``router.edge.limits.parse_json``: size, nesting, container count), so one message cannot
 hold the event loop any longer than a request can.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from contracts.errors import InvalidRequest
-from router.edge import parse_json
+from router.edge.limits import parse_json
 
 MAX_MESSAGE_BYTES = 10 * 1024 * 1024
 """The default bound on one message (the router's ``max_body_bytes`` is passed in practice)."""

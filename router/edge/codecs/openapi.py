@@ -1,12 +1,12 @@
 """The OpenAPI description of ``POST /v1/responses`` and ``POST /v1/messages`` (plain ASGI routes that
-FastAPI cannot see): the request fields the codecs read (``router.codecs.responses`` / ``messages``),
+FastAPI cannot see): the request fields the codecs read (``router.edge.codecs.responses`` / ``messages``),
 the answer as JSON or as the API's SSE events, and the errors in each API's own shape."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from router.codecs.responses import HOSTED_TOOLS
+from router.edge.codecs.responses import HOSTED_TOOLS
 
 _STR = {"type": "string"}
 _NAME = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_-]+$"}
@@ -48,7 +48,7 @@ _RESPONSES_ITEM = {
 _FUNCTION_TOOL = _obj(
     ["type", "name"], type=_const("function"), name=_NAME, description=_STR, parameters={"type": "object"}
 )
-# Tools OpenAI's servers run (Codex lists web_search by default): accepted, and left out (router.codecs.responses).
+# Tools OpenAI's servers run (Codex lists web_search by default): accepted, and left out (router.edge.codecs.responses).
 _HOSTED_TOOL = _obj(["type"], type={"type": "string", "enum": sorted(HOSTED_TOOLS)})
 _NAMESPACE_TOOL = _obj(["type", "tools"], type=_const("namespace"), tools={"type": "array", "items": _FUNCTION_TOOL})
 RESPONSES_REQUEST: dict[str, Any] = {

@@ -1,6 +1,6 @@
 """HTTP to the engines' OpenAI servers: one client per router, errors translated at this edge.
 
-- Streamed answers (every token of the fleet crosses them) go through ``router.sse_upstream``: pooled
+- Streamed answers (every token of the fleet crosses them) go through ``router.upstream.sse_upstream``: pooled
   keep-alive connections, bytes parsed as they arrive, batches of raw event payloads handed to the
   relay without a task switch per chunk (see that module for why and for the measurements).
 - Everything else (prefill legs, non-streamed answers) goes through aiohttp, whose HTTP parser is C.
@@ -22,7 +22,7 @@ import aiohttp
 import msgspec
 
 from contracts.errors import EngineRejected, UpstreamError
-from router.sse_upstream import SseStream, StreamPool, engine_error, keep_alive
+from router.upstream.sse_upstream import SseStream, StreamPool, engine_error, keep_alive
 
 _encode = msgspec.json.Encoder().encode
 

@@ -4,7 +4,7 @@ says so; while auth is off it says the key is optional, which is then what the s
 
 What FastAPI cannot infer is added here (``document_api``): the bearer key per route, the feedback body
 (read by ``parse_body``, not FastAPI, so that the edge's limits apply first), the links a stateful client
-follows; the generation routes, plain ASGI apps FastAPI cannot see, come from ``router.exchange``.
+follows; the generation routes, plain ASGI apps FastAPI cannot see, come from ``router.edge.exchange``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from router.admission.keys import Tenant
-from router.exchange import document_generation_routes
+from router.edge.exchange import document_generation_routes
 
 BEARER = "apiKey"
 """The OpenAPI security scheme: ``Authorization: Bearer <key>``, needed on every route but ``/health``

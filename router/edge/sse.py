@@ -16,9 +16,9 @@ so a chunk that passes unchanged is never re-encoded:
 - Only the usage chunk is decoded whole and re-encoded: it gets the hit-rate breakdown
   (``record_usage``), and is dropped when the client did not ask for usage.
 - What one upstream read brought goes to the client in one write, straight to uvicorn's transport
-  while the client reads (``router.direct_write``), through ASGI ``send`` otherwise.
+  while the client reads (``router.edge.direct_write``), through ASGI ``send`` otherwise.
 
-Push, not pull: for a stream from an engine (``router.sse_upstream.SseStream``) the relay sends the
+Push, not pull: for a stream from an engine (``router.upstream.sse_upstream.SseStream``) the relay sends the
 first batch itself and then attaches: each later batch is rewritten and written to the client from
 the upstream connection's own callback, with no task wake-up per chunk. The ASGI ``send`` is driven by
 hand; it completes at once unless the server holds the write because the client reads slowly. Then
@@ -42,11 +42,11 @@ from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from contracts.errors import ClientStalled, TandemError
-from router.direct_write import DirectWriter, direct_writer
-from router.disconnect import DisconnectWatch
-from router.openai_errors import error_from_exception
-from router.orchestrator import RequestTrace, record_usage
-from router.sse_upstream import SseStream
+from router.edge.direct_write import DirectWriter, direct_writer
+from router.edge.disconnect import DisconnectWatch
+from router.edge.openai_errors import error_from_exception
+from router.planning.orchestrator import RequestTrace, record_usage
+from router.upstream.sse_upstream import SseStream
 
 log = logging.getLogger("tandem.router.sse")
 _encode = msgspec.json.Encoder().encode
@@ -149,7 +149,7 @@ class _Relay:
 
 class BatchEncoder(Protocol):
     """What the relay writes for each batch of engine payloads and at the end: ``_Relay`` for chat and
-    completions, an edge API's encoder (``router.codecs.relay.CodecRelay``) for Responses and Messages."""
+    completions, an edge API's encoder (``router.edge.codecs.relay.CodecRelay``) for Responses and Messages."""
 
     def batch(self, payloads: list[bytes]) -> bytes: ...
     def end(self, error: TandemError | None) -> bytes: ...
@@ -164,9 +164,9 @@ class RelayResponse(StreamingResponse):
     A StreamingResponse whose body loop is the relay itself rather than an async generator it iterates:
     one generator layer less on every chunk, and ``[DONE]`` goes out with the end of the body in one
     write. A client that disconnects cancels the body loop through the request's ``DisconnectWatch``
-    (``router.disconnect``: the exchange's, or one of the response's own), not through Starlette's
+    (``router.edge.disconnect``: the exchange's, or one of the response's own), not through Starlette's
     task group of two tasks per response; whatever way the stream ends, ``finally`` reports once
-    through ``on_finish``, and the request's owner (``router.exchange``) then closes the upstream stream.
+    through ``on_finish``, and the request's owner (``router.edge.exchange``) then closes the upstream stream.
     """
 
     def __init__(
@@ -198,7 +198,7 @@ class RelayResponse(StreamingResponse):
         self._backlog: list[list[bytes]] = []
         self._scope: Scope | None = None
         self._direct: DirectWriter | None = None
-        """Body chunks straight to uvicorn's transport (``router.direct_write``), once the start is sent."""
+        """Body chunks straight to uvicorn's transport (``router.edge.direct_write``), once the start is sent."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._scope = scope
@@ -257,7 +257,7 @@ class RelayResponse(StreamingResponse):
                 source.detach()
             if self._draining is not None:
                 self._draining.cancel()
-            # The owner of the request (router.exchange) closes the upstream stream, which aborts the
+            # The owner of the request (router.edge.exchange) closes the upstream stream, which aborts the
             # engine's request if it is still running.
             self.trace.finish = time.time()
             self.on_finish(status, error)

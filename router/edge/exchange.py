@@ -8,14 +8,14 @@ returns its response and loses hold of it before the response is sent)::
     read       body, edge rules, session and history       400, 413, 422
     plan       route, token charge, node slots, prefill    400, 429, 503, 502
     open       the decode leg, up to its first events      502 (retried once on another node first)
-    respond    SSE relay (router.sse) or one JSON answer
+    respond    SSE relay (router.edge.sse) or one JSON answer
     exit       exactly once, whatever happened: close the upstream call (which aborts the engine's
                request), release the node slots, the tenant's stream slot and the policy's count, free
                a prefill lease no decode leg took, then one record (metrics, lake, response index,
                session turn, token settle)
 
 A client that disconnects is noticed by one watcher for the request's whole life
-(``router.disconnect.DisconnectWatch``, armed once the body is read): it cancels the exchange's task
+(``router.edge.disconnect.DisconnectWatch``, armed once the body is read): it cancels the exchange's task
 wherever it waits (planning, opening, relaying), and the exchange tells that cancellation from a
 server shutdown. Either way the exit above runs, once: no slot, lease or engine request outlives the
 client.
@@ -36,27 +36,27 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from contracts.errors import InvalidRequest, ModelNotFound, PermissionDenied, TandemError, ValidationFailed
-from router.accounting import Accounting
 from router.admission.context import AdmissionContext
 from router.admission.deadline import DEADLINE_HEADER, request_deadline
 from router.admission.keys import Tenant
 from router.admission.ratelimit import Admission
-from router.cache_salt import CacheSalts, take_client_salt
-from router.codecs.intake import Intake, decode, error_response
-from router.codecs.internal import Api, Completion
-from router.codecs.openapi import document_agent_routes
-from router.codecs.relay import CodecRelay, build_answer, completion_from_chat, output_messages, stream_encoder
-from router.codecs.socket_turn import SocketTurn
-from router.codecs.store import ResponseStore, StoredResponse
-from router.disconnect import DisconnectWatch
-from router.edge import check_chat, parse_json
-from router.openai_errors import document_error_schema, error_responses, response_for
-from router.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
-from router.schemas import ChatCompletionRequest, CompletionRequest, Message
+from router.edge.codecs.intake import Intake, decode, error_response
+from router.edge.codecs.internal import Api, Completion
+from router.edge.codecs.openapi import document_agent_routes
+from router.edge.codecs.relay import CodecRelay, build_answer, completion_from_chat, output_messages, stream_encoder
+from router.edge.codecs.socket_turn import SocketTurn
+from router.edge.codecs.store import ResponseStore, StoredResponse
+from router.edge.disconnect import DisconnectWatch
+from router.edge.limits import check_chat, parse_json
+from router.edge.openai_errors import document_error_schema, error_responses, response_for
+from router.edge.schemas import ChatCompletionRequest, CompletionRequest, Message
+from router.edge.sse import RelayResponse
+from router.planning.cache_salt import CacheSalts, take_client_salt
+from router.planning.orchestrator import Kind, Leg, Orchestrator, RequestTrace, new_request_id
+from router.record.accounting import Accounting
 from router.sessions.http import HISTORY_HEADER, HistoryMode, prepend_history, session_params
 from router.sessions.models import _ID, SESSION_HEADER
 from router.settings import RouterSettings
-from router.sse import RelayResponse
 
 UNKNOWN_MODEL = "(unknown)"
 """The metrics label of every request naming a model no node serves (nor the model table,
@@ -140,9 +140,9 @@ class Exchange:
         state = request.app.state
         self.api = api
         self.socket = socket
-        """The WebSocket this request is one message of (``router.codecs.websocket``); None: plain HTTP."""
+        """The WebSocket this request is one message of (``router.edge.codecs.websocket``); None: plain HTTP."""
         self.store: ResponseStore = socket.responses if socket is not None else state.response_store
-        """The edge API when not chat/completions (``router.codecs``): decoded at the edge, encoded back."""
+        """The edge API when not chat/completions (``router.edge.codecs``): decoded at the edge, encoded back."""
         self.intake: Intake | None = None
         self.request = request
         self.kind = kind
@@ -218,7 +218,7 @@ class Exchange:
             req = self.intake.chat
         else:
             req = await parse_body(request, ChatCompletionRequest if self.kind == "chat" else CompletionRequest)
-        # From here until the answer's end, a client that leaves cancels this task (router.disconnect).
+        # From here until the answer's end, a client that leaves cancels this task (router.edge.disconnect).
         self.watch = DisconnectWatch(receive)
         tenant = admission.tenant
         cache_salt = self.salts.salt(
@@ -352,7 +352,7 @@ class Exchange:
 
 def document_generation_routes(schema: dict[str, Any]) -> dict[str, Any]:
     """Add the generation routes, which are plain ASGI apps FastAPI cannot see, to an OpenAPI
-    document: their request models (``router.schemas``) and the OpenAI-shaped error answers."""
+    document: their request models (``router.edge.schemas``) and the OpenAI-shaped error answers."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     document_error_schema(schema)
     session = {

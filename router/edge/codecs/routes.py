@@ -7,7 +7,7 @@
     POST   /v1/messages/count_tokens       the prompt's tokens as the engine's chat template renders it
 
 The generation routes themselves (``POST /v1/responses``, ``POST /v1/messages``) are the cluster's one
-generation path (``router.exchange`` with ``router.codecs.intake``).
+generation path (``router.edge.exchange`` with ``router.edge.codecs.intake``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from fastapi.responses import JSONResponse
 
 from contracts.errors import InvalidRequest, ModelNotFound, TandemError
 from router.admission.keys import Tenant
-from router.codecs.intake import check_schema, decode_body, error_response
-from router.codecs.internal import Message, to_chat_body
-from router.codecs.store import ResponseStore
-from router.codecs.websocket import socket_router
-from router.edge import parse_json
-from router.openai_errors import error_responses
+from router.edge.codecs.intake import check_schema, decode_body, error_response
+from router.edge.codecs.internal import Message, to_chat_body
+from router.edge.codecs.store import ResponseStore
+from router.edge.codecs.websocket import socket_router
+from router.edge.limits import parse_json
+from router.edge.openai_errors import error_responses
 
 
 async def _tenant(request: Request) -> Tenant:

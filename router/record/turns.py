@@ -18,7 +18,7 @@ from contracts.errors import TandemError
 from router.admission.context import AdmissionContext
 from router.admission.ratelimit import Admission
 from router.background import TaskSet
-from router.orchestrator import RequestTrace
+from router.planning.orchestrator import RequestTrace
 from router.sessions.models import Message, ToolCall, Turn, Usage, conversation, new_messages
 
 log = logging.getLogger("tandem.router.turns")

@@ -23,7 +23,7 @@ A decode leg that fails before its first token (decode node dead, refusing, or d
 releases the prefill node's lease and, under the same policy, is served once more by the prefill node
 itself, which still has the prompt in its prefix cache; the client sees one answer either way.
 
-Layer-wise pairs (``RouterSettings.layerwise``, ``router.layerwise``): both legs go out at once, the
+Layer-wise pairs (``RouterSettings.layerwise``, ``router.planning.layerwise``): both legs go out at once, the
 decode leg naming the prefill node's block server and a transfer id the router chose, so the decode
 node pulls each layer while the prefill computes; ``plan`` returns at the first of the decode leg being
 ready or the prefill leg ending, and the legs are the ``Leg``'s ``pair`` until the exchange's exit. The
@@ -46,22 +46,22 @@ from contracts.errors import EngineRejected, InvalidRequest, TandemError, Unavai
 from contracts.registry import NodeInfo
 from kv_transfer import prefill_request_params
 from kv_transfer.control import is_tandem_params, release_lease
-from router import layerwise
 from router.admission.priority import AdmissionController
 from router.admission.priority_class import Priority
+from router.edge.schemas import ChatCompletionRequest, CompletionRequest
 from router.fleet import Fleet, Pools
 from router.kv_index import BlockHasher, FleetIndex, MissAttribution, PrefixView, attribute, prefix_view
-from router.metrics import RouterMetrics
 from router.model_table import ModelTable, Resolution, Via
-from router.node_client import NodeClient
-from router.peer_fetch import FetchPlan, FetchRates, PeerFetch
+from router.planning import layerwise
+from router.planning.peer_fetch import FetchPlan, FetchRates, PeerFetch
+from router.planning.retention import RETAIN_FIELD, retention_default, retention_for
 from router.policies.base import Candidate, Decision, ReasonCode, RoutingPolicy, RoutingRequest
 from router.policies.least_loaded import LeastLoaded
-from router.retention import RETAIN_FIELD, retention_default, retention_for
-from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.record.metrics import RouterMetrics
 from router.settings import FallbackPolicy, RouterSettings
-from router.sse_upstream import SseStream
 from router.tokenizer import PromptTokenizer
+from router.upstream.node_client import NodeClient
+from router.upstream.sse_upstream import SseStream
 
 log = logging.getLogger("tandem.router")
 
@@ -119,11 +119,11 @@ class RequestTrace:
     """The uncached tokens by kind, once the engine said what it reused (``settle_miss``)."""
     fallback: bool = False
     stream: bool = False
-    transport: str = "http"  # or websocket: one message on a socket (router.codecs.websocket)
+    transport: str = "http"  # or websocket: one message on a socket (router.edge.codecs.websocket)
     session_id: str | None = None
     tenant_id: str | None = None
     retention_s: float | None = None
-    """The TTL this request asked its host tier to keep its context for (``router.retention``)."""
+    """The TTL this request asked its host tier to keep its context for (``router.planning.retention``)."""
     decode_role: str | None = None
     kv_connector: str | None = None
     transfer: dict[str, Any] | None = None
@@ -133,7 +133,7 @@ class RequestTrace:
     kv_params: dict[str, Any] | None = None
     """The prefill leg's kv_transfer_params (P/D), or the peer's of a prefix fetch: where the KV waited."""
     peer_node: str | None = None
-    """The peer a prefix was loaded from (``router.peer_fetch``); None: no fetch."""
+    """The peer a prefix was loaded from (``router.planning.peer_fetch``); None: no fetch."""
     peer_tokens: int = 0
     """Prompt tokens the serving node was to load from ``peer_node``."""
     peer_outcome: str | None = None
@@ -179,7 +179,7 @@ class Leg:
     hold: AsyncExitStack = field(default_factory=AsyncExitStack)
     """The decode node's admission slot. Whoever runs the leg calls ``release`` once the answer ends."""
     pair: layerwise.Pair | None = None
-    """A layer-wise pair: this leg is already in flight beside its prefill leg (``router.layerwise``)."""
+    """A layer-wise pair: this leg is already in flight beside its prefill leg (``router.planning.layerwise``)."""
 
     async def release(self) -> None:
         """End a layer-wise pair's legs if still running, give back the decode node's slot (idempotent;
@@ -209,7 +209,7 @@ class Orchestrator:
     ) -> None:
         self.models = models or ModelTable()
         self.peers = peers
-        """Cross-node prefix reuse (``router.peer_fetch``); None: off."""
+        """Cross-node prefix reuse (``router.planning.peer_fetch``); None: off."""
         self.index = index
         self.slots = slots
         self._hashers: dict[tuple[str, int], BlockHasher] = {}
@@ -310,7 +310,7 @@ class Orchestrator:
         trace.fleet_cached_tokens, trace.routed_cached_tokens = view.fleet_tokens, view.routed_tokens
 
     def _retain(self, body: dict[str, Any], decision: Decision, trace: RequestTrace) -> None:
-        """Ask the prefilling node's host tier to keep this session's context (``router.retention``)."""
+        """Ask the prefilling node's host tier to keep this session's context (``router.planning.retention``)."""
         prefiller = (decision.prefill or decision.decode).node.info
         if not prefiller.host_tier_events_endpoint:
             return
@@ -347,7 +347,7 @@ class Orchestrator:
     ) -> Leg:
         """Validate, route and run the prefill leg. Returns the decode leg to run (a layer-wise one is
         already in flight). ``charge`` is called with (prompt tokens, max_tokens) once they are known,
-        before any node works (token limits). ``cache_salt`` (``router.cache_salt``) goes to every engine
+        before any node works (token limits). ``cache_salt`` (``router.planning.cache_salt``) goes to every engine
         leg and into the routing keys, so that the fleet index matches the engines' salted block hashes.
         ``background`` runs the lease releases of pairs given up here, off the fast path.
 
@@ -451,7 +451,7 @@ class Orchestrator:
     ) -> Leg:
         """The decode leg to run, after the prefill leg (sequential) or beside it (layer-wise). Whoever
         runs the prefill leg closes ``prefill_slot`` when it ends. A node that prefills itself may load a
-        prefix from a peer first (``router.peer_fetch``)."""
+        prefix from a peer first (``router.planning.peer_fetch``)."""
         path = _PATHS[kind]
         trace.decode_node = decision.decode.node_id
         trace.decode_role = decision.decode.node.info.role.value
@@ -498,7 +498,7 @@ class Orchestrator:
         prefill_slot: AsyncExitStack,
         background: Background | None,
     ) -> Leg:
-        """Both legs at once (``router.layerwise``): the decode leg in flight as ``leg.pair``, or, when
+        """Both legs at once (``router.planning.layerwise``): the decode leg in flight as ``leg.pair``, or, when
         the prefill leg failed first, what a sequential pair does then (its 4xx, the fallback, a 502)."""
         tid = layerwise.new_transfer_id()
         decode_body = dict(body)
@@ -549,7 +549,7 @@ class Orchestrator:
         self, body: dict[str, Any], target: Candidate, rr: RoutingRequest, pools: Pools, trace: RequestTrace
     ) -> dict[str, Any]:
         """``body``, given the transfer params of a prefix a peer leased for ``target`` when the measured
-        rates favour loading it (``router.peer_fetch``); else ``body`` as it came (``target`` computes)."""
+        rates favour loading it (``router.planning.peer_fetch``); else ``body`` as it came (``target`` computes)."""
         if self.peers is None or not rr.block_keys:
             return body
         # Colocated peers only: a prefill or decode node's engine is sized and admitted for its role.
@@ -569,7 +569,7 @@ class Orchestrator:
         # reports that as its own cached_tokens. Here the serving node's own figure is the one that counts
         # (its hit plus what it loaded), so the peer's is not passed on.
         params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
-        # (beside a retention hint the body may carry: router.retention)
+        # (beside a retention hint the body may carry: router.planning.retention)
         out["kv_transfer_params"] = trace.kv_params = {
             **(body.get("kv_transfer_params") or {}),
             **params,
@@ -647,7 +647,7 @@ class Orchestrator:
             pbody.pop(k, None)
         pbody["max_tokens"] = 1
         params = prefill_request_params() if layerwise_id is None else layerwise.prefill_params(layerwise_id)
-        # (beside a retention hint the body may carry for the prefill node's host tier: router.retention)
+        # (beside a retention hint the body may carry for the prefill node's host tier: router.planning.retention)
         pbody["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), **params}
         return pbody
 
@@ -677,7 +677,7 @@ class Orchestrator:
     def _headers(self, trace: RequestTrace, leg: Literal["prefill", "decode"]) -> dict[str, str]:
         # vLLM names its answer "chatcmpl-<X-Request-Id>" ("cmpl-…" for completions): sending the
         # part after our prefix makes the engine's chunk ids the router's response id, so streamed
-        # chunks pass through unchanged (router/sse.py).
+        # chunks pass through unchanged (router/edge/sse.py).
         headers = {"X-Request-Id": trace.request_id.partition("-")[2]}
         if not self.settings.otlp_traces_endpoint:
             return headers  # no spans, no header: nothing drawn or formatted
@@ -853,7 +853,7 @@ def note_decision(trace: RequestTrace, decision: Decision) -> None:
 
 
 def note_rates(rates: FetchRates, trace: RequestTrace) -> None:
-    """What a finished request measured for ``router.peer_fetch``: a colocated prefill's time per uncached
+    """What a finished request measured for ``router.planning.peer_fetch``: a colocated prefill's time per uncached
     token, or a peer fetch's transfer time per token moved."""
     if trace.status != "ok" or trace.mode != "colocated" or trace.decode_node is None:
         return

@@ -16,12 +16,12 @@ or a live node serves (a client's unknown name is never a label; its request is 
 
     tandem_model_resolutions_total{requested,served,via}   counter, via = direct | alias | canary | fallback
 
-and how P/D pairs were sent (``router.layerwise``):
+and how P/D pairs were sent (``router.planning.layerwise``):
 
     tandem_pd_pairs_total{mode}                     counter, mode = layerwise (both legs at once) |
                                                     sequential (prefill, then a whole pull)
 
-and cross-node prefix reuse (``router.peer_fetch``), per request a peer could have helped:
+and cross-node prefix reuse (``router.planning.peer_fetch``), per request a peer could have helped:
 
     tandem_peer_fetch_total{outcome}                counter, outcome = fetched (the peer leased the
                                                     prefix; the serving node pulls it) | slower (computing

@@ -22,7 +22,7 @@ microseconds (the router's CPU budget is a few milliseconds per request):
                             allowlist, scalar values only (400 ``chat_template_kwargs_not_allowed``)
 
 Fields the router itself sets for engines (``kv_transfer_params``, ...) are dropped from client input
-by the request models (``router.schemas.INTERNAL_FIELDS``), so no client can name a KV source or pin
+by the request models (``router.edge.schemas.INTERNAL_FIELDS``), so no client can name a KV source or pin
 blocks on a node. Why the limits are where they are: the router tokenizes the prompt itself (context
 check, token limits, routing keys), at about 1 s of CPU per MB of text; an unbounded body was 110 s
 and 3 GB of RSS for 100 MB.
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.errors import BodyReadTimeout, HeadersTooLarge, InvalidRequest, PayloadTooLarge, RequestError
-from router.openai_errors import error_from_exception
+from router.edge.openai_errors import error_from_exception
 
 if TYPE_CHECKING:
     from router.settings import RouterSettings

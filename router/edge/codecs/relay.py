@@ -1,7 +1,7 @@
 """The seam between the cluster's one chat path and the edge APIs: engine chat chunks in, an API's events out.
 
 Every API goes through the same exchange (admit, plan, route, record, cancel); only the edge differs. The
-SSE relay (``router.sse.RelayResponse``) takes a batch encoder; for Chat Completions it is the relay's own
+SSE relay (``router.edge.sse.RelayResponse``) takes a batch encoder; for Chat Completions it is the relay's own
 pass-through, for Responses and Messages it is a ``CodecRelay``: each engine payload is read once into
 the request's trace (content, tool calls, token times, usage with the hit breakdown, as for chat) and
 into internal events (``ChatChunkReader``), which the API's stream encoder turns into its own events::
@@ -24,9 +24,9 @@ from typing import Any, Protocol
 import msgspec
 
 from contracts.errors import TandemError
-from router.codecs import messages as messages_codec
-from router.codecs import responses as responses_codec
-from router.codecs.internal import (
+from router.edge.codecs import messages as messages_codec
+from router.edge.codecs import responses as responses_codec
+from router.edge.codecs.internal import (
     ChatChunkReader,
     Completion,
     Error,
@@ -40,7 +40,7 @@ from router.codecs.internal import (
     Usage,
     collect,
 )
-from router.orchestrator import RequestTrace, record_usage
+from router.planning.orchestrator import RequestTrace, record_usage
 
 _decode = msgspec.json.decode
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})

@@ -28,13 +28,13 @@ from jsonschema.exceptions import best_match
 from pydantic import ValidationError
 
 from contracts.errors import InvalidRequest, RateLimited, TandemError, Unavailable, ValidationFailed
-from router.codecs import messages as messages_codec
-from router.codecs import responses as responses_codec
-from router.codecs.internal import Api, InternalRequest, RequestError, to_chat_body
-from router.codecs.openapi import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST, RESPONSES_REQUEST
-from router.codecs.store import ResponseStore
-from router.openai_errors import response_for
-from router.schemas import ChatCompletionRequest
+from router.edge.codecs import messages as messages_codec
+from router.edge.codecs import responses as responses_codec
+from router.edge.codecs.internal import Api, InternalRequest, RequestError, to_chat_body
+from router.edge.codecs.openapi import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST, RESPONSES_REQUEST
+from router.edge.codecs.store import ResponseStore
+from router.edge.openai_errors import response_for
+from router.edge.schemas import ChatCompletionRequest
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -64,7 +64,7 @@ _VALIDATORS = {
 
 
 def check_schema(which: str, body: Any) -> None:
-    """The body against the route's documented request schema (``router.codecs.openapi``): a field of the
+    """The body against the route's documented request schema (``router.edge.codecs.openapi``): a field of the
     wrong type is a 400 naming it, as the document promises, not a guess."""
     error = best_match(_VALIDATORS[which].iter_errors(body))
     if error is not None:

@@ -14,7 +14,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from contracts.errors import NotFound
-from router.codecs.internal import Message
+from router.edge.codecs.internal import Message
 
 TTL_S = 7 * 24 * 3600
 
