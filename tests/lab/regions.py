@@ -188,6 +188,9 @@ class RegionsCluster(LabCluster):
             self._spawn(host, host, argv, env)
 
     def start_routers(self) -> None:
+        """One router after the other: two routers creating the tables of a fresh PostgreSQL at once
+        race (``CREATE TABLE IF NOT EXISTS`` is not safe against a concurrent one: the loser fails on
+        a unique index of the catalogue and the router exits)."""
         caches = json.dumps({r: self.region_redis_url(r) for r in REGIONS})
         for region in REGIONS:
             host = f"router-{region}"
@@ -205,19 +208,19 @@ class RegionsCluster(LabCluster):
                 "TANDEM_ROUTER_TELEMETRY_JOURNAL_DIR": str(self.workdir / f"journal-{region}"),
             }
             self._spawn(host, host, argv, env)
+            self._wait_router(region)
 
-    def wait_routers(self, timeout_s: float = 60.0) -> None:
-        """Both routers answer HTTP (``/health`` says 503 while they see no node: enough for the store)."""
+    def _wait_router(self, region: str, timeout_s: float = 120.0) -> None:
+        """The router answers HTTP (``/health`` says 503 while it sees no node: enough for the store)."""
         deadline = time.monotonic() + timeout_s
         with self.lab.inside("client"), httpx.Client(timeout=2) as http:
-            for region in REGIONS:
-                while True:
-                    with contextlib.suppress(httpx.HTTPError):
-                        http.get(f"{self.region_router_url(region)}/health")
-                        break
-                    if self.dead() or time.monotonic() > deadline:
-                        raise RuntimeError(f"router {region} did not start: {', '.join(self.dead()) or 'timeout'}")
-                    time.sleep(0.2)  # polling a process that has no readiness callback
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    http.get(f"{self.region_router_url(region)}/health")
+                    return
+                if self.dead() or time.monotonic() > deadline:
+                    raise RuntimeError(f"router {region} did not start: {', '.join(self.dead()) or 'timeout'}")
+                time.sleep(0.2)  # polling a process that has no readiness callback
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Each router sees its region's node, then one warm-up request per region from the client host

@@ -228,7 +228,6 @@ def test_the_session_store_of_region_b_fails_over_to_its_promoted_replica(tmp_pa
     session, unread = _turn(0).session_id, "sess-unread"
     with regions_cluster(tmp_path, engines=False) as rc:
         rc.start_routers()
-        rc.wait_routers()
         sessions_b = f"{rc.region_router_url('b')}/v1/sessions"
         loop = asyncio.new_event_loop()
         try:
