@@ -57,17 +57,17 @@ async def _count(conn: asyncpg.Connection, session: str = SESSION) -> int:
     return int(await conn.fetchval("SELECT count(*) FROM tandem_turns WHERE session_id = $1", session))
 
 
-async def _replication(rc: RegionsCluster, n: int) -> dict[str, float]:
+async def _replication(rc: RegionsCluster, n: int, session: str = SESSION) -> dict[str, float]:
     """Seconds from now until the session's ``n``-th turn is in region a's store, then in region b's
     replica (both polled on open connections), and the replica's replay lag as the primary reports it."""
     primary = await asyncpg.connect(rc.server_url("a"), timeout=5)
     replica = await asyncpg.connect(rc.server_url("b"), timeout=5)
     try:
         t0 = time.monotonic()
-        while await _count(primary) < n:  # one query after another: a row has no notification
+        while await _count(primary, session) < n:  # one query after another: a row has no notification
             pass
         t1 = time.monotonic()
-        while await _count(replica) < n:
+        while await _count(replica, session) < n:
             pass
         t2 = time.monotonic()
         lag = await primary.fetchval("SELECT extract(epoch FROM replay_lag) FROM pg_stat_replication")
@@ -236,6 +236,8 @@ def test_the_session_store_of_region_b_fails_over_to_its_promoted_replica(tmp_pa
             with rc.lab.inside("router-a"):
                 a = loop.run_until_complete(_store(rc, "a"))
                 loop.run_until_complete(_write(a, *(_turn(n) for n in range(3)), _turn(0, unread), _turn(1, unread)))
+                loop.run_until_complete(_write(a, _turn(2, unread)))
+                replication = loop.run_until_complete(_replication(rc, 3, unread))  # from its commit in a
             with rc.lab.inside("router-b"):
                 b = loop.run_until_complete(_store(rc, "b"))
                 before = loop.run_until_complete(b.read_store(ANONYMOUS_TENANT, session))
@@ -257,7 +259,7 @@ def test_the_session_store_of_region_b_fails_over_to_its_promoted_replica(tmp_pa
             loop.run_until_complete(a.close())  # its writer, idle: nothing of region a is reached
         finally:
             loop.close()
-        assert served.status_code == 200 and [t["turn_id"] for t in served.json()["turns"]] == ["t0", "t1"]
+        assert served.status_code == 200 and [t["turn_id"] for t in served.json()["turns"]] == ["t0", "t1", "t2"]
         assert router_read_s < FAILOVER_S + 3.0, router_read_s  # neither the 5 s statement timeout nor a 503
         assert [t.turn_id for t in before] == ["t0", "t1", "t2"]  # read across the link, from the primary
         assert [t.turn_id for t in history] == ["t0", "t1", "t2"]
@@ -265,4 +267,5 @@ def test_the_session_store_of_region_b_fails_over_to_its_promoted_replica(tmp_pa
         assert [t.turn_id for t in after] == ["t0", "t1", "t2", "t3"]
         assert b.stats.failed == 0 and b.stats.written == 1
         assert rc.query("b", "SELECT pg_is_in_recovery()")[0][0] is False
-        print(f"REGIONS store failover: router read {router_read_s:.3f} s, store read {read_s:.3f} s")
+        lag = " ".join(f"{k}={v:.4f}" for k, v in replication.items())
+        print(f"REGIONS store failover: {lag} router read {router_read_s:.3f} s, store read {read_s:.3f} s")
