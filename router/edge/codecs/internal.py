@@ -131,6 +131,18 @@ _SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "session_id", "x-s
 _CONVERSATION_HEADERS = ("thread-id", "conversation-id", "conversation_id")
 
 
+def number_field(body: Mapping[str, Any], key: str, kind: type) -> Any:
+    """``body[key]`` as a number of ``kind`` (int or float), None when absent; ``RequestError`` otherwise."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON's integers include 3.0 (JSON Schema's do; pydantic takes them too)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise RequestError(f"{key} must be a {kind.__name__}", key)
+    return value
+
+
 def hints_from_headers(headers: Mapping[str, str], **fields: str | None) -> SessionHints:
     """Session hints from the client's headers, plus the body's own hints passed as keywords."""
     low = {k.lower(): v for k, v in headers.items()}

@@ -58,6 +58,7 @@ from router.edge.codecs.internal import (
     checked_tool_choice,
     engine_safe,
     hints_from_headers,
+    number_field,
 )
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -182,17 +183,6 @@ def _decode_tool_choice(choice: Any) -> tuple[ToolChoice | None, bool | None]:
     raise RequestError("tool_choice.type must be auto, any, tool (with name) or none", "tool_choice.type")
 
 
-def _number(body: Mapping[str, Any], key: str, kind: type) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)  # JSON's integers include 3.0 (JSON Schema's do; pydantic takes them too)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise RequestError(f"{key}: must be a {kind.__name__}", key)
-    return value
-
-
 MAX_STOP_SEQUENCES = 4
 """The engine's limit (vLLM's chat request: at most 4 stop strings); more is the client's 400 here."""
 
@@ -204,7 +194,7 @@ def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> Inter
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("model: field required", "model")
-    max_tokens = _number(body, "max_tokens", int)
+    max_tokens = number_field(body, "max_tokens", int)
     if max_tokens is None or max_tokens < 1:
         raise RequestError("max_tokens: field required, at least 1", "max_tokens")
     messages: list[Message] = []
@@ -236,9 +226,9 @@ def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> Inter
         tools=(tools := _decode_tools(body.get("tools"))),
         tool_choice=checked_tool_choice(tools, choice),
         parallel_tool_calls=parallel,
-        temperature=_number(body, "temperature", float),
-        top_p=_number(body, "top_p", float),
-        top_k=_number(body, "top_k", int),
+        temperature=number_field(body, "temperature", float),
+        top_p=number_field(body, "top_p", float),
+        top_k=number_field(body, "top_k", int),
         max_tokens=max_tokens,
         stop=tuple(stops),
         stream=bool(body.get("stream", False)),

@@ -37,26 +37,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from router.edge.codecs.internal import (
-    Completion,
-    Error,
-    Event,
-    Finish,
-    InternalRequest,
-    Message,
-    RequestError,
-    TextDelta,
-    Tool,
-    ToolCall,
-    ToolCallArgsDelta,
-    ToolCallEnd,
-    ToolCallStart,
-    ToolChoice,
-    Usage,
-    checked_tool_choice,
-    engine_safe,
-    hints_from_headers,
-)
+from router.edge.codecs import internal as ir
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 HOSTED_TOOLS = frozenset(
@@ -72,7 +53,7 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise RequestError(f"{where}.content must be a string or a list of parts", where)
+        raise ir.RequestError(f"{where}.content must be a string or a list of parts", where)
     texts: list[str] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
@@ -81,57 +62,59 @@ def _content_text(content: Any, where: str) -> str:
         elif kind == "refusal":
             texts.append(str(part.get("refusal", "")))
         else:
-            raise RequestError(
+            raise ir.RequestError(
                 f"{where}.content[{i}]: part type {kind!r} is not supported (text parts only; the model has no vision)",
                 f"{where}.content[{i}].type",
             )
     return "".join(texts)
 
 
-def _decode_input(items: Any) -> list[Message]:
+def _decode_input(items: Any) -> list[ir.Message]:
     if isinstance(items, str):
-        return [Message("user", items)]
+        return [ir.Message("user", items)]
     if not isinstance(items, list):
-        raise RequestError("input must be a string or a list of items", "input")
-    out: list[Message] = []
+        raise ir.RequestError("input must be a string or a list of items", "input")
+    out: list[ir.Message] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, Mapping):
-            raise RequestError(f"{where} must be an object", where)
+            raise ir.RequestError(f"{where} must be an object", where)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = _ROLES.get(item.get("role", ""))
             if role is None:
-                raise RequestError(f"{where}.role {item.get('role')!r} is not one of {sorted(_ROLES)}", f"{where}.role")
-            out.append(Message(role, _content_text(item.get("content", ""), where)))  # type: ignore[arg-type]
+                raise ir.RequestError(
+                    f"{where}.role {item.get('role')!r} is not one of {sorted(_ROLES)}", f"{where}.role"
+                )
+            out.append(ir.Message(role, _content_text(item.get("content", ""), where)))  # type: ignore[arg-type]
         elif kind == "function_call":
             if not item.get("call_id") or not item.get("name"):
-                raise RequestError(f"{where}: a function_call needs call_id and name", where)
-            call = ToolCall(str(item["call_id"]), str(item["name"]), str(item.get("arguments") or ""))
+                raise ir.RequestError(f"{where}: a function_call needs call_id and name", where)
+            call = ir.ToolCall(str(item["call_id"]), str(item["name"]), str(item.get("arguments") or ""))
             if out and out[-1].role == "assistant":
                 last = out.pop()
-                out.append(Message("assistant", last.text, (*last.tool_calls, call)))
+                out.append(ir.Message("assistant", last.text, (*last.tool_calls, call)))
             else:
-                out.append(Message("assistant", "", (call,)))
+                out.append(ir.Message("assistant", "", (call,)))
         elif kind == "function_call_output":
             if not item.get("call_id"):
-                raise RequestError(f"{where}: a function_call_output needs call_id", f"{where}.call_id")
+                raise ir.RequestError(f"{where}: a function_call_output needs call_id", f"{where}.call_id")
             output = item.get("output", "")
             text = output if isinstance(output, str) else _content_text(output, where)
-            out.append(Message("tool", text, tool_call_id=str(item["call_id"])))
+            out.append(ir.Message("tool", text, tool_call_id=str(item["call_id"])))
         elif kind == "reasoning":
             continue
         else:
-            raise RequestError(f"{where}: input item type {kind!r} is not supported", f"{where}.type")
+            raise ir.RequestError(f"{where}: input item type {kind!r} is not supported", f"{where}.type")
     return out
 
 
-def _decode_tools(tools: Any) -> tuple[Tool, ...]:
+def _decode_tools(tools: Any) -> tuple[ir.Tool, ...]:
     if tools is None:
         return ()
     if not isinstance(tools, list):
-        raise RequestError("tools must be a list", "tools")
-    out: list[Tool] = []
+        raise ir.RequestError("tools must be a list", "tools")
+    out: list[ir.Tool] = []
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, Mapping) else None
         if kind in HOSTED_TOOLS:
@@ -140,72 +123,63 @@ def _decode_tools(tools: Any) -> tuple[Tool, ...]:
             out.extend(_decode_tools(t["tools"]))  # a named group of function tools (Codex's sub-agent tools)
             continue
         if not isinstance(t, Mapping) or kind != "function" or not t.get("name"):
-            raise RequestError(f"tools[{i}]: only named function tools are supported, not {kind!r}", f"tools[{i}]")
-        out.append(Tool(str(t["name"]), str(t.get("description") or ""), engine_safe(dict(t.get("parameters") or {}))))
+            raise ir.RequestError(f"tools[{i}]: only named function tools are supported, not {kind!r}", f"tools[{i}]")
+        out.append(
+            ir.Tool(str(t["name"]), str(t.get("description") or ""), ir.engine_safe(dict(t.get("parameters") or {})))
+        )
     return tuple(out)
 
 
-def _decode_tool_choice(choice: Any) -> ToolChoice | None:
+def _decode_tool_choice(choice: Any) -> ir.ToolChoice | None:
     if choice is None:
         return None
     if choice in ("auto", "none", "required"):
-        return ToolChoice(choice)
+        return ir.ToolChoice(choice)
     if isinstance(choice, Mapping) and choice.get("type") == "function" and choice.get("name"):
-        return ToolChoice("function", str(choice["name"]))
-    raise RequestError("tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
+        return ir.ToolChoice("function", str(choice["name"]))
+    raise ir.RequestError("tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
 
 
-def _number(body: Mapping[str, Any], key: str, kind: type) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)  # JSON's integers include 3.0 (JSON Schema's do; pydantic takes them too)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise RequestError(f"{key} must be a {kind.__name__}", key)
-    return value
-
-
-def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> InternalRequest:
+def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> ir.InternalRequest:
     """A Responses API request body (parsed JSON) as the internal request; ``RequestError`` on bad input."""
     if not isinstance(body, Mapping):
-        raise RequestError("the request body must be a JSON object")
+        raise ir.RequestError("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise RequestError("model is required", "model")
-    messages: list[Message] = []
+        raise ir.RequestError("model is required", "model")
+    messages: list[ir.Message] = []
     instructions = body.get("instructions")
     if instructions:
         if not isinstance(instructions, str):
-            raise RequestError("instructions must be a string", "instructions")
-        messages.append(Message("system", instructions))
+            raise ir.RequestError("instructions must be a string", "instructions")
+        messages.append(ir.Message("system", instructions))
     messages.extend(_decode_input(body.get("input", [])))
     if not messages:  # only reasoning items (or empty instructions): an empty turn, as an empty string is
-        messages.append(Message("user", ""))
-    max_tokens = _number(body, "max_output_tokens", int)
+        messages.append(ir.Message("user", ""))
+    max_tokens = ir.number_field(body, "max_output_tokens", int)
     if max_tokens is not None and max_tokens < 1:
-        raise RequestError("max_output_tokens must be at least 1", "max_output_tokens")
+        raise ir.RequestError("max_output_tokens must be at least 1", "max_output_tokens")
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, Mapping):
-        raise RequestError("metadata must be an object of strings", "metadata")
+        raise ir.RequestError("metadata must be an object of strings", "metadata")
     truncation = body.get("truncation")
     if truncation not in (None, "auto", "disabled"):
-        raise RequestError("truncation must be auto or disabled", "truncation")
+        raise ir.RequestError("truncation must be auto or disabled", "truncation")
     prev = body.get("previous_response_id")
-    return InternalRequest(
+    return ir.InternalRequest(
         api="responses",
         model=model,
         messages=tuple(messages),
         tools=(tools := _decode_tools(body.get("tools"))),
-        tool_choice=checked_tool_choice(tools, _decode_tool_choice(body.get("tool_choice"))),
+        tool_choice=ir.checked_tool_choice(tools, _decode_tool_choice(body.get("tool_choice"))),
         parallel_tool_calls=body.get("parallel_tool_calls"),
-        temperature=_number(body, "temperature", float),
-        top_p=_number(body, "top_p", float),
+        temperature=ir.number_field(body, "temperature", float),
+        top_p=ir.number_field(body, "top_p", float),
         max_tokens=max_tokens,
         stream=bool(body.get("stream", False)),
         store=body.get("store"),
         metadata={str(k): str(v) for k, v in metadata.items()},
-        hints=hints_from_headers(
+        hints=ir.hints_from_headers(
             headers or {},
             previous_response_id=str(prev) if prev else None,
             prompt_cache_key=body.get("prompt_cache_key") or None,
@@ -214,7 +188,7 @@ def decode_request(body: Any, headers: Mapping[str, str] | None = None) -> Inter
     )
 
 
-def error_body(err: RequestError) -> dict[str, Any]:
+def error_body(err: ir.RequestError) -> dict[str, Any]:
     """The OpenAI error shape for a request the codec refused (HTTP 400)."""
     return {"error": {"message": err.message, "type": "invalid_request_error", "param": err.param, "code": None}}
 
@@ -226,7 +200,7 @@ def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-def _usage(u: Usage) -> dict[str, Any]:
+def _usage(u: ir.Usage) -> dict[str, Any]:
     return {
         "input_tokens": u.prompt_tokens,
         # cache_write_tokens: the engine caches every prefix it computes on its own; no explicit writes are made.
@@ -251,7 +225,7 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
+def _call_item(item_id: str, call: ir.ToolCall, status: str) -> dict[str, Any]:
     return {
         "id": item_id,
         "type": "function_call",
@@ -265,7 +239,7 @@ def _call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
 class ResponsesStreamEncoder:
     """Internal events -> Responses stream events (dicts), in the order the module docstring gives."""
 
-    def __init__(self, req: InternalRequest, response_id: str | None = None, created_at: int | None = None) -> None:
+    def __init__(self, req: ir.InternalRequest, response_id: str | None = None, created_at: int | None = None) -> None:
         self._req = req
         self.response_id = response_id or new_response_id()
         self._created_at = created_at if created_at is not None else int(time.time())
@@ -273,7 +247,7 @@ class ResponsesStreamEncoder:
         self._output: list[dict[str, Any]] = []  # finished items
         self._text: tuple[str, list[str]] | None = None  # open message: (item id, deltas)
         self._call: tuple[str, str, str, list[str]] | None = None  # open call: (item id, call id, name, deltas)
-        self._usage: Usage | None = None
+        self._usage: ir.Usage | None = None
         self._items = 0
         self.finished = False
 
@@ -286,7 +260,7 @@ class ResponsesStreamEncoder:
         self._items += 1
         return f"{prefix}_{self.response_id.removeprefix('resp_')}_{self._items}"
 
-    def response(self, status: str, error: Error | None = None, incomplete: str | None = None) -> dict[str, Any]:
+    def response(self, status: str, error: ir.Error | None = None, incomplete: str | None = None) -> dict[str, Any]:
         req = self._req
         choice: Any = "auto"
         if req.tool_choice is not None:
@@ -356,7 +330,7 @@ class ResponsesStreamEncoder:
         item_id, call_id, name, deltas = self._call
         self._call = None
         index = len(self._output)
-        item = _call_item(item_id, ToolCall(call_id, name, "".join(deltas)), status)
+        item = _call_item(item_id, ir.ToolCall(call_id, name, "".join(deltas)), status)
         self._output.append(item)
         return [
             self._event(
@@ -369,11 +343,11 @@ class ResponsesStreamEncoder:
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 
-    def feed(self, ev: Event) -> list[dict[str, Any]]:
+    def feed(self, ev: ir.Event) -> list[dict[str, Any]]:
         if self.finished:
             return []
         index = len(self._output)
-        if isinstance(ev, TextDelta):
+        if isinstance(ev, ir.TextDelta):
             out = self._close_call("completed")
             index = len(self._output)
             if self._text is None:
@@ -400,13 +374,13 @@ class ResponsesStreamEncoder:
                 )
             )
             return out
-        if isinstance(ev, ToolCallStart):
+        if isinstance(ev, ir.ToolCallStart):
             out = self._close_text("completed") + self._close_call("completed")
             item_id = self._item_id("fc")
             self._call = (item_id, ev.id, ev.name, [])
-            item = _call_item(item_id, ToolCall(ev.id, ev.name, ""), "in_progress")
+            item = _call_item(item_id, ir.ToolCall(ev.id, ev.name, ""), "in_progress")
             return [*out, self._event("response.output_item.added", output_index=len(self._output), item=item)]
-        if isinstance(ev, ToolCallArgsDelta):
+        if isinstance(ev, ir.ToolCallArgsDelta):
             if self._call is None:
                 return []
             self._call[3].append(ev.delta)
@@ -415,13 +389,13 @@ class ResponsesStreamEncoder:
                     "response.function_call_arguments.delta", item_id=self._call[0], output_index=index, delta=ev.delta
                 )
             ]
-        if isinstance(ev, ToolCallEnd):
+        if isinstance(ev, ir.ToolCallEnd):
             return self._close_call("completed")
-        if isinstance(ev, Usage):
+        if isinstance(ev, ir.Usage):
             self._usage = ev
             return []
         self.finished = True
-        if isinstance(ev, Finish):
+        if isinstance(ev, ir.Finish):
             if ev.reason == "length":
                 out = self._close_text("incomplete") + self._close_call("incomplete")
                 return [
@@ -437,20 +411,20 @@ class ResponsesStreamEncoder:
 
 
 def build_response(
-    req: InternalRequest, done: Completion, response_id: str | None = None, created_at: int | None = None
+    req: ir.InternalRequest, done: ir.Completion, response_id: str | None = None, created_at: int | None = None
 ) -> dict[str, Any]:
     """The Response object for a request that did not stream, from the gathered completion."""
     enc = ResponsesStreamEncoder(req, response_id, created_at)
     last: dict[str, Any] = {}
     for item in done.output:
         if isinstance(item, str):
-            enc.feed(TextDelta(item))
+            enc.feed(ir.TextDelta(item))
         else:
-            enc.feed(ToolCallStart(0, item.id, item.name))
-            enc.feed(ToolCallArgsDelta(0, item.arguments))
-            enc.feed(ToolCallEnd(0))
+            enc.feed(ir.ToolCallStart(0, item.id, item.name))
+            enc.feed(ir.ToolCallArgsDelta(0, item.arguments))
+            enc.feed(ir.ToolCallEnd(0))
     enc.feed(done.usage)
-    terminal: Event = done.error or done.finish or Error("upstream", "the engine's answer has no finish reason")
+    terminal: ir.Event = done.error or done.finish or ir.Error("upstream", "the engine's answer has no finish reason")
     for ev in enc.feed(terminal):
         last = ev
     return last["response"]
