@@ -145,14 +145,7 @@ class Chaos:
             console.print(f"  launcher: {event}")
 
     def wait_until(self, cond: Callable[[], bool], timeout_s: float, every_s: float = 1.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.tick()
-            if cond():
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(every_s)  # polling processes and HTTP endpoints that offer no notification
+        return wait_ticking(self.tick, cond, timeout_s, every_s)
 
     def hold(self, seconds: float) -> None:
         self.wait_until(lambda: False, seconds, every_s=0.5)
@@ -289,23 +282,15 @@ class Chaos:
             total = 0
             for url in self.cluster.node_urls.values():
                 try:
-                    text = httpx.get(f"{url}/metrics", timeout=5).text
+                    n = engine_blocks_held(httpx.get(f"{url}/metrics", timeout=5).text)
                 except httpx.HTTPError:
                     return None
-                snap = parse_metrics(text)
-                if snap.running or snap.waiting:
+                if n is None:
                     return None
-                total += round(snap.kv_usage * snap.num_kv_blocks) + _leased(text)
+                total += n
             return total
 
-        last: list[int | None] = [None]
-
-        def zero() -> bool:
-            last[0] = held()
-            return last[0] == 0
-
-        self.wait_until(zero, 60)
-        return last[0] if last[0] is not None else -1
+        return settle_to_zero(self.wait_until, held)
 
     def lost_lake_rows(self, requests: list[Request]) -> tuple[int, int]:
         """(answered requests missing from the lake, answered requests), polled while the writer drains."""
@@ -328,27 +313,7 @@ class Chaos:
         return missing[0], len(answered)
 
     def failed_nodes(self, requests: list[Request]) -> dict[str, set[str]]:
-        """Response id of each failed request -> the nodes its lake row names (prefill and decode)."""
-        import duckdb
-
-        from telemetry.query import query
-
-        ids = sorted({r.response_id for r in requests if r.outcome not in ("ok", "running") and r.response_id})
-        if not ids:
-            return {}
-        listed = ", ".join("'" + i.replace("'", "''") + "'" for i in ids)
-        try:
-            table = query(
-                self.cluster.lake,
-                f"SELECT response_id, prefill_node, decode_node FROM requests WHERE response_id IN ({listed})",
-            )
-        except (duckdb.Error, OSError) as exc:
-            console.print(f"  could not read the failed requests' lake rows: {exc}")
-            return {}
-        out: dict[str, set[str]] = {}
-        for rid, pre, dec in zip(*(table.column(i).to_pylist() for i in range(3)), strict=True):
-            out.setdefault(rid, set()).update(n for n in (pre, dec) if n)
-        return out
+        return lake_failed_nodes(self.cluster.lake, requests)
 
     @staticmethod
     def on_target(res: FaultResult, req: Request, nodes_of: dict[str, set[str]]) -> bool | None:
@@ -372,39 +337,125 @@ class Chaos:
         answered: int,
         nodes_of: dict[str, set[str]] | None = None,
     ) -> dict[str, Any]:
-        for res in results:
-            lo = self.t0 + res.at_s
-            hi = lo + (res.recovery_s if res.recovery_s is not None else cfg.recovery_timeout_s) + 5
-            bad = [r for r in requests if r.outcome not in ("ok", "running") and lo <= r.end <= hi]
-            res.failed = len(bad)
-            res.failed_outcomes = {o: sum(1 for r in bad if r.outcome == o) for o in sorted({r.outcome for r in bad})}
-            verdicts = [self.on_target(res, r, nodes_of or {}) for r in bad]
-            res.failed_elsewhere = sum(1 for v in verdicts if v is False)
-            res.failed_unattributed = sum(1 for v in verdicts if v is None)
-        recoveries = [r.recovery_s for r in results if r.recovery_s is not None]
-        summary = {
-            "faults": len(cfg.faults),
-            "survived": sum(r.survived for r in results),
-            "hung_streams": sum(1 for r in requests if r.outcome == "hung"),
-            "stranded_blocks": stranded,
-            "lost_lake_rows": lost,
-            "failed_requests": sum(1 for r in requests if r.outcome not in ("ok", "running")),
-            "failed_elsewhere": sum(r.failed_elsewhere for r in results),
-            "recovery_p50_s": round(statistics.median(recoveries), 1) if recoveries else None,
-            "recovery_max_s": max(recoveries) if recoveries else None,
-        }
-        bins = timeline(requests, self.t0, t_end)
-        return {
-            "benchmark": "chaos",
-            "time": time.time(),
-            "config": {**asdict(cfg), "workdir": str(cfg.workdir)},
-            "summary": summary,
-            "faults": [asdict(r) for r in results],
-            "answered": answered,
-            "requests": len(requests),
-            "timeline": bins,
-            "launcher_events": self.events,
-        }
+        summary = fault_summary(cfg, self.t0, results, requests, stranded, lost, nodes_of or {})
+        return fault_doc("chaos", cfg, summary, results, requests, (self.t0, t_end), answered, self.events)
+
+
+def lake_failed_nodes(lake: Path, requests: list[Request]) -> dict[str, set[str]]:
+    """Response id of each failed request -> the nodes its lake row names (prefill and decode)."""
+    import duckdb
+
+    from telemetry.query import query
+
+    ids = sorted({r.response_id for r in requests if r.outcome not in ("ok", "running") and r.response_id})
+    if not ids:
+        return {}
+    listed = ", ".join("'" + i.replace("'", "''") + "'" for i in ids)
+    try:
+        table = query(
+            lake, f"SELECT response_id, prefill_node, decode_node FROM requests WHERE response_id IN ({listed})"
+        )
+    except (duckdb.Error, OSError) as exc:
+        console.print(f"  could not read the failed requests' lake rows: {exc}")
+        return {}
+    out: dict[str, set[str]] = {}
+    for rid, pre, dec in zip(*(table.column(i).to_pylist() for i in range(3)), strict=True):
+        out.setdefault(rid, set()).update(n for n in (pre, dec) if n)
+    return out
+
+
+def fault_summary(
+    cfg: ChaosConfig,
+    t0: float,
+    results: list[FaultResult],
+    requests: list[Request],
+    stranded: int,
+    lost: int,
+    nodes_of: dict[str, set[str]],
+) -> dict[str, Any]:
+    """Each fault's failed requests (those that ended between it and its recovery + 5 s, judged on or off
+    its target by ``Chaos.on_target``), filled into ``results``; returns the RESULT fields."""
+    for res in results:
+        lo = t0 + res.at_s
+        hi = lo + (res.recovery_s if res.recovery_s is not None else cfg.recovery_timeout_s) + 5
+        bad = [r for r in requests if r.outcome not in ("ok", "running") and lo <= r.end <= hi]
+        res.failed = len(bad)
+        res.failed_outcomes = {o: sum(1 for r in bad if r.outcome == o) for o in sorted({r.outcome for r in bad})}
+        verdicts = [Chaos.on_target(res, r, nodes_of) for r in bad]
+        res.failed_elsewhere = sum(1 for v in verdicts if v is False)
+        res.failed_unattributed = sum(1 for v in verdicts if v is None)
+    recoveries = [r.recovery_s for r in results if r.recovery_s is not None]
+    return {
+        "faults": len(cfg.faults),
+        "survived": sum(r.survived for r in results),
+        "hung_streams": sum(1 for r in requests if r.outcome == "hung"),
+        "stranded_blocks": stranded,
+        "lost_lake_rows": lost,
+        "failed_requests": sum(1 for r in requests if r.outcome not in ("ok", "running")),
+        "failed_elsewhere": sum(r.failed_elsewhere for r in results),
+        "recovery_p50_s": round(statistics.median(recoveries), 1) if recoveries else None,
+        "recovery_max_s": max(recoveries) if recoveries else None,
+    }
+
+
+def fault_doc(
+    benchmark: str,
+    cfg: ChaosConfig,
+    summary: dict[str, Any],
+    results: list[FaultResult],
+    requests: list[Request],
+    span: tuple[float, float],
+    answered: int,
+    events: list[str],
+) -> dict[str, Any]:
+    """A fault benchmark's JSON document: config, summary, per-fault rows and the timeline over ``span``."""
+    return {
+        "benchmark": benchmark,
+        "time": time.time(),
+        "config": {**asdict(cfg), "workdir": str(cfg.workdir)},
+        "summary": summary,
+        "faults": [asdict(r) for r in results],
+        "answered": answered,
+        "requests": len(requests),
+        "timeline": timeline(requests, *span),
+        "launcher_events": events,
+    }
+
+
+def wait_ticking(tick: Callable[[], None], cond: Callable[[], bool], timeout_s: float, every_s: float = 1.0) -> bool:
+    """Whether ``cond`` held within ``timeout_s``, the cluster's supervision (``tick``) run between polls."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        tick()
+        if cond():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every_s)  # polling processes and HTTP endpoints that offer no notification
+
+
+def engine_blocks_held(metrics_text: str) -> int | None:
+    """KV blocks an engine holds (KV usage x blocks, plus blocks under a transfer lease), from its
+    ``/metrics``; None while it runs or queues a request (its blocks are in use, not stranded)."""
+    snap = parse_metrics(metrics_text)
+    if snap.running or snap.waiting:
+        return None
+    return round(snap.kv_usage * snap.num_kv_blocks) + _leased(metrics_text)
+
+
+def settle_to_zero(
+    wait_until: Callable[[Callable[[], bool], float], bool], held: Callable[[], int | None], timeout_s: float = 60
+) -> int:
+    """``held()`` polled (through ``wait_until``) until it is 0 or ``timeout_s`` passes: its last value, -1
+    when it never had one (leases end within their TTL, so what is still held then is stranded)."""
+    last: list[int | None] = [None]
+
+    def zero() -> bool:
+        last[0] = held()
+        return last[0] == 0
+
+    wait_until(zero, timeout_s)
+    return last[0] if last[0] is not None else -1
 
 
 def _running(proc: psutil.Process) -> bool:

@@ -54,7 +54,8 @@ def plot(doc: dict[str, Any], out_png: Path) -> None:
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     s = doc["summary"]
     ax.set_title(
-        f"Tandem chaos: {s['survived']}/{s['faults']} faults survived, {s['failed_requests']} failed "
+        f"Tandem {doc.get('benchmark', 'chaos')}: {s['survived']}/{s['faults']} faults survived, "
+        f"{s['failed_requests']} failed "
         f"({s.get('failed_elsewhere', 0)} not on the killed component), {s['hung_streams']} hung, "
         f"{s['lost_lake_rows']} lake rows lost (recovery shaded)",
         fontsize=10,

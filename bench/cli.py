@@ -3,7 +3,7 @@
 
 This module builds the Typer app and registers the commands, in the order ``tandem bench --help`` lists
 them; the commands themselves live in ``bench.commands`` by group (``compare``: Tandem beside what it
-wraps or replaces; ``kv``: KV transfer and reuse; ``service``: telemetry, admission, chaos, the simulator)."""
+wraps or replaces; ``kv``: KV transfer and reuse; ``service``: telemetry, admission, chaos, hosts, the simulator)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import typer
 
 from bench.commands.compare import bench_agents, bench_fleet, bench_overhead, bench_pd, bench_routing
 from bench.commands.kv import bench_kv_cache, bench_kv_transfer
-from bench.commands.service import bench_admission, bench_chaos, bench_sim, bench_telemetry
+from bench.commands.service import bench_admission, bench_chaos, bench_hosts, bench_sim, bench_telemetry
 from contracts.cli import interrupt
 
 bench_app = typer.Typer(
@@ -40,6 +40,7 @@ for _name, _command in (
     ("telemetry", bench_telemetry),
     ("admission", bench_admission),
     ("chaos", bench_chaos),
+    ("hosts", bench_hosts),
     ("sim", bench_sim),
 ):
     bench_app.command(_name)(_command)

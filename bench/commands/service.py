@@ -1,6 +1,6 @@
 """The benchmarks of what surrounds the serving path: telemetry's cost and the lake writer's throughput
 (``telemetry``), the admission fast path (``admission``), faults fired into a running cluster (``chaos``)
-and the simulator checked against real clusters (``sim``).
+and into one spread over the hosts of a lab (``hosts``), and the simulator checked against real clusters (``sim``).
 
 Each command only turns its options into the benchmark's config, runs it under ``clean_errors`` and prints
 its ``RESULT`` line; the benchmark module (imported inside the command, so ``tandem --help`` stays fast)
@@ -133,6 +133,48 @@ def bench_chaos(
     )
     with clean_errors():
         summary = run_chaos_bench(out, cfg)
+    print(result_line(summary), flush=True)
+
+
+def bench_hosts(
+    out: Annotated[Path, typer.Option(help="JSON results; a PNG timeline is written beside it.")] = Path(
+        "results/bench-hosts.json"
+    ),
+    streams: Annotated[int, typer.Option(help="Concurrent SSE clients (on the lab's client host).")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 32,
+    settle_s: Annotated[float, typer.Option(help="Steady service before each fault.")] = 15.0,
+    stop_s: Annotated[float, typer.Option(help="How long the SIGSTOP fault stops the engine.")] = 30.0,
+    cut_s: Annotated[float, typer.Option(help="How long a cut host stays off the network.")] = 20.0,
+    recovery_timeout_s: Annotated[float, typer.Option(help="A fault not recovered by then did not survive.")] = (240.0),
+    fault: Annotated[
+        list[str] | None,
+        typer.Option(help="Faults to fire, in order (repeatable; default: all, see docs/bench/hosts.md)."),
+    ] = None,
+    net: Annotated[int, typer.Option(help="The lab's addresses are 10.<net>.0.0/24.")] = 233,
+) -> None:
+    """bench chaos's faults, partitions (decode, prefill, store host cut) and a whole host lost, on a lab of
+    network namespaces (root only): one host per component, a workload from a client host. The same
+    figures and RESULT fields as bench chaos. ~20 min on 2 cores."""
+    from bench.chaos_report import result_line
+    from bench.hosts import FAULT_NAMES, FAULTS, HostsConfig, run_hosts_bench
+
+    faults = tuple(fault or FAULT_NAMES)
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        console.print(f"[red]error:[/red] unknown fault {', '.join(unknown)}; choose from {', '.join(FAULTS)}")
+        raise typer.Exit(2)
+    cfg = HostsConfig(
+        streams=streams,
+        max_tokens=max_tokens,
+        settle_s=settle_s,
+        stop_s=stop_s,
+        cut_s=cut_s,
+        recovery_timeout_s=recovery_timeout_s,
+        faults=faults,
+        net=net,
+    )
+    with clean_errors():
+        summary = run_hosts_bench(out, cfg)
     print(result_line(summary), flush=True)
 
 

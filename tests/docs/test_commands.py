@@ -104,6 +104,7 @@ EXPENSIVE: dict[str, str] = {
         "--sessions-per-repo 3 --turns 6 --out results/bench-agents-ws.json"
     ): "a benchmark on engines",
     "tandem bench chaos --out results/bench-chaos.json": "a benchmark on engines",
+    "tandem bench hosts --out results/bench-hosts.json": "a benchmark on engines, in a lab (root)",
     "tandem bench admission --out results/bench-admission.json": "a benchmark (a router and Redis)",
     "tandem bench telemetry --out results/bench-tel.json": "a benchmark on engines",
     "tandem bench sim --out results/bench-sim.json": "a benchmark on engines",
