@@ -14,6 +14,20 @@ Both the session history and the API keys persist here; Redis is only their cach
   database then fails the caller within a known time instead of holding its request (and its pool
   slot) forever.
 
+Failover (PostgreSQL). A URL may name several servers, libpq-style, and which one to take:
+``postgresql://user:pw@a:5432,b:5432/db?target_session_attrs=read-write`` connects to the first that
+takes writes (asyncpg reads both). When that server is lost and another is promoted, the pool's
+connections to the lost one are dead, and on a partition nothing tells the router so: a statement sent on
+one would wait out its timeout. Two things end that early. Each connection's socket gives its server
+``connect_timeout_s`` to answer at the TCP level (``_fail_fast_connection``: ``TCP_USER_TIMEOUT`` for
+sent data, keepalive probes while idle); past it the connection breaks (a slow query does not: its
+server's kernel still answers). A broken connection (``_CONNECTION_LOST``) then expires the whole pool,
+whose connections went to the same server, so every next statement connects afresh to whichever server
+takes writes now, and a read (``fetch``) is retried once at once on such a fresh connection: reads are
+safe to repeat. A write is not retried here (it may have committed before the connection broke): its
+caller retries, as the session writer does with its idempotent inserts. ``tests/lab/test_regions.py``
+runs this between two regions.
+
 ``open_database(url)`` picks the backend: ``postgresql://...`` → PostgreSQL, ``sqlite:///path`` or a
 bare path → SQLite. A PostgreSQL URL may carry ``?schema=NAME`` (not a libpq option; we strip it) to
 keep every table inside one schema, which tests use to isolate runs.
@@ -21,7 +35,9 @@ keep every table inside one schema, which tests use to isolate runs.
 
 from __future__ import annotations
 
+import math
 import re
+import socket
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +54,8 @@ Row = tuple[Any, ...]
 DEFAULT_COMMAND_TIMEOUT_S = 5.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 
+_CONNECTION_LOST = (OSError, asyncpg.PostgresConnectionError)
+"""The connection itself broke (not a statement's error): the server restarted, was lost or cut off."""
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -58,6 +76,35 @@ class Database(Protocol):
     async def fetch(self, sql: str, *args: Any) -> list[Row]: ...
 
     async def close(self) -> None: ...
+
+
+def _fail_fast_connection(dead_after_s: float) -> type[asyncpg.Connection]:
+    """A connection class whose TCP socket is given up once its server is silent for about
+    ``dead_after_s``: data sent and never acknowledged (``TCP_USER_TIMEOUT``), and, on an idle
+    connection, keepalive probes from a third of it on (so a pooled connection to a lost server is
+    usually found dead, and replaced at its next use, before any statement waits on it). Probes are
+    answered by the server's kernel, so a slow query keeps its connection. Linux options; elsewhere,
+    and on Unix sockets, the socket is left as it is."""
+    idle, interval = max(1, int(dead_after_s / 3)), max(1, int(dead_after_s / 6))
+    options = {
+        "TCP_USER_TIMEOUT": int(dead_after_s * 1000),
+        "TCP_KEEPIDLE": idle,
+        "TCP_KEEPINTVL": interval,
+        "TCP_KEEPCNT": max(1, math.ceil((dead_after_s - idle) / interval)),
+    }
+
+    class _FailFastConnection(asyncpg.Connection):
+        def __init__(self, protocol: Any, transport: Any, *args: Any) -> None:
+            super().__init__(protocol, transport, *args)
+            sock = transport.get_extra_info("socket")
+            if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or dead_after_s <= 0:
+                return
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for name, value in options.items():
+                if hasattr(socket, name):
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+    return _FailFastConnection
 
 
 class PostgresDatabase:
@@ -91,7 +138,7 @@ class PostgresDatabase:
         if schema is not None and not _SCHEMA_NAME.match(schema):
             raise ConfigError(f"invalid schema name {schema!r} in database URL")
         settings = {"search_path": schema} if schema else None
-        where = f"{parts.hostname}:{parts.port}"
+        where = parts.netloc.rpartition("@")[2]  # host:port, or several (``host1:port1,host2:port2``)
         try:
             if schema:
                 conn = await asyncpg.connect(dsn, timeout=connect_timeout_s, command_timeout=command_timeout_s)
@@ -106,6 +153,7 @@ class PostgresDatabase:
                 server_settings=settings,
                 timeout=connect_timeout_s,
                 command_timeout=command_timeout_s,
+                connection_class=_fail_fast_connection(connect_timeout_s),
             )
         # TimeoutError before OSError: it is one (Python >= 3.10), and deserves its own message.
         except TimeoutError as exc:
@@ -122,6 +170,13 @@ class PostgresDatabase:
             f"per statement, {self._connect_timeout_s:g} s to get a connection)"
         )
 
+    async def _lost(self, exc: BaseException) -> bool:
+        """True (and the pool expired: see the module docstring) when ``exc`` broke the connection."""
+        if isinstance(exc, _CONNECTION_LOST) and not isinstance(exc, TimeoutError):
+            await self._pool.expire_connections()
+            return True
+        return False
+
     async def execute(self, sql: str, *args: Any) -> int:
         try:
             async with self._pool.acquire(timeout=self._connect_timeout_s) as conn:
@@ -129,6 +184,7 @@ class PostgresDatabase:
         except TimeoutError as exc:
             raise self._timed_out("statement") from exc
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            await self._lost(exc)
             raise StoreError(f"PostgreSQL statement failed: {exc}") from exc
         # status is e.g. "INSERT 0 1", "UPDATE 3", "DELETE 0", "CREATE TABLE"
         tail = status.rsplit(" ", 1)[-1]
@@ -141,17 +197,22 @@ class PostgresDatabase:
         except TimeoutError as exc:
             raise self._timed_out("batch") from exc
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            await self._lost(exc)
             raise StoreError(f"PostgreSQL batch failed: {exc}") from exc
 
     async def fetch(self, sql: str, *args: Any) -> list[Row]:
-        try:
-            async with self._pool.acquire(timeout=self._connect_timeout_s) as conn:
-                records = await conn.fetch(sql, *args)
-        except TimeoutError as exc:
-            raise self._timed_out("query") from exc
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            raise StoreError(f"PostgreSQL query failed: {exc}") from exc
-        return [tuple(r.values()) for r in records]
+        """A read; retried once on a fresh connection when its connection broke under it."""
+        for retry in (True, False):
+            try:
+                async with self._pool.acquire(timeout=self._connect_timeout_s) as conn:
+                    records = await conn.fetch(sql, *args)
+                return [tuple(r.values()) for r in records]
+            except TimeoutError as exc:
+                raise self._timed_out("query") from exc
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                if not (await self._lost(exc) and retry):
+                    raise StoreError(f"PostgreSQL query failed: {exc}") from exc
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def close(self) -> None:
         await self._pool.close()

@@ -22,6 +22,12 @@ Reads
     writer's ``HSETNX`` lands in the hash either before or after the refill. A Redis failure on a read
     falls back to the store (the cache is an optimisation); only both failing raises ``StoreError``.
 
+Regions: each router names its own region's cache ``home`` and the others ``others``; all share one
+store (``router.sessions.sql`` follows a PostgreSQL failover to a promoted replica). A region whose
+cache cannot be reached costs each batch that cache's connect timeout, and its cache misses those turns:
+a region that comes back must start with an empty session cache. ``tests/lab/test_regions.py`` loses a
+region mid-session.
+
 Known gap: a ``delete`` racing an in-flight write or refill of the same session can leave that turn in
 the cache (until its TTL) or in the store.
 """
