@@ -163,8 +163,7 @@ class KeyStore:
         return f"{self.prefix}keys:exist"
 
     async def init_schema(self) -> None:
-        for stmt in SCHEMA:
-            await self._db.execute(stmt)
+        await self._db.create_schema(SCHEMA)
 
     # -- the fast path -----------------------------------------------------------------------------
     def auth_args(self, authorization: str | None) -> tuple[list[str], list[str]]:

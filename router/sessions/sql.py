@@ -58,6 +58,7 @@ _CONNECTION_LOST = (OSError, asyncpg.PostgresConnectionError)
 """The connection itself broke (not a statement's error): the server restarted, was lost or cut off."""
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_SCHEMA_LOCK = 0x74616E64656D  # "tandem": the advisory lock key schema creators take turns on
 
 
 class Database(Protocol):
@@ -71,6 +72,10 @@ class Database(Protocol):
 
     async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         """Run one statement per row, all in one transaction."""
+        ...
+
+    async def create_schema(self, statements: Sequence[str]) -> None:
+        """Run ``CREATE ... IF NOT EXISTS`` statements so that processes starting at once do not race."""
         ...
 
     async def fetch(self, sql: str, *args: Any) -> list[Row]: ...
@@ -190,6 +195,21 @@ class PostgresDatabase:
         tail = status.rsplit(" ", 1)[-1]
         return int(tail) if tail.isdigit() else 0
 
+    async def create_schema(self, statements: Sequence[str]) -> None:
+        # PostgreSQL's IF NOT EXISTS is not safe against a concurrent creator: two routers starting on
+        # a fresh database both pass the check and the loser fails on pg_type's unique index. One
+        # transaction-scoped advisory lock makes the creators take turns; the second finds it all done.
+        try:
+            async with self._pool.acquire(timeout=self._connect_timeout_s) as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
+                for stmt in statements:
+                    await conn.execute(stmt)
+        except TimeoutError as exc:
+            raise self._timed_out("schema creation") from exc
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            await self._lost(exc)
+            raise StoreError(f"PostgreSQL schema creation failed: {exc}") from exc
+
     async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         try:
             async with self._pool.acquire(timeout=self._connect_timeout_s) as conn, conn.transaction():
@@ -251,6 +271,10 @@ class SqliteDatabase:
         except sqlite3.Error as exc:
             raise StoreError(f"SQLite statement failed: {exc}") from exc
         return max(cur.rowcount, 0)
+
+    async def create_schema(self, statements: Sequence[str]) -> None:
+        for stmt in statements:  # one connection, one writer: nothing to race with
+            await self.execute(stmt)
 
     async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         try:

@@ -152,8 +152,7 @@ class SessionStore:
         return f"{self.prefix}sess:{tenant_id}:{session_id}"
 
     async def init_schema(self) -> None:
-        for stmt in SCHEMA:
-            await self._db.execute(stmt)
+        await self._db.create_schema(SCHEMA)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
