@@ -131,6 +131,11 @@ _SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "session_id", "x-s
 _CONVERSATION_HEADERS = ("thread-id", "conversation-id", "conversation_id")
 
 
+MAX_INT = 2**31 - 1
+"""The largest integer a sampling field may carry: the engine keeps them in 32-bit tensors, and a JSON
+integer past that (schema-valid: JSON has no bound) reached vLLM and failed there as a 500."""
+
+
 def number_field(body: Mapping[str, Any], key: str, kind: type) -> Any:
     """``body[key]`` as a number of ``kind`` (int or float), None when absent; ``RequestError`` otherwise."""
     value = body.get(key)
@@ -140,6 +145,8 @@ def number_field(body: Mapping[str, Any], key: str, kind: type) -> Any:
         value = int(value)  # JSON's integers include 3.0 (JSON Schema's do; pydantic takes them too)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise RequestError(f"{key} must be a {kind.__name__}", key)
+    if kind is int and not -MAX_INT <= value <= MAX_INT:
+        raise RequestError(f"{key} must be between {-MAX_INT} and {MAX_INT}", key)
     return value
 
 

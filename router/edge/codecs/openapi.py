@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from router.edge.codecs.internal import MAX_INT
 from router.edge.codecs.responses import HOSTED_TOOLS
 
 _STR = {"type": "string"}
@@ -69,7 +70,7 @@ RESPONSES_REQUEST: dict[str, Any] = {
             ]
         },
         "parallel_tool_calls": {"type": "boolean"},
-        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_INT},
         "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
         # Above 0: the engine refuses 0 (vLLM: "top_p must be in (0, 1]"), so the document does too.
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
@@ -101,7 +102,7 @@ MESSAGES_REQUEST: dict[str, Any] = {
     "required": ["model", "max_tokens", "messages"],
     "properties": {
         "model": {"type": "string", "minLength": 1},
-        "max_tokens": {"type": "integer", "minimum": 1},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_INT},
         "messages": {
             "type": "array",
             "minItems": 1,
@@ -143,7 +144,7 @@ MESSAGES_REQUEST: dict[str, Any] = {
         "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
         "temperature": {"type": "number", "minimum": 0, "maximum": 1},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},  # as Responses' (above)
-        "top_k": {"type": "integer", "minimum": 0},
+        "top_k": {"type": "integer", "minimum": 0, "maximum": MAX_INT},
         "stream": {"type": "boolean"},
         "metadata": {"type": "object"},
         "thinking": {"type": "object"},

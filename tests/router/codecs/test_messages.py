@@ -221,3 +221,17 @@ def test_error_mid_stream_is_anthropics_error_event_and_ends_the_stream() -> Non
     failed: list[Event] = [TextDelta("x"), Error("upstream", "boom")]
     built = messages.build_message(messages.decode_request(_claude_turn()), collect(failed))
     assert built == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+
+
+def test_an_integer_past_the_engines_range_is_the_clients_error() -> None:
+    """JSON integers are unbounded; vLLM's are 32-bit (a top_k of 9.6e20 was a 500 from the engine)."""
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "top_k": 965813819780996661248,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    with pytest.raises(RequestError) as err:
+        messages.decode_request(body)
+    assert err.value.param == "top_k"
+    assert messages.decode_request({**body, "top_k": 40}).top_k == 40
