@@ -8,6 +8,7 @@ starts and stops what it measures. ``bench.cli`` registers the commands, in the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
 
@@ -86,6 +87,15 @@ def bench_admission(
     print(result_line(result), flush=True)
 
 
+def _known_faults(faults: tuple[str, ...], known: Iterable[str]) -> None:
+    """Exit 2 with the valid names when ``faults`` names one that ``known`` does not have."""
+    known = list(known)
+    unknown = [f for f in faults if f not in known]
+    if unknown:
+        console.print(f"[red]error:[/red] unknown fault {', '.join(unknown)}; choose from {', '.join(known)}")
+        raise typer.Exit(2)
+
+
 def bench_chaos(
     out: Annotated[Path, typer.Option(help="JSON results; a PNG timeline is written beside it.")] = Path(
         "results/bench-chaos.json"
@@ -116,10 +126,7 @@ def bench_chaos(
     from bench.chaos_report import result_line
 
     faults = tuple(fault or FAULTS)
-    unknown = [f for f in faults if f not in FAULTS]
-    if unknown:
-        console.print(f"[red]error:[/red] unknown fault {', '.join(unknown)}; choose from {', '.join(FAULTS)}")
-        raise typer.Exit(2)
+    _known_faults(faults, FAULTS)
     cfg = ChaosConfig(
         streams=streams,
         max_tokens=max_tokens,
@@ -159,10 +166,7 @@ def bench_hosts(
     from bench.hosts import FAULT_NAMES, FAULTS, HostsConfig, run_hosts_bench
 
     faults = tuple(fault or FAULT_NAMES)
-    unknown = [f for f in faults if f not in FAULTS]
-    if unknown:
-        console.print(f"[red]error:[/red] unknown fault {', '.join(unknown)}; choose from {', '.join(FAULTS)}")
-        raise typer.Exit(2)
+    _known_faults(faults, FAULTS)
     cfg = HostsConfig(
         streams=streams,
         max_tokens=max_tokens,
