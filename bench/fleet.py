@@ -230,6 +230,28 @@ def summarize(runs: Sequence[RunRecord]) -> dict[str, Any]:
     }
 
 
+def requests_of(run: RunRecord) -> list[dict[str, Any]]:
+    """Every request of one run as the client saw it, in the order sent: which turn of which session,
+    when, TTFT, E2E, prompt and cached tokens. What tells a TTFT tail's requests apart (first turns of a
+    repository's sessions, or warm turns queued behind them)."""
+    rows = []
+    for s in sorted(run.sent, key=lambda s: s.sent_s):
+        usage = s.result.usage or {}
+        rows.append(
+            {
+                "session": s.session_id,
+                "turn": s.turn,
+                "sent_s": round(s.sent_s, 3),
+                "ok": s.result.ok,
+                "ttft_ms": round(s.result.ttft_s * 1000, 1),
+                "e2e_ms": round(s.result.e2e_s * 1000, 1),
+                "prompt_tokens": usage.get("prompt_tokens") or s.result.prompt_tokens,
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            }
+        )
+    return rows
+
+
 def targets(arms: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Issue 37's acceptance, each with its value, its bound and whether it held (None: an arm missing)."""
     t, v, tier = arms.get("tandem"), arms.get(BASELINE), arms.get("tandem_tier")
@@ -456,6 +478,7 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
         "engine_commands": commands,
         "arms": arms,
         "per_run": {f"r{r.round}-{r.arm}": summarize([r]) for r in runs},
+        "requests": {f"r{r.round}-{r.arm}": requests_of(r) for r in runs},
         "targets": targets(arms),
     }
     out.write_text(json.dumps(result, indent=2, default=str))

@@ -17,6 +17,7 @@ from bench.fleet import (
     histogram_quantile,
     parse_histogram,
     plain_env,
+    requests_of,
     result_line,
     summarize,
     targets,
@@ -91,6 +92,15 @@ def test_an_arms_runs_pool_their_requests_and_a_failed_turn_loses_its_session() 
     assert s["engine_itl_mean_ms"] == pytest.approx(125.0)
     assert s["path_itl_p50_ms"] == pytest.approx(50.0)
     assert s["non_engine_cpu_s"] == pytest.approx(1.5)
+
+
+def test_a_runs_requests_are_listed_in_the_order_sent_with_turn_ttft_and_cache() -> None:
+    late = SentRequest("b", 0, 2.0, 0.0, RequestResult(ok=False, error="boom"))
+    early = _sent("a", 1, ttft=1.25, cached=64)
+    rows = requests_of(_run("tandem", 0, [late, early]))
+    assert [(r["session"], r["turn"], r["ok"]) for r in rows] == [("a", 1, True), ("b", 0, False)]
+    assert rows[0]["ttft_ms"] == 1250.0 and rows[0]["cached_tokens"] == 64 and rows[0]["prompt_tokens"] == 100
+    assert rows[1]["cached_tokens"] == 0 and rows[1]["sent_s"] == 2.0
 
 
 def _arm(spm: float, itl: float, ttft99: float, hit: float) -> dict:
