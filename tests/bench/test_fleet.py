@@ -13,15 +13,13 @@ import pytest
 from bench.fleet import (
     BASELINE,
     RunRecord,
-    diff_buckets,
-    histogram_quantile,
-    parse_histogram,
     plain_env,
     requests_of,
     result_line,
     summarize,
     targets,
 )
+from bench.histograms import diff_buckets, histogram_quantile, parse_histogram
 from bench.loadgen import RequestResult, SentRequest, SessionScript, run_sessions
 from bench.procs import outside_cpu_s
 from bench.standin_engine import ServerThread, StandInEngine
