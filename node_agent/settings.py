@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import uuid
 from pathlib import Path
@@ -21,8 +20,8 @@ WILDCARDS = frozenset({"0.0.0.0", "::", "*"})
 """Bind addresses that mean every interface: never an address to register."""
 
 
-ONE_CORE_SPIN_MS = 1000.0
-"""The step queues' spin on a CPU engine of one core: vLLM's own (``NodeSettings.engine_spin_ms``)."""
+CPU_SPIN_MS = 1000.0
+"""The step queues' spin on a CPU engine: vLLM's own (``NodeSettings.engine_spin_ms``)."""
 
 
 class NodeSettings(BaseSettings):
@@ -98,16 +97,13 @@ class NodeSettings(BaseSettings):
     leaves NIXL as shipped. See kv_transfer/engine_hooks/sitecustomize.py."""
     engine_spin_ms: float | None = Field(default=None, ge=0)
     """How long vLLM's step queues busy-wait (``sched_yield``) for the next message before they sleep
-    until notified. vLLM spins for 1 s after every message, for GPU hosts whose cores are idle; on a CPU
-    node the spinner (the engine core waiting for its worker's step) shares the node's cores with the
-    worker's OpenMP threads and the KV pull and send threads. None: chosen by the engine's cores on CPU
-    builds (``cores``, else the agent's own affinity), vLLM's own on GPU builds. An engine with one core
-    keeps vLLM's 1 s (``ONE_CORE_SPIN_MS``, with the hook's wake-up fixes): its spinner yields the core
-    at once to a worker thread that has work, and a sleeper woken by a notification waits for the
-    scheduler behind that same busy core. An engine with two or more cores sleeps at once (0), where
-    the spinner would otherwise take a core from the worker's OpenMP threads. Measured on a 2-core
-    host, agent sessions over two colocated one-core nodes: plain engines 43 s; with the hooks, spin 0:
-    55 s; spin 1000: 40 s. The cap paid only where one node owned both cores. See
+    until notified. vLLM spins for 1 s after every message. None: vLLM's 1 s on every build; on CPU builds
+    it is set explicitly (``CPU_SPIN_MS``) so the hook's wake-up fixes apply. A spinner yields the core
+    at once to a worker thread that has work, while a sleeper woken by a notification waits for the
+    scheduler behind that busy core. Measured on a 2-core host: agent sessions over two colocated
+    one-core nodes took 40 s with 1000 and 55 s with 0. One engine on both cores, one stream, took
+    24.5 ms per token with 1000 and 123 ms with 0; eight streams took 32 and 30 ms. So 0, once the
+    default for engines of two cores or more, is now only an override. See
     kv_transfer/engine_hooks/sitecustomize.py."""
     engine_keep_alive_s: int = Field(default=90, ge=1)
     """How long the engine's HTTP server keeps an idle connection (VLLM_HTTP_TIMEOUT_KEEP_ALIVE; vLLM's
@@ -197,15 +193,7 @@ class NodeSettings(BaseSettings):
             return self.engine_spin_ms
         from node_agent.dtype import is_cpu_build
 
-        if not is_cpu_build():
-            return None
-        return ONE_CORE_SPIN_MS if self.engine_core_count() <= 1 else 0.0
-
-    def engine_core_count(self) -> int:
-        """How many cores the engine computes on: ``cores``, else every core this process may use."""
-        from node_agent.node import parse_cores
-
-        return len(parse_cores(self.cores)) if self.cores else len(os.sched_getaffinity(0))
+        return CPU_SPIN_MS if is_cpu_build() else None
 
     def engine_headers(self) -> dict[str, str]:
         """Headers of this node's own calls to its engine (the API key, when ``engine_auth``). Raises
