@@ -141,6 +141,11 @@ def _ms(seconds: Sequence[float], q: float) -> float:
     return round(percentile(seconds, q) * 1000, 1)
 
 
+def _cached_tokens(usage: dict[str, Any]) -> int:
+    """The engine-confirmed cached prompt tokens of one answer's ``usage`` (0 when it reports none)."""
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
 def summarize(runs: Sequence[RunRecord]) -> dict[str, Any]:
     """One arm's figures over its runs, requests pooled (percentiles of the union, not means of
     per-run percentiles)."""
@@ -148,7 +153,7 @@ def summarize(runs: Sequence[RunRecord]) -> dict[str, Any]:
     ok = [s for s in sent if s.result.ok]
     usage = [s.result.usage or {} for s in ok]
     prompt = sum(u.get("prompt_tokens") or 0 for u in usage)
-    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usage)
+    cached = sum(_cached_tokens(u) for u in usage)
     failed = {(r.round, s.session_id) for r in runs for s in r.sent if not s.result.ok}
     completed = sum(r.sessions for r in runs) - len(failed)
     wall = sum(r.wall_s for r in runs)
@@ -204,7 +209,7 @@ def requests_of(run: RunRecord) -> list[dict[str, Any]]:
                 "ttft_ms": round(s.result.ttft_s * 1000, 1),
                 "e2e_ms": round(s.result.e2e_s * 1000, 1),
                 "prompt_tokens": usage.get("prompt_tokens") or s.result.prompt_tokens,
-                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                "cached_tokens": _cached_tokens(usage),
             }
         )
     return rows

@@ -7,21 +7,22 @@ from __future__ import annotations
 
 def parse_histogram(text: str, name: str) -> tuple[dict[float, float], float, float]:
     """A Prometheus histogram from a /metrics page, its label sets summed: (cumulative count per upper
-    bound, sum, count)."""
+    bound, sum, count). Parsed by ``prometheus_client``, as ``bench.kv_transfer`` reads its counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     buckets: dict[float, float] = {}
     total = count = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name):
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
             continue
-        key, _, value = line.rpartition(" ")
-        if key.startswith(f"{name}_bucket"):
-            le = key.split('le="', 1)[1].split('"', 1)[0]
-            bound = float("inf") if le == "+Inf" else float(le)
-            buckets[bound] = buckets.get(bound, 0.0) + float(value)
-        elif key.startswith(f"{name}_sum"):
-            total += float(value)
-        elif key.startswith(f"{name}_count"):
-            count += float(value)
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket":
+                bound = float(sample.labels["le"])  # "+Inf" parses as inf
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+            elif sample.name == f"{name}_sum":
+                total += sample.value
+            elif sample.name == f"{name}_count":
+                count += sample.value
     return buckets, total, count
 
 
