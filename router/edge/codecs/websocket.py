@@ -14,6 +14,9 @@ body per message, the SSE ``data:`` payloads back one per message, ``[DONE]`` la
                  (``router.edge.exchange.Exchange``, admitted and rate-limited per response, planned,
                  relayed, recorded), its events written to the socket as they come; a second
                  ``response.create`` meanwhile gets an ``error`` event and the socket stays open
+    prewarm      a ``response.create`` with ``"generate": false`` (Codex's first message on a socket): answered
+                 at once, ``response.created`` then ``response.completed`` with no output, no engine
+                 work and no record (it served nothing); one in flight makes it a busy error as above
     cancel       ``response.cancel`` (or the socket closing) cancels the response in flight
                  everywhere, as a client leaving an SSE stream does, then an ``error`` event
                  ``response_cancelled`` ends it on a socket still open
@@ -60,12 +63,21 @@ from starlette.requests import Request
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from contracts.errors import RateLimited, TandemError
+from router.edge.codecs.intake import decode
 from router.edge.codecs.internal import Api
 from router.edge.codecs.socket_turn import SocketTurn
-from router.edge.codecs.store import ResponseStore, SocketResponses
-from router.edge.codecs.websocket_frames import Bad, Cancel, Create, busy_event, error_event, parse_client_message
+from router.edge.codecs.store import ResponseStore, SocketResponses, StoredResponse
+from router.edge.codecs.websocket_frames import (
+    Bad,
+    Cancel,
+    Create,
+    Prewarm,
+    busy_event,
+    error_event,
+    parse_client_message,
+)
 from router.edge.direct_write import RAW_SEND
-from router.edge.openai_errors import response_for
+from router.edge.openai_errors import error_from_exception, response_for
 from router.edge.services import services_of
 from router.sessions.models import SESSION_HEADER, validate_id
 from router.tokenizer import SESSION_TOKENS
@@ -188,8 +200,12 @@ class _Bridge:
 class SocketSession:
     """One accepted socket: its loop of messages, at most one response in flight."""
 
-    def __init__(self, ws: WebSocket, api: SocketApi, session_id: str, authorization: str | None) -> None:
+    def __init__(
+        self, ws: WebSocket, api: SocketApi, session_id: str, authorization: str | None, tenant_id: str | None = None
+    ) -> None:
         self.ws, self.api = ws, api
+        self.tenant_id = tenant_id
+        """The tenant the upgrade authenticated (a prewarm's answer is kept under it)."""
         path = "/v1/responses" if api == "responses" else "/v1/chat/completions"
         self.scope = _http_scope(ws, path, authorization)
         """Every message's request scope: the upgrade's, as a POST to the HTTP route (a copy per message)."""
@@ -237,8 +253,39 @@ class SocketSession:
                 self.bridge.left.set()
         elif self.task is not None:
             await self._event(busy_event() if self.api == "responses" else _chat_busy())
+        elif isinstance(parsed, Prewarm):
+            await self._prewarm(parsed)
         else:
             self._start(parsed)
+
+    async def _prewarm(self, prewarm: Prewarm) -> None:
+        """A prewarm's answer: a completed response with no output (OpenAI's WebSocket mode), kept as the
+        socket's last response, so that a turn chained on it (``previous_response_id``, as Codex sends its
+        first turn) has the prewarm's input as history. Run as a generation it would hold the socket for
+        a whole prefill and more, and Codex drops a socket whose prewarm has not completed by the time
+        its first turn is ready (then sends the turn on a new one)."""
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.scope["headers"]}
+        try:
+            intake = await decode("responses", prewarm.body, headers, self.turn.responses, self.tenant_id)
+        except TandemError as exc:
+            await self._event({"type": "error", "status": exc.status_code, "error": error_from_exception(exc)["error"]})
+            return
+        response = {
+            "id": intake.response_id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "in_progress",
+            "model": intake.internal.model,
+            "output": [],
+            "usage": None,
+        }
+        await self._event({"type": "response.created", "sequence_number": 0, "response": response})
+        usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        done = {**response, "status": "completed", "usage": usage}
+        messages = list(intake.internal.messages)
+        record = StoredResponse(messages, len(messages), done, intake.session_id or self.turn.session_id)
+        await self.turn.responses.save(self.tenant_id, intake.response_id, record, durable=False)
+        await self._event({"type": "response.completed", "sequence_number": 1, "response": done})
 
     def _start(self, create: Create) -> None:
         from router.edge.exchange import Exchange  # the exchange imports the codecs: import it when used
@@ -366,7 +413,7 @@ async def serve(ws: WebSocket, api: SocketApi, table: SocketTable) -> None:
     metrics.ws_open.labels(api).inc()
     try:
         await ws.accept(subprotocol=subprotocol)
-        await SocketSession(ws, api, session_id, authorization).run()
+        await SocketSession(ws, api, session_id, authorization, tenant.tenant_id).run()
     finally:
         metrics.ws_open.labels(api).dec()
         table.give(tenant.tenant_id)

@@ -2,7 +2,9 @@
 
 Responses (OpenAI's WebSocket mode): ``{"type": "response.create", ...}`` (the body of a
 ``POST /v1/responses`` with the ``type`` key added, or nested under ``response``; ``stream`` is implied)
-or ``{"type": "response.cancel"}``. Chat Completions: a chat request body per message (``type``, if
+or ``{"type": "response.cancel"}``. A ``response.create`` with ``"generate": false`` is a prewarm (``Prewarm``:
+Codex sends one as each socket opens, ``request_kind: prewarm`` in its metadata, and gives up on a socket whose
+prewarm does not complete in time). Chat Completions: a chat request body per message (``type``, if
 present, ``chat.completion.create``; ``stream`` implied), or ``{"type": "cancel"}``. Anything else is
 answered with an ``error`` event and the socket stays open. A message is parsed under the same limits
 as an HTTP body (``router.edge.limits.parse_json``: size, nesting, container count), so one message cannot
@@ -26,6 +28,15 @@ _CANCEL = {"response.cancel", "cancel"}
 @dataclass(frozen=True)
 class Create:
     """A request to answer: ``body`` is the HTTP route's request body, ``stream`` forced on."""
+
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Prewarm:
+    """A ``response.create`` that asks for no output (``"generate": false``): answered as a completed,
+    empty response, with no engine work; ``body`` is its request body (its input is the next turn's
+    history: Codex chains its first turn on the prewarm's id)."""
 
     body: dict[str, Any]
 
@@ -56,7 +67,7 @@ def parse_client_message(
     max_bytes: int = MAX_MESSAGE_BYTES,
     max_depth: int = 64,
     max_containers: int = 200_000,
-) -> Create | Cancel | Bad:
+) -> Create | Prewarm | Cancel | Bad:
     """Classify one client message; never raises on bad input."""
     raw = text.encode() if isinstance(text, str) else text
     if len(raw) > max_bytes:
@@ -76,6 +87,8 @@ def parse_client_message(
     body = {k: v for k, v in obj.items() if k != "type"}
     if api == "responses" and isinstance(body.get("response"), dict):
         body = dict(body["response"])
+    if api == "responses" and body.get("generate") is False:
+        return Prewarm({k: v for k, v in body.items() if k != "generate"})
     body["stream"] = True
     return Create(body)
 

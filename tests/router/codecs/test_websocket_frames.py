@@ -9,6 +9,7 @@ from router.edge.codecs.websocket_frames import (
     Bad,
     Cancel,
     Create,
+    Prewarm,
     busy_event,
     parse_client_message,
 )
@@ -22,6 +23,17 @@ def test_create_forces_stream_and_drops_type() -> None:
 def test_create_with_nested_response_object() -> None:
     got = parse_client_message(json.dumps({"type": "response.create", "response": {"model": "m", "input": "x"}}))
     assert got == Create({"model": "m", "input": "x", "stream": True})
+
+
+def test_generate_false_is_a_prewarm_on_responses_only() -> None:
+    # Codex's first message on every socket (its metadata says request_kind: prewarm).
+    msg = {"type": "response.create", "model": "m", "input": "x", "store": False, "generate": False}
+    assert parse_client_message(json.dumps(msg)) == Prewarm({"model": "m", "input": "x", "store": False})
+    assert parse_client_message(json.dumps({**msg, "generate": True})) == Create(
+        {"model": "m", "input": "x", "store": False, "generate": True, "stream": True}
+    )
+    chat = {"model": "m", "messages": [], "generate": False}
+    assert isinstance(parse_client_message(json.dumps(chat), api="chat"), Create)
 
 
 def test_cancel() -> None:

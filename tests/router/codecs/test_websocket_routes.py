@@ -120,6 +120,50 @@ async def test_refusals_at_the_upgrade_and_per_response(tmp_path) -> None:
             assert (await _events_until_end(ws))[-1]["type"] in ("response.completed", "response.incomplete")
 
 
+async def test_a_prewarm_completes_at_once_and_the_next_turn_chains_on_it(tmp_path) -> None:
+    """Codex opens each socket with a ``generate: false`` create, drops the socket if it does not complete
+    in time, and chains its first turn on it (``previous_response_id``, with only the new input): the
+    prewarm is answered with an empty completed response and no engine work, and the turn gets the
+    prewarm's input as history."""
+    async with standin_cluster(tmp_path, {"n": Role.BOTH}, engine={"stream_tokens": 4}) as c:
+        engine_side = c.engines["n"]
+        async with websockets.connect(_ws_url(c.url, "/v1/responses")) as ws:
+            prewarm = {
+                "type": "response.create",
+                "model": c.model,
+                "instructions": "be brief",
+                "input": [{"role": "user", "content": "the repository is tandem"}],
+                "store": False,
+                "generate": False,
+            }
+            await ws.send(json.dumps(prewarm))
+            events = await _events_until_end(ws)
+            assert [e["type"] for e in events] == ["response.created", "response.completed"]
+            done = events[-1]["response"]
+            assert done["status"] == "completed" and done["output"] == [] and done["model"] == c.model
+            assert done["id"].startswith("resp_") and events[0]["response"]["id"] == done["id"]
+            assert engine_side.received == []
+            turn = {
+                "type": "response.create",
+                "model": c.model,
+                "instructions": "be brief",
+                "input": [{"role": "user", "content": "say hi"}],
+                "previous_response_id": done["id"],
+                "store": False,
+                "max_output_tokens": 3,
+            }
+            await ws.send(json.dumps(turn))
+            events = await _events_until_end(ws)
+            assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+            assert len(engine_side.received) == 1
+            sent = [m["content"] for m in engine_side.received[0][1]["messages"] if m["role"] == "user"]
+            assert sent == ["the repository is tandem", "say hi"]
+            # A prewarm that names an unknown response is refused on the socket, which stays open.
+            await ws.send(json.dumps({**prewarm, "previous_response_id": "resp_nope"}))
+            ev = json.loads(await ws.recv())
+            assert ev["type"] == "error" and ev["status"] == 404, ev
+
+
 async def test_chat_over_a_socket_and_transport_recorded(tmp_path) -> None:
     async with standin_cluster(tmp_path, {"n": Role.BOTH}, engine={"stream_tokens": 4}) as c:
         async with websockets.connect(_ws_url(c.url, "/v1/chat/completions")) as ws:
