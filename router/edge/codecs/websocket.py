@@ -63,8 +63,10 @@ from starlette.requests import Request
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from contracts.errors import RateLimited, TandemError
+from router.edge.codecs import internal as ir
 from router.edge.codecs.intake import decode
 from router.edge.codecs.internal import Api
+from router.edge.codecs.responses import ResponsesStreamEncoder
 from router.edge.codecs.socket_turn import SocketTurn
 from router.edge.codecs.store import ResponseStore, SocketResponses, StoredResponse
 from router.edge.codecs.websocket_frames import (
@@ -184,7 +186,7 @@ class _Bridge:
             body = {}
         error = body.get("error") if isinstance(body, dict) else None
         if self.api == "responses":
-            await self.text(_encode({"type": "error", "status": self.status, "error": error or {}}).decode())
+            await self.text(_encode(_refusal(self.status, error or {})).decode())
         else:
             await self.text(_encode({"error": error or {}}).decode())
 
@@ -268,20 +270,13 @@ class SocketSession:
         try:
             intake = await decode("responses", prewarm.body, headers, self.turn.responses, self.tenant_id)
         except TandemError as exc:
-            await self._event({"type": "error", "status": exc.status_code, "error": error_from_exception(exc)["error"]})
+            await self._event(_refusal(exc.status_code, error_from_exception(exc)["error"]))
             return
-        response = {
-            "id": intake.response_id,
-            "object": "response",
-            "created_at": int(time.time()),
-            "status": "in_progress",
-            "model": intake.internal.model,
-            "output": [],
-            "usage": None,
-        }
-        await self._event({"type": "response.created", "sequence_number": 0, "response": response})
-        usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
-        done = {**response, "status": "completed", "usage": usage}
+        # The Response object as a generated answer has it (the encoder's), with no output and no tokens.
+        enc = ResponsesStreamEncoder(intake.internal, intake.response_id)
+        await self._event({"type": "response.created", "sequence_number": 0, "response": enc.response("in_progress")})
+        enc.feed(ir.Usage(prompt_tokens=0, cached_tokens=0, completion_tokens=0))
+        done = enc.response("completed")
         messages = list(intake.internal.messages)
         record = StoredResponse(messages, len(messages), done, intake.session_id or self.turn.session_id)
         await self.turn.responses.save(self.tenant_id, intake.response_id, record, durable=False)
@@ -364,6 +359,12 @@ class SocketSession:
             await asyncio.shield(task)
         except (asyncio.CancelledError, Exception):  # noqa: BLE001 — its exit has run; nothing to tell a client
             pass
+
+
+def _refusal(status: int | None, error: dict[str, Any]) -> dict[str, Any]:
+    """A Responses request refused before any output, as an ``error`` event with the HTTP status it
+    would have had."""
+    return {"type": "error", "status": status, "error": error}
 
 
 def _chat_busy() -> dict[str, Any]:
