@@ -265,6 +265,15 @@ class LabCluster:
         }
         self._spawn("router", "router", argv, env)
 
+    def log_tails(self, lines: int) -> str:
+        """The last ``lines`` of every component's and engine's log: what a failed lab test shows of the
+        cluster, since its work folder is gone by the time anyone reads the report."""
+        out = []
+        for log in sorted((self.workdir / "logs").rglob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {log.relative_to(self.workdir)}\n" + "\n".join(tail))
+        return "\n".join(out)
+
     def dead(self) -> list[str]:
         return [f"{name} (exit {p.returncode})" for name, p in self.procs.items() if p.poll() is not None]
 
@@ -309,9 +318,7 @@ class LabCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        for log in sorted((self.workdir / "logs").rglob("*.log")):
-            tail = "".join(log.read_text(errors="replace").splitlines(True)[-15:])
-            print(f"--- {log.relative_to(self.workdir)}\n{tail}")
+        print(self.log_tails(15))
         if self._pg_dir is not None:
             shutil.rmtree(self._pg_dir, ignore_errors=True)
 
