@@ -103,9 +103,11 @@ class RouterSettings(BaseSettings):
     """Model folders whose tokenizer the router loads, and renders a chat with, before it serves
     (``PromptTokenizer.warm``), beside those of the nodes registered when it starts; ``tandem up``
     names its nodes' models. A router on another host than the folders skips them."""
-    registry_refresh_s: float = 1.0
+    registry_refresh_s: float = Field(default=2.0, gt=0)
     """How often the live-node view is re-read from Redis. Nodes heartbeat their load every 2 s, so a
-    faster refresh buys no fresher loads, only idle CPU taken from the engines on a shared host."""
+    faster refresh buys no fresher loads, only idle CPU taken from the engines on a shared host (each
+    refresh is a wake-up of the router and a Redis round trip: ``router.housekeeping``). A node that
+    joins is routed to within this; one that dies leaves at its first failed leg, or with its entry."""
     prefill_fallback: FallbackPolicy = FallbackPolicy.LOCAL
     layerwise: bool = True
     """Send a P/D pair's two legs at once (``router.planning.layerwise``): the decode node pulls each layer while

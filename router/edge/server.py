@@ -58,7 +58,7 @@ class RouterServer(uvicorn.Server):
         should_exit = await self.on_tick(0)  # counter % 10 == 0: on_tick refreshes the Date header
         housekeeping = self.housekeeping()
         if housekeeping is not None:
-            housekeeping.every(1.0, self._refresh_date, name="date-header")
+            housekeeping.every(housekeeping.tick_s, self._refresh_date, name="date-header")
             while not should_exit:
                 await self._wake.wait()
                 self._wake.clear()

@@ -53,7 +53,7 @@ from router.background import TaskSet
 from router.edge.codecs.store import ResponseStore
 from router.edge.direct_write import RAW_SEND
 from router.fleet import Fleet
-from router.housekeeping import Housekeeping
+from router.housekeeping import DEFAULT_TICK_S, Housekeeping
 from router.kv_index import CurveClient, FleetIndex, KVEventSubscribers
 from router.model_table import ModelTable
 from router.planning.cache_salt import CacheSalts
@@ -229,7 +229,7 @@ async def _open_fleet(
     )
     fleet_ref.append(fleet)
     stack.push_async_callback(fleet.stop)
-    housekeeping = Housekeeping()
+    housekeeping = Housekeeping(tick_s=min(DEFAULT_TICK_S, settings.registry_refresh_s))
     stack.push_async_callback(housekeeping.stop)
     await fleet.start(housekeeping)
     if activity is not None:
