@@ -19,7 +19,7 @@ from router.background import TaskSet
 from router.edge import services as services_module
 from router.edge.services import open_services
 from router.fleet import Fleet
-from router.housekeeping import Housekeeping
+from router.housekeeping import DEFAULT_TICK_S, Housekeeping
 from router.kv_index import KVEventSubscribers
 from router.record.kv_activity import KVActivity
 from router.record.responses import ResponseIndex
@@ -164,3 +164,20 @@ def test_a_close_that_raises_does_not_skip_the_closes_after_it(
     with pytest.raises(OSError, match="turn writer broke"):
         asyncio.run(run())
     assert closed == FULL_SHUTDOWN, closed
+
+
+@pytest.mark.parametrize(("refresh_s", "tick_s"), [(None, DEFAULT_TICK_S), (0.5, 0.5), (60.0, DEFAULT_TICK_S)])
+def test_the_router_wakes_every_2_s_or_as_often_as_it_is_asked_to_refresh(
+    tmp_path: Path, redis_unit_url: str, refresh_s: float | None, tick_s: float
+) -> None:
+    base = _settings(redis_unit_url, tmp_path)
+    fields = base.model_dump(exclude={"registry_refresh_s", "admission"})
+    if refresh_s is not None:
+        fields["registry_refresh_s"] = refresh_s
+    settings = RouterSettings(**fields, admission=base.admission)
+
+    async def run() -> float:
+        async with open_services(settings) as services:
+            return services.housekeeping.tick_s
+
+    assert asyncio.run(run()) == tick_s
