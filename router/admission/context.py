@@ -69,8 +69,9 @@ class AdmissionSettings(BaseModel):
     """How long an unknown key is remembered as unknown in Redis (spares the store)."""
     store_outage_grace_s: float = 60.0
     """While Redis (or the key store) cannot be reached, a key Redis confirmed within this many seconds
-    is still served, as is everyone while auth was off that recently, with no rate limit charged; other
-    keys get 503 + Retry-After. So a Redis restart is no outage, and a key revoked during one works for at
+    is still served, as is everyone while auth was off that recently (or, for a router that served nobody
+    that recently, while the key store itself holds no key), with no rate limit charged; other keys get
+    503 + Retry-After. So a Redis restart is no outage, and a key revoked during one works for at
     most this long (otherwise revocation is immediate). 0: refuse everything (503) while the store is
     unreachable."""
 

@@ -30,6 +30,7 @@ When auth is on
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -144,6 +145,8 @@ class KeyStore:
         """Key hash → (its tenant, when Redis last confirmed it): what ``during_outage`` may vouch for."""
         self._auth_off_at: float | None = None
         self._outage_logged_at = 0.0
+        self._store_check_after = 0.0
+        """Monotonic time before which ``_auth_off_in_store`` does not ask the store again (it failed)."""
         self.outage_admissions = 0
         """Requests admitted on ``during_outage``'s word (no rate limit charged)."""
         self._db = db
@@ -188,14 +191,17 @@ class KeyStore:
                 reply = await self._auth_script(keys=keys, args=args)
                 outcome = await self.interpret(reply, authorization)
             except (RedisError, StoreError) as exc:
-                return self.vouch(authorization, exc)
+                return await self.vouch(authorization, exc)
             if outcome is not None:
                 return outcome
         raise StoreError("authentication lookup did not settle after refilling the cache")
 
-    def vouch(self, authorization: str | None, exc: Exception) -> Tenant:
-        """The tenant to serve while the store fails with ``exc`` (``during_outage``), else 503."""
+    async def vouch(self, authorization: str | None, exc: Exception) -> Tenant:
+        """The tenant to serve while the store fails with ``exc`` (``during_outage``, or ``_auth_off_in_store``
+        for a router that served nobody lately), else 503."""
         tenant = self.during_outage(authorization)
+        if tenant is None and await self._auth_off_in_store():
+            tenant = self.anonymous
         now = time.monotonic()
         if now - self._outage_logged_at > 10:
             self._outage_logged_at = now
@@ -291,6 +297,8 @@ class KeyStore:
 
     # -- while the store is unreachable -------------------------------------------------------------
     MAX_CONFIRMED = 100_000
+    STORE_CHECK_S = 2.0
+    """How long ``_auth_off_in_store`` waits for the key store, and how long it then leaves it alone."""
 
     def _confirm(self, authorization: str | None, tenant: Tenant) -> None:
         token = bearer_token(authorization)
@@ -315,6 +323,26 @@ class KeyStore:
         if not (self.require_auth or self._keys_ever) and off is not None and now - off <= self.outage_grace_s:
             return self.anonymous
         return None
+
+    async def _auth_off_in_store(self) -> bool:
+        """Whether the key store itself says auth is off, asked while Redis is away: an auth-off router
+        that served nobody within ``outage_grace_s`` has no recent word of its own, and a Redis outage
+        would otherwise refuse everyone. Not with auth required, a key ever seen, or a grace of 0 (refuse
+        everything); asked at most once per ``STORE_CHECK_S`` while it fails, each time bounded by it. A
+        "no key" answer counts as auth seen off now (``during_outage`` then answers for the grace)."""
+        now = time.monotonic()
+        if self.require_auth or self._keys_ever or self.outage_grace_s <= 0 or now < self._store_check_after:
+            return False
+        try:
+            has_keys = await asyncio.wait_for(self._store_has_keys(), self.STORE_CHECK_S)
+        except (StoreError, OSError, TimeoutError) as exc:
+            self._store_check_after = now + self.STORE_CHECK_S
+            log.warning("key store unreachable too (%s): requests without a confirmed key get 503", exc)
+            return False
+        if has_keys:
+            return False
+        self._auth_off_at = self._no_keys_at = time.monotonic()
+        return True
 
     # -- refilling Redis from the store ------------------------------------------------------------
     async def refresh_flag(self) -> bool:

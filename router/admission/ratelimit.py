@@ -265,7 +265,7 @@ class Gatekeeper:
                 tenant = await self.keys.interpret(reply, authorization)
             except (RedisError, StoreError) as exc:
                 # The store is down (a Redis restart): serve whom it confirmed lately, uncharged; or 503.
-                tenant = self.keys.vouch(authorization, exc)
+                tenant = await self.keys.vouch(authorization, exc)
                 return Admission(
                     tenant=tenant,
                     priority=resolve_priority(tenant.priority, priority_header),

@@ -1,8 +1,8 @@
 """A Redis restart is no outage for clients (issue 12 item 5, issue 13's revocation bound): while the
 rate-limit and key Redis is down, keys it confirmed within ``store_outage_grace_s`` (and everyone, if
-auth was off that recently) are served uncharged; keys nobody can vouch for get 503 + Retry-After;
-after the restart everything is charged again. A real redis-server (embedded binary) is stopped and
-started again on the same port; the key store is SQLite."""
+auth was off that recently, or the key store says it is) are served uncharged; keys nobody can vouch
+for get 503 + Retry-After; after the restart everything is charged again. A real redis-server (embedded
+binary) is stopped and started again on the same port; the key store is SQLite."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from contracts.errors import Unavailable
+from contracts.errors import StoreError, Unavailable
 from infra.redis_server import start_embedded
 from router.admission.context import AdmissionContext, AdmissionSettings
 
@@ -101,3 +101,47 @@ async def test_anonymous_serving_survives_and_grace_zero_refuses_everything(
     finally:
         await ctx.close()
         await strict.close()
+
+
+async def test_a_router_that_served_nobody_asks_the_key_store_whether_auth_is_off(
+    redis_server: _Redis, tmp_path: Path
+) -> None:
+    """No request within the grace (here: none since start), then Redis goes away: the key store itself
+    says whether anyone may be served. No key: anonymous, uncharged. Keys exist: 503, and auth stays on."""
+    open_store = await _ctx(redis_server, tmp_path / "open")
+    keyed_store = await _ctx(redis_server, tmp_path / "keyed")
+    strict = await _ctx(redis_server, tmp_path / "strict", store_outage_grace_s=0)
+    await keyed_store.keys.create_key("acme", rpm=100, tpm=10_000)
+    fresh = await _ctx(redis_server, tmp_path / "keyed")  # another router on that store, never asked
+    try:
+        redis_server.stop()
+        admitted = await open_store.gate.admit(None)
+        assert admitted.tenant.tenant_id == "anonymous" and admitted.uncharged
+        for ctx in (fresh, strict):
+            with pytest.raises(Unavailable):
+                await ctx.gate.admit(None)
+        assert fresh.keys.auth_args(None)[1][0] == "1", "the store's keys turned auth on for good"
+    finally:
+        for ctx in (open_store, keyed_store, strict, fresh):
+            await ctx.close()
+
+
+async def test_an_unreachable_key_store_is_asked_once_per_check_period(
+    redis_server: _Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctx = await _ctx(redis_server, tmp_path)
+    asked: list[str] = []
+
+    async def unreachable(sql: str, *args: object) -> list:
+        asked.append(sql)
+        raise StoreError("the key store is down too")
+
+    try:
+        monkeypatch.setattr(ctx.keys._db, "fetch", unreachable)
+        redis_server.stop()
+        for _ in range(3):
+            with pytest.raises(Unavailable):
+                await ctx.gate.admit(None)
+        assert len(asked) == 1, asked
+    finally:
+        await ctx.close()
