@@ -147,6 +147,8 @@ class KeyStore:
         self._outage_logged_at = 0.0
         self._store_check_after = 0.0
         """Monotonic time before which ``_auth_off_in_store`` does not ask the store again (it failed)."""
+        self._store_check: asyncio.Future[bool] | None = None
+        """The ask under way, which every request meanwhile awaits."""
         self.outage_admissions = 0
         """Requests admitted on ``during_outage``'s word (no rate limit charged)."""
         self._db = db
@@ -329,20 +331,32 @@ class KeyStore:
         that served nobody within ``outage_grace_s`` has no recent word of its own, and a Redis outage
         would otherwise refuse everyone. Not with auth required, a key ever seen, or a grace of 0 (refuse
         everything); asked at most once per ``STORE_CHECK_S`` while it fails, each time bounded by it. A
-        "no key" answer counts as auth seen off now (``during_outage`` then answers for the grace)."""
+        "no key" answer counts as auth seen off now (``during_outage`` then answers for the grace). One ask
+        at a time: the requests that arrive meanwhile wait for its answer."""
         now = time.monotonic()
         if self.require_auth or self._keys_ever or self.outage_grace_s <= 0 or now < self._store_check_after:
             return False
+        if self._store_check is None:
+            self._store_check = check = asyncio.ensure_future(self._ask_store_for_keys())
+            check.add_done_callback(self._store_check_done)
+        return await asyncio.shield(self._store_check)
+
+    async def _ask_store_for_keys(self) -> bool:
         try:
             has_keys = await asyncio.wait_for(self._store_has_keys(), self.STORE_CHECK_S)
         except (StoreError, OSError, TimeoutError) as exc:
-            self._store_check_after = now + self.STORE_CHECK_S
+            self._store_check_after = time.monotonic() + self.STORE_CHECK_S
             log.warning("key store unreachable too (%s): requests without a confirmed key get 503", exc)
             return False
         if has_keys:
             return False
         self._auth_off_at = self._no_keys_at = time.monotonic()
         return True
+
+    def _store_check_done(self, check: asyncio.Future[bool]) -> None:
+        self._store_check = None
+        if not check.cancelled():
+            check.exception()  # retrieved here too: every request waiting on it may have left
 
     # -- refilling Redis from the store ------------------------------------------------------------
     async def refresh_flag(self) -> bool:

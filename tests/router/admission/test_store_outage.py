@@ -6,6 +6,7 @@ binary) is stopped and started again on the same port; the key store is SQLite."
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,16 +130,35 @@ async def test_a_router_that_served_nobody_asks_the_key_store_whether_auth_is_of
 async def test_an_unreachable_key_store_is_asked_once_per_check_period(
     redis_server: _Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Requests at once share one ask; the ones after a failed ask, within the check period, ask nothing."""
     ctx = await _ctx(redis_server, tmp_path)
     asked: list[str] = []
+    answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    vouching, all_vouching = 0, asyncio.Event()
+    during_outage = ctx.keys.during_outage
+
+    def counted(authorization: str | None) -> object:
+        nonlocal vouching
+        vouching += 1
+        if vouching == 3:
+            all_vouching.set()
+        return during_outage(authorization)
 
     async def unreachable(sql: str, *args: object) -> list:
         asked.append(sql)
+        await answer
         raise StoreError("the key store is down too")
 
     try:
         monkeypatch.setattr(ctx.keys._db, "fetch", unreachable)
+        monkeypatch.setattr(ctx.keys, "during_outage", counted)
         redis_server.stop()
+        at_once = [asyncio.ensure_future(ctx.gate.admit(None)) for _ in range(3)]
+        # All three met the outage and went on to the store's ask (or joined it): it has not answered yet.
+        await asyncio.wait_for(all_vouching.wait(), 10)
+        answer.set_result(None)
+        for outcome in await asyncio.gather(*at_once, return_exceptions=True):
+            assert isinstance(outcome, Unavailable), outcome
         for _ in range(3):
             with pytest.raises(Unavailable):
                 await ctx.gate.admit(None)
