@@ -30,19 +30,18 @@ When auth is on
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import re
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from contracts.errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError, Unavailable
+from contracts.errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError
 from contracts.secret import load_cluster_secret
 from router.admission.key_records import (
     AUTH_LUA,
@@ -55,6 +54,7 @@ from router.admission.key_records import (
     record_mac,
     record_mac_key,
 )
+from router.admission.outage import OutageGrace
 from router.admission.priority_class import Priority
 from router.sessions.sql import Database
 
@@ -140,21 +140,17 @@ class KeyStore:
         """A key has existed (store or verified record): auth is on for good in this process."""
         self._no_keys_at: float | None = None
         """When the store last said it holds no key (what makes a "0" flag believable)."""
-        self.outage_grace_s = outage_grace_s
-        self._confirmed: OrderedDict[str, tuple[Tenant, float]] = OrderedDict()
-        """Key hash → (its tenant, when Redis last confirmed it): what ``during_outage`` may vouch for."""
-        self._auth_off_at: float | None = None
-        self._outage_logged_at = 0.0
-        self._store_check_after = 0.0
-        """Monotonic time before which ``_auth_off_in_store`` does not ask the store again (it failed)."""
-        self._store_check: asyncio.Future[bool] | None = None
-        """The ask under way, which every request meanwhile awaits."""
-        self.outage_admissions = 0
-        """Requests admitted on ``during_outage``'s word (no rate limit charged)."""
         self._db = db
         self.prefix = prefix
         self.require_auth = require_auth
         self.anonymous = anonymous or Tenant(tenant_id=ANONYMOUS_TENANT, rpm=0, tpm=0)
+        self.outage = OutageGrace(
+            outage_grace_s,
+            self.anonymous,
+            auth_on=lambda: self.require_auth or self._keys_ever,
+            store_has_keys=self._store_has_keys,
+        )
+        """Who is served while Redis cannot say (``router.admission.outage``)."""
         self._negative_ttl_ms = int(negative_ttl_s * 1000)
         self._flag_off_ttl_ms = int(flag_off_ttl_s * 1000)
         self._auth_script = redis.register_script(AUTH_LUA + "return tandem_auth()")
@@ -193,31 +189,10 @@ class KeyStore:
                 reply = await self._auth_script(keys=keys, args=args)
                 outcome = await self.interpret(reply, authorization)
             except (RedisError, StoreError) as exc:
-                return await self.vouch(authorization, exc)
+                return await self.outage.vouch(authorization, exc)
             if outcome is not None:
                 return outcome
         raise StoreError("authentication lookup did not settle after refilling the cache")
-
-    async def vouch(self, authorization: str | None, exc: Exception) -> Tenant:
-        """The tenant to serve while the store fails with ``exc`` (``during_outage``, or ``_auth_off_in_store``
-        for a router that served nobody lately), else 503."""
-        tenant = self.during_outage(authorization)
-        if tenant is None and await self._auth_off_in_store():
-            tenant = self.anonymous
-        now = time.monotonic()
-        if now - self._outage_logged_at > 10:
-            self._outage_logged_at = now
-            log.warning(
-                "key store unreachable (%s): serving keys confirmed in the last %g s, without limits",
-                exc,
-                self.outage_grace_s,
-            )
-        if tenant is None:
-            raise Unavailable(
-                "the key store is unreachable and this request's key cannot be verified now", retry_after=5
-            )
-        self.outage_admissions += 1
-        return tenant
 
     async def interpret(self, reply: list, authorization: str | None) -> Tenant | None:
         """Turn an ``AUTH_LUA`` reply into a tenant or an error; None means "cache refilled, run the
@@ -234,12 +209,12 @@ class KeyStore:
                 priority=Priority(_s(reply[5])),
                 admin=_s(reply[6]) == "1",
             )
-            self._confirm(authorization, tenant)
+            self.outage.confirmed(authorization, tenant)
             return tenant
         if code == AuthCode.AUTH_OFF:
             if not await self._flag_off_confirmed():
                 return None
-            self._auth_off_at = time.monotonic()
+            self.outage.auth_off()
             return self.anonymous
         if code == AuthCode.MISSING:
             raise AuthenticationFailed("missing API key: send 'Authorization: Bearer tdm-...'", code="missing_api_key")
@@ -281,7 +256,6 @@ class KeyStore:
         if self._no_keys_at is not None and now - self._no_keys_at <= self._flag_off_ttl_ms / 1000:
             return True
         if not await self._store_has_keys():
-            self._no_keys_at = now
             return True
         self.rejected["flag"] += 1
         log.warning("Redis says no API key exists but the store holds keys: auth stays on")
@@ -295,68 +269,9 @@ class KeyStore:
         rows = await self._db.fetch("SELECT COUNT(*) FROM tandem_api_keys")
         exists = bool(rows and rows[0][0])
         self._keys_ever = self._keys_ever or exists
+        if not exists:
+            self._no_keys_at = time.monotonic()
         return exists
-
-    # -- while the store is unreachable -------------------------------------------------------------
-    MAX_CONFIRMED = 100_000
-    STORE_CHECK_S = 2.0
-    """How long ``_auth_off_in_store`` waits for the key store, and how long it then leaves it alone."""
-
-    def _confirm(self, authorization: str | None, tenant: Tenant) -> None:
-        token = bearer_token(authorization)
-        if token is None:
-            return
-        key_hash = hash_key(token)
-        self._confirmed[key_hash] = (tenant, time.monotonic())
-        self._confirmed.move_to_end(key_hash)
-        if len(self._confirmed) > self.MAX_CONFIRMED:
-            self._confirmed.popitem(last=False)
-
-    def during_outage(self, authorization: str | None) -> Tenant | None:
-        """Who this header is while Redis cannot say: the tenant Redis confirmed for its key within
-        ``outage_grace_s``, or anonymous if auth was off that recently; None when nobody can vouch."""
-        now = time.monotonic()
-        token = bearer_token(authorization)
-        if token is not None:
-            seen = self._confirmed.get(hash_key(token))
-            if seen is not None and now - seen[1] <= self.outage_grace_s:
-                return seen[0]
-        off = self._auth_off_at
-        if not (self.require_auth or self._keys_ever) and off is not None and now - off <= self.outage_grace_s:
-            return self.anonymous
-        return None
-
-    async def _auth_off_in_store(self) -> bool:
-        """Whether the key store itself says auth is off, asked while Redis is away: an auth-off router
-        that served nobody within ``outage_grace_s`` has no recent word of its own, and a Redis outage
-        would otherwise refuse everyone. Not with auth required, a key ever seen, or a grace of 0 (refuse
-        everything); asked at most once per ``STORE_CHECK_S`` while it fails, each time bounded by it. A
-        "no key" answer counts as auth seen off now (``during_outage`` then answers for the grace). One ask
-        at a time: the requests that arrive meanwhile wait for its answer."""
-        now = time.monotonic()
-        if self.require_auth or self._keys_ever or self.outage_grace_s <= 0 or now < self._store_check_after:
-            return False
-        if self._store_check is None:
-            self._store_check = check = asyncio.ensure_future(self._ask_store_for_keys())
-            check.add_done_callback(self._store_check_done)
-        return await asyncio.shield(self._store_check)
-
-    async def _ask_store_for_keys(self) -> bool:
-        try:
-            has_keys = await asyncio.wait_for(self._store_has_keys(), self.STORE_CHECK_S)
-        except (StoreError, OSError, TimeoutError) as exc:
-            self._store_check_after = time.monotonic() + self.STORE_CHECK_S
-            log.warning("key store unreachable too (%s): requests without a confirmed key get 503", exc)
-            return False
-        if has_keys:
-            return False
-        self._auth_off_at = self._no_keys_at = time.monotonic()
-        return True
-
-    def _store_check_done(self, check: asyncio.Future[bool]) -> None:
-        self._store_check = None
-        if not check.cancelled():
-            check.exception()  # retrieved here too: every request waiting on it may have left
 
     # -- refilling Redis from the store ------------------------------------------------------------
     async def refresh_flag(self) -> bool:

@@ -32,7 +32,7 @@ Scripts build bucket key names from the tenant id at run time, so they assume on
 slot), not Redis Cluster.
 
 While Redis is unreachable (a restart)
-    Admission does not fail the request: ``KeyStore.during_outage`` serves a key Redis confirmed within
+    Admission does not fail the request: ``router.admission.outage`` serves a key Redis confirmed within
     ``store_outage_grace_s`` (and everyone, if auth was off that recently), and nothing is charged or
     settled for those requests (``Admission.uncharged``); any other key gets 503 + Retry-After. Limits
     are lenient for the length of the outage; serving stops only for keys nobody can vouch for.
@@ -183,7 +183,7 @@ class Admission:
     tokens_charged: bool = False
     settled: bool = field(default=False)
     uncharged: bool = False
-    """Admitted while the store was unreachable (``KeyStore.during_outage``): no limit is charged or settled."""
+    """Admitted while the store was unreachable (``router.admission.outage``): no limit is charged or settled."""
 
 
 ClockMs = Callable[[], int]
@@ -265,7 +265,7 @@ class Gatekeeper:
                 tenant = await self.keys.interpret(reply, authorization)
             except (RedisError, StoreError) as exc:
                 # The store is down (a Redis restart): serve whom it confirmed lately, uncharged; or 503.
-                tenant = await self.keys.vouch(authorization, exc)
+                tenant = await self.keys.outage.vouch(authorization, exc)
                 return Admission(
                     tenant=tenant,
                     priority=resolve_priority(tenant.priority, priority_header),
@@ -314,12 +314,12 @@ class Gatekeeper:
         try:
             reply = await self._charge(args=[str(a) for a in args])
         except RedisError as exc:
-            if self.keys.outage_grace_s <= 0:
+            if self.keys.outage.grace_s <= 0:
                 raise Unavailable(f"the rate-limit store is unreachable: {exc}", retry_after=5) from exc
             # Admitted a moment ago, so its key was good: serve it uncharged (store_outage_grace_s).
             log.warning("token charge skipped, store unreachable: %s", exc)
             admission.uncharged = admission.tokens_charged = admission.settled = True
-            self.keys.outage_admissions += 1
+            self.keys.outage.admissions += 1
             return
         if int(reply[0]) == AuthCode.RATE_LIMITED:
             raise _limited(reply)

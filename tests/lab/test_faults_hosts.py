@@ -151,7 +151,7 @@ def test_the_store_host_cut_the_fleet_serves_from_its_last_view(lc: LabCluster, 
     try:
         with lc.lab.inside("client"), httpx.Client(timeout=httpx.Timeout(10, read=ENDED_S * 2)) as http:
             # Through an outage the router admits what the store confirmed within its grace (a key, or
-            # auth off: ``KeyStore.during_outage``); this request confirms it now, whatever the test
+            # auth off: ``router.admission.outage``); this request confirms it now, whatever the test
             # before took.
             _chat(http, lc, "Count to 2.", "colocated")
             machine.submit(lc.lab.cut, "store").result()

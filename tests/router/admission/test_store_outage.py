@@ -78,7 +78,7 @@ async def test_confirmed_keys_are_served_uncharged_while_redis_restarts(redis_se
             with pytest.raises(Unavailable) as info:
                 await ctx.gate.admit(header)
             assert info.value.status_code == 503 and info.value.retry_after > 0
-        assert ctx.keys.outage_admissions == 2
+        assert ctx.keys.outage.admissions == 2
 
         redis_server.start()
         after = await ctx.gate.admit(f"Bearer {unseen}")
@@ -135,14 +135,14 @@ async def test_an_unreachable_key_store_is_asked_once_per_check_period(
     asked: list[str] = []
     answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     vouching, all_vouching = 0, asyncio.Event()
-    during_outage = ctx.keys.during_outage
+    during = ctx.keys.outage.during
 
     def counted(authorization: str | None) -> object:
         nonlocal vouching
         vouching += 1
         if vouching == 3:
             all_vouching.set()
-        return during_outage(authorization)
+        return during(authorization)
 
     async def unreachable(sql: str, *args: object) -> list:
         asked.append(sql)
@@ -151,7 +151,7 @@ async def test_an_unreachable_key_store_is_asked_once_per_check_period(
 
     try:
         monkeypatch.setattr(ctx.keys._db, "fetch", unreachable)
-        monkeypatch.setattr(ctx.keys, "during_outage", counted)
+        monkeypatch.setattr(ctx.keys.outage, "during", counted)
         redis_server.stop()
         at_once = [asyncio.ensure_future(ctx.gate.admit(None)) for _ in range(3)]
         # All three met the outage and went on to the store's ask (or joined it): it has not answered yet.
