@@ -35,7 +35,6 @@ import secrets
 import stat
 import tempfile
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import zmq
@@ -92,9 +91,10 @@ def engine_api_key(secret: bytes) -> str:
     return hmac.new(secret, b"tandem engine api key v1", hashlib.sha256).hexdigest()
 
 
-@cache
 def cluster_engine_api_key(*, loopback_only: bool) -> str:
-    """``engine_api_key`` of this process's cluster secret (``load_cluster_secret``; read once)."""
+    """``engine_api_key`` of this process's cluster secret (``load_cluster_secret``), read at every call:
+    its callers ask once per engine start or client, and a cached key would outlive a change of the
+    secret's environment (one test process starting clusters under different secrets)."""
     return engine_api_key(load_cluster_secret(loopback_only=loopback_only))
 
 

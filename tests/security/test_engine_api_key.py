@@ -6,7 +6,7 @@ the stand-in engine; the real-engine check is ``tests/e2e/test_engine_auth.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +25,7 @@ from tests.security.support import router
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture
-def fresh_key() -> Iterator[None]:
-    auth.cluster_engine_api_key.cache_clear()
-    yield
-    auth.cluster_engine_api_key.cache_clear()
-
-
-def test_the_node_passes_the_key_by_environment_only(monkeypatch: pytest.MonkeyPatch, fresh_key: None) -> None:
+def test_the_node_passes_the_key_by_environment_only(monkeypatch: pytest.MonkeyPatch) -> None:
     key = cluster_engine_api_key(loopback_only=True)
     assert key == engine_api_key(auth.load_cluster_secret(loopback_only=True)) and len(key) == 64
     s = NodeSettings(role=Role.PREFILL, port=9100)
@@ -44,12 +37,11 @@ def test_the_node_passes_the_key_by_environment_only(monkeypatch: pytest.MonkeyP
     assert "VLLM_API_KEY" not in engine_env(NodeSettings(role=Role.BOTH, port=9100, engine_auth=False))
     # A node on a real interface needs the cluster's explicit secret to have the cluster's key.
     monkeypatch.delenv(SECRET_ENV)
-    auth.cluster_engine_api_key.cache_clear()
     with pytest.raises(ConfigError):
         NodeSettings(role=Role.BOTH, host="0.0.0.0", port=9100).engine_headers()
 
 
-async def test_the_agent_reads_its_engine_with_the_key(fresh_key: None) -> None:
+async def test_the_agent_reads_its_engine_with_the_key() -> None:
     s = NodeSettings(role=Role.BOTH, port=9100)
     key = cluster_engine_api_key(loopback_only=True)
 
@@ -80,7 +72,7 @@ def _guarded(tokens: list[str]) -> Callable[[Any], Any]:
     return wrap
 
 
-async def test_an_engine_port_answers_only_with_the_key(tmp_path: Path, fresh_key: None) -> None:
+async def test_an_engine_port_answers_only_with_the_key(tmp_path: Path) -> None:
     key = cluster_engine_api_key(loopback_only=True)
     async with router(tmp_path, engine_wrapper=_guarded([key])) as r, httpx.AsyncClient(timeout=30) as client:
         assert r.node is not None and r.engine is not None
@@ -101,3 +93,12 @@ async def test_a_router_with_another_secret_is_a_502_not_the_clients_401(tmp_pat
             resp = await client.post(r.url + CHAT, json=r.chat(stream=stream), timeout=30)
             assert resp.status_code == 502, resp.text
             assert "cluster secret" in resp.json()["error"]["message"]
+
+
+def test_the_key_follows_the_secret_the_environment_names_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One test process may start clusters under different secrets: a key remembered from the first
+    # would be refused (401) by every engine of the next.
+    monkeypatch.setenv(SECRET_ENV, "a" * 40)
+    first = cluster_engine_api_key(loopback_only=True)
+    monkeypatch.setenv(SECRET_ENV, "b" * 40)
+    assert cluster_engine_api_key(loopback_only=True) == engine_api_key(b"b" * 40) != first
