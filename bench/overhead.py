@@ -42,7 +42,7 @@ from typing import Any
 from bench.host import host_record
 from bench.loadgen import percentile
 from bench.overhead_report import ARMS, plot, summarize, targets
-from bench.procs import cpu_s, served_model, wait_http
+from bench.procs import ThreadCpu, served_model, wait_http
 from bench.router_ceiling import router_ceiling
 from contracts.config import redis_url as configured_redis_url
 from contracts.errors import ConfigError
@@ -92,13 +92,15 @@ def _cores() -> str:
 
 
 class _CpuMeter:
-    """Samples the CPU seconds of one or more process trees (every router replica) every 100 ms in a
-    thread, so that their CPU over any window of the run can be read afterwards."""
+    """Samples the CPU seconds of one or more processes (every router replica; each runs in one process)
+    every 100 ms in a thread, from the scheduler's nanosecond counters (``ThreadCpu``), so that their
+    CPU over any window of the run can be read afterwards."""
 
     def __init__(self, *pids: int) -> None:
         import threading
 
         self.pids = pids
+        self._threads = [ThreadCpu(pid) for pid in pids]
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
@@ -115,7 +117,7 @@ class _CpuMeter:
         self.samples.append((time.monotonic(), self._total()))
 
     def _total(self) -> float:
-        return sum(cpu_s(pid) for pid in self.pids)
+        return sum(t.total() for t in self._threads)
 
     def between(self, start: float, end: float) -> float:
         """CPU seconds used between two monotonic times (to the nearest samples)."""

@@ -1,5 +1,6 @@
 """What every benchmark does to the processes it starts: wait for one to answer over HTTP, and read how much
-CPU one took (whole ticks from ``psutil``, or the scheduler's nanosecond counters for short windows)."""
+CPU one took (whole ticks from ``psutil``, or the scheduler's nanosecond counters for short windows and
+for per-request figures)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,29 @@ def outside_cpu_s() -> float:
     t = psutil.cpu_times()
     busy = sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
     return busy - cpu_s(os.getpid())
+
+
+class ThreadCpu:
+    """CPU seconds of a process's threads (and its children's) from the scheduler's nanosecond counters,
+    sampled: each thread counts with the last value seen, so a thread that exits between samples (a
+    worker idled out) keeps what it had taken up to the sample before. Over a benchmark's 25-s window,
+    ``cpu_s``'s 10 ms ticks are about 0.3 ms per request of the router's 4 ms at either end of it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._seen: dict[str, int] = {}
+
+    def total(self) -> float:
+        pids = [self.pid]
+        with contextlib.suppress(psutil.Error):
+            pids += [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError, ValueError, IndexError):
+                        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                            self._seen[tid] = int(f.read().split()[0])
+        return sum(self._seen.values()) / 1e9
 
 
 def sched_cpu_s(pid: int) -> float:
