@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 import redis.asyncio as aioredis
 
+from contracts.errors import NotFound
 from router.record.responses import MAX_BATCH, ResponseIndex, ResponseRef
 
 
@@ -70,4 +72,32 @@ async def test_redis_down_loses_the_ids_counted_and_never_raises() -> None:
     assert (index.written, index.lost) == (0, 3)
     assert not index._pending  # dropped, not kept growing while Redis is away
     await asyncio.sleep(0)
+    await client.aclose()
+
+
+async def test_ids_that_end_apart_within_the_window_share_one_round_trip(redis_unit_url: str) -> None:
+    client = aioredis.from_url(redis_unit_url)
+    index = ResponseIndex(client, window_s=0.5)
+    first, second = _ids(2)
+    index.remember(first, ResponseRef(first))
+    await asyncio.sleep(0.05)  # the next answer ends a little later, as under a CPU engine's load
+    index.remember(second, ResponseRef(second))
+    assert index._writer is not None
+    await index._writer
+    assert (index.written, index.batches) == (2, 1)
+    await client.delete(*[f"tandem:response:{rid}" for rid in (first, second)])
+    await client.aclose()
+
+
+async def test_another_replica_asked_within_the_window_finds_the_id(redis_unit_url: str) -> None:
+    client = aioredis.from_url(redis_unit_url)
+    serving, other = ResponseIndex(client, window_s=0.3), ResponseIndex(client, window_s=0.3)
+    (rid,) = _ids(1)
+    serving.remember(rid, ResponseRef(rid, "s1", "t1"))
+    # Feedback at once, through the replica that did not serve it: not in Redis yet, found after the window.
+    assert (await other.lookup(rid)).tenant_id == "t1"
+    assert serving.written == 1
+    with pytest.raises(NotFound):
+        await other.lookup(_ids(1)[0])
+    await client.delete(f"tandem:response:{rid}")
     await client.aclose()
