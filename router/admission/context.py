@@ -75,6 +75,12 @@ class AdmissionSettings(BaseModel):
     most this long (otherwise revocation is immediate). 0: refuse everything (503) while the store is
     unreachable."""
 
+    auth_off_lease_s: float = Field(default=1.0, ge=0)
+    """While auth is off and no anonymous or global limit is set, how long a router reuses Redis' "auth
+    off" answer without asking again (``router.admission.auth_off``): a key created elsewhere turns
+    auth on within this long on every router, and at once on routers its announcement reaches (all
+    of them, while Redis is up). 0: ask Redis on every request."""
+
     tenant_max_streams: int = 0
     """Generation requests (streamed or not) one tenant may have in flight at once through one router
     process (``router.admission.concurrency``); one more is a 429 ``rate_limit_exceeded``. 0 = unlimited.
@@ -161,6 +167,7 @@ class AdmissionContext:
             anonymous=Tenant(tenant_id=ANONYMOUS_TENANT, rpm=settings.anonymous_rpm, tpm=settings.anonymous_tpm),
             negative_ttl_s=settings.negative_key_ttl_s,
             outage_grace_s=settings.store_outage_grace_s,
+            auth_off_lease_s=settings.auth_off_lease_s,
         )
         gate = Gatekeeper(
             redis,
@@ -202,10 +209,11 @@ class AdmissionContext:
         return ctx
 
     async def close(self) -> None:
-        """Drain the session writer, then close connections. Idempotent."""
+        """Stop listening for created keys, drain the session writer, then close connections. Idempotent."""
         if self.closed:
             return
         self.closed = True
+        await self.keys.auth_off.aclose()
         await self.sessions.close()
         await self.db.close()
         for r in {id(r): r for r in (self.redis, *self.region_caches.values())}.values():

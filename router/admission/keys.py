@@ -43,6 +43,7 @@ from redis.exceptions import RedisError
 
 from contracts.errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError
 from contracts.secret import load_cluster_secret
+from router.admission.auth_off import AuthOffLease, keys_changed_channel
 from router.admission.key_records import (
     AUTH_LUA,
     KEY_SHAPE,
@@ -129,6 +130,7 @@ class KeyStore:
         negative_ttl_s: float = 10.0,
         flag_off_ttl_s: float = 10.0,
         outage_grace_s: float = 60.0,
+        auth_off_lease_s: float = 1.0,
         cluster_secret: bytes | None = None,
     ) -> None:
         self._redis = redis
@@ -151,6 +153,8 @@ class KeyStore:
             store_has_keys=self._store_has_keys,
         )
         """Who is served while Redis cannot say (``router.admission.outage``)."""
+        self.auth_off = AuthOffLease(prefix, auth_off_lease_s)
+        """"Auth off" reused without a round trip, until a key is created (``router.admission.auth_off``)."""
         self._negative_ttl_ms = int(negative_ttl_s * 1000)
         self._flag_off_ttl_ms = int(flag_off_ttl_s * 1000)
         self._auth_script = redis.register_script(AUTH_LUA + "return tandem_auth()")
@@ -167,6 +171,10 @@ class KeyStore:
         await self._db.create_schema(SCHEMA)
 
     # -- the fast path -----------------------------------------------------------------------------
+    def auth_off_now(self) -> bool:
+        """Auth is off by a lease still running: no Redis round trip is needed to say so."""
+        return not (self.require_auth or self._keys_ever) and self.auth_off.valid()
+
     def auth_args(self, authorization: str | None) -> tuple[list[str], list[str]]:
         """KEYS and the first two ARGV of ``AUTH_LUA`` for this header."""
         token = bearer_token(authorization)
@@ -215,6 +223,7 @@ class KeyStore:
             if not await self._flag_off_confirmed():
                 return None
             self.outage.auth_off()
+            self.auth_off.grant()
             return self.anonymous
         if code == AuthCode.MISSING:
             raise AuthenticationFailed("missing API key: send 'Authorization: Bearer tdm-...'", code="missing_api_key")
@@ -387,8 +396,10 @@ class KeyStore:
         )
         if admin:
             await self._db.execute("INSERT INTO tandem_admin_keys (key_id) VALUES ($1)", key_id)
+        AuthOffLease.key_created(self.prefix)
         try:
             await self._redis.set(self.flag_key, "1")
+            await self._redis.publish(keys_changed_channel(self.prefix), key_id)
             await self._write_record(
                 self.record_key(hash_key(key)), key_id, tenant_id, rpm, tpm, str(priority), False, admin=admin
             )

@@ -243,9 +243,17 @@ class Gatekeeper:
         (bad priority header), ``StoreError``."""
         reserve = self._reserve(max_tokens) if prompt_tokens is not None else 0
         token_cost = (prompt_tokens + reserve) if prompt_tokens is not None else 0
-        keys, auth_args = self.keys.auth_args(authorization)
         g = self.global_limits
         anon = self.keys.anonymous
+        if not (g.rpm or g.tpm or anon.rpm or anon.tpm) and self.keys.auth_off_now():
+            # Nothing to check and no bucket to charge: the answer Redis would give (router.admission.auth_off).
+            return Admission(
+                tenant=anon,
+                priority=resolve_priority(anon.priority, priority_header),
+                prompt_tokens=prompt_tokens or 0,
+                reserved_completion_tokens=reserve,
+            )
+        keys, auth_args = self.keys.auth_args(authorization)
         args = [
             *auth_args,
             self.keys.prefix,

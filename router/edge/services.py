@@ -11,7 +11,8 @@ of opening is therefore the order of shutdown read backwards:
     Redis client (registry, responses)      last: every close before it may still write to Redis
     span exporter (OTLP), when configured   exports what is batched
     telemetry emitter, when on              flushes the records of the closes before it
-    admission (keys, limits, sessions)      drains the session writer, closes the store
+    admission (keys, limits, sessions)      stops listening for created keys (``router.admission.auth_off``),
+                                            drains the session writer, closes the store
     background tasks (``TaskSet``)          drained: nothing started is dropped
     turn recorder                           drained
     response index                          drained
@@ -155,6 +156,7 @@ def _kv_events_curve_client() -> CurveClient:
 async def _open_admission(stack: AsyncExitStack, settings: RouterSettings) -> AdmissionContext:
     admission = await AdmissionContext.create(settings.admission)
     stack.push_async_callback(admission.close)
+    admission.keys.auth_off.listen(admission.redis)  # stopped by admission.close
     if admission.settings.auth == "required" and not await admission.keys.refresh_flag():
         raise ConfigError(
             "TANDEM_AUTH=required but the key store holds no API key (create one with "
