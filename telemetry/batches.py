@@ -4,7 +4,7 @@ bytes (the payload of one Redis Stream entry, ``telemetry.emitter``).
 The fast form: timestamps given as epoch seconds go through one C++ pass over the dicts (the table as a
 struct whose timestamps are float64), then are scaled to microseconds; rows with ``datetime`` values take
 a slow path, column by column. Small batches (``SMALL_BATCH``, the common case of a router flushing every
-half second) take the encodings that are cheaper for a few rows.
+few seconds) take the encodings that are cheaper for a few rows.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _STRUCTS = {t: _struct_type(t) for t in SCHEMAS}
 
 SMALL_BATCH = 64
 """Batches of at most this many rows take the encodings that are cheaper for a few rows (plain Python
-timestamp conversion, no lz4): the common case for a router flushing every half second."""
+timestamp conversion, no lz4): the common case for a router flushing every few seconds."""
 
 
 def _fill(col: pa.Array, make: Any) -> pa.Array:

@@ -1,10 +1,11 @@
 """The emitter's journal: events survive the death of the process that emitted them.
 
-An emitter flushes its buffer to Redis every half second; a process killed in between (SIGKILL, the
-OOM killer, a crash) took those events with it: the chaos benchmark counted lake rows missing for
-answers a killed router had already given. With a journal, ``emit`` also appends the event to a file,
-and the next process started with the same journal directory (a restarted router: the launcher gives
-each child its own directory, kept across restarts) sends what its predecessor had not.
+An emitter flushes its buffer to Redis every ``flush_interval_s`` (a router every 2 s); a process killed
+in between (SIGKILL, the OOM killer, a crash) took those events with it: the chaos benchmark counted
+lake rows missing for answers a killed router had already given. With a journal, ``emit`` also appends
+the event to a file, and the next process started with the same journal directory (a restarted router:
+the launcher gives each child its own directory, kept across restarts) sends what its predecessor had
+not.
 
     emit ──▶ append a frame to the open segment (one write(2) of a few hundred bytes: into the page
              cache, which outlives the process; not fsync'd, so a host crash can still lose it)

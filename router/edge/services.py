@@ -174,6 +174,7 @@ def _open_emitter(stack: AsyncExitStack, settings: RouterSettings, metrics: Rout
             stream_prefix=cluster_key(settings.cluster, "telemetry"),
             source=f"router-{settings.port}",
             journal_dir=settings.telemetry_journal_dir,
+            flush_interval_s=settings.telemetry_flush_s,
         ),
         metrics=metrics.common,
     )

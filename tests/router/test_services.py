@@ -181,3 +181,21 @@ def test_the_router_wakes_every_2_s_or_as_often_as_it_is_asked_to_refresh(
             return services.housekeeping.tick_s
 
     assert asyncio.run(run()) == tick_s
+
+
+@pytest.mark.parametrize("flush_s", [None, 0.25])
+def test_the_router_sends_its_telemetry_every_2_s_or_as_often_as_it_is_asked(
+    tmp_path: Path, redis_unit_url: str, flush_s: float | None
+) -> None:
+    base = _settings(redis_unit_url, tmp_path)
+    fields = base.model_dump(exclude={"admission"})
+    if flush_s is not None:
+        fields["telemetry_flush_s"] = flush_s
+    settings = RouterSettings(**fields, admission=base.admission)
+
+    async def run() -> float:
+        async with open_services(settings) as services:
+            assert services.emitter is not None
+            return services.emitter.config.flush_interval_s
+
+    assert asyncio.run(run()) == (flush_s or 2.0)
