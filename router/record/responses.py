@@ -10,8 +10,9 @@ each answer paid its own round trip. With this window and the admission's lease
 
 Until its batch has been written, a response id is answered from the local queue, so feedback posted
 the instant a stream ends is never refused by the replica that served it. Another replica may be asked
-within the window: an id it cannot find is looked up once more after the window (``lookup``), so such
-feedback waits up to ``window_s`` and is recorded; an unknown id gets its 404 that much later. A lost
+within the window: an id of the shape the router's have that it cannot find is looked up once more
+after the window (``lookup``), so such feedback waits up to ``window_s`` and is recorded; an unknown id
+of that shape gets its 404 that much later, any other id at once. A lost
 write (Redis down) only means that one response cannot receive feedback; it is logged, never retried,
 and never blocks a request.
 """
@@ -27,6 +28,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from contracts.errors import NotFound, StoreError
+from router.record.trace import REQUEST_ID
 
 log = logging.getLogger("tandem.router.responses")
 TTL_S = 7 * 24 * 3600
@@ -92,8 +94,9 @@ class ResponseIndex:
         if ref is not None:
             return ref
         raw = await self._read(response_id)
-        if raw is None and self.window_s > 0:
-            # Another replica may hold it in its window still: ask again once that has passed.
+        if raw is None and self.window_s > 0 and REQUEST_ID.fullmatch(response_id):
+            # Another replica may hold it in its window still: ask again once that has passed (only
+            # for an id of the shape ours have: a made-up one is refused at once).
             await asyncio.sleep(self.window_s + 0.1)
             ref = self._pending.get(response_id)
             raw = msgspec.msgpack.encode(ref) if ref is not None else await self._read(response_id)

@@ -13,6 +13,7 @@ an engine's usage) sit beside it, so that each field has one writer per fact.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -123,6 +124,10 @@ class RequestTrace:
 
 def new_request_id(kind: Kind) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+REQUEST_ID = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}")
+"""The shape of every id ``new_request_id`` makes."""
 
 
 def note_decode_node(trace: RequestTrace, node: Candidate) -> None:

@@ -14,8 +14,7 @@ from router.record.responses import MAX_BATCH, ResponseIndex, ResponseRef
 
 
 def _ids(n: int) -> list[str]:
-    tag = uuid.uuid4().hex[:8]
-    return [f"chatcmpl-{tag}-{i}" for i in range(n)]
+    return [f"chatcmpl-{uuid.uuid4().hex}" for _ in range(n)]
 
 
 async def test_ids_filed_together_are_written_in_one_round_trip(redis_unit_url: str) -> None:
@@ -98,6 +97,10 @@ async def test_another_replica_asked_within_the_window_finds_the_id(redis_unit_u
     assert (await other.lookup(rid)).tenant_id == "t1"
     assert serving.written == 1
     with pytest.raises(NotFound):
-        await other.lookup(_ids(1)[0])
+        await other.lookup(f"chatcmpl-{uuid.uuid4().hex}")  # ours in shape: refused after the window
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(NotFound):
+        await other.lookup("resp_made-up")  # no id of ours looks like this: refused at once
+    assert asyncio.get_running_loop().time() - started < other.window_s
     await client.delete(f"tandem:response:{rid}")
     await client.aclose()
