@@ -16,7 +16,8 @@ Load, per arm and round:
     2. Our agent workload (multi-turn sessions that resend a growing context, SSE), a new salt for
        every arm and round.
 Rounds alternate the arm order (plain, peer, node, tandem, then reversed). Router CPU per request is
-the user+system time of the router processes (every replica) over the ``vllm bench serve`` part divided by its requests
+the CPU time of the router processes (every replica, every thread, from the scheduler's nanosecond
+counters: ``bench.procs.ThreadCpu``) over the ``vllm bench serve`` part divided by its requests
 (background work included: a router that idles expensively pays for it here).
 
 The router's own ceiling: SSE chunks relayed per second with the router on one core, over the labelled
