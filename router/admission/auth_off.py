@@ -62,6 +62,8 @@ class AuthOffLease:
         """The subscription is confirmed: a key created elsewhere would be told here."""
         self.ended = 0
         """Leases ended by a message or by a key created in this process."""
+        self.epoch = 0
+        """Counts every end: an answer asked for before one (``grant(epoch)``) grants nothing."""
         self._task: asyncio.Task[None] | None = None
         _leases.add(self)
 
@@ -69,12 +71,14 @@ class AuthOffLease:
         granted = self._granted_at
         return self.live and granted is not None and self._clock() - granted < self.lease_s
 
-    def grant(self) -> None:
-        """Redis and the store just confirmed auth off: reuse that for ``lease_s`` (if listening)."""
-        if self.live and self.lease_s > 0:
+    def grant(self, epoch: int) -> None:
+        """Redis and the store confirmed auth off in answer to a question asked at ``epoch``: reuse that
+        for ``lease_s`` (if listening), unless a key was announced while the answer was on its way."""
+        if self.live and self.lease_s > 0 and epoch == self.epoch:
             self._granted_at = self._clock()
 
     def end(self) -> None:
+        self.epoch += 1
         if self._granted_at is not None:
             self.ended += 1
         self._granted_at = None

@@ -192,19 +192,20 @@ class KeyStore:
         missing, unknown or revoked key (when auth is on), ``StoreError`` when Redis and the store
         cannot answer. One Redis round trip when the key is cached."""
         keys, args = self.auth_args(authorization)
+        epoch = self.auth_off.epoch
         for _ in range(3):
             try:
                 reply = await self._auth_script(keys=keys, args=args)
-                outcome = await self.interpret(reply, authorization)
+                outcome = await self.interpret(reply, authorization, epoch)
             except (RedisError, StoreError) as exc:
                 return await self.outage.vouch(authorization, exc)
             if outcome is not None:
                 return outcome
         raise StoreError("authentication lookup did not settle after refilling the cache")
 
-    async def interpret(self, reply: list, authorization: str | None) -> Tenant | None:
+    async def interpret(self, reply: list, authorization: str | None, lease_epoch: int) -> Tenant | None:
         """Turn an ``AUTH_LUA`` reply into a tenant or an error; None means "cache refilled, run the
-        script again"."""
+        script again". ``lease_epoch``: the auth-off lease's epoch when the script was sent."""
         code = int(reply[0])
         if code == AuthCode.OK:
             if not await self._verified(reply, authorization):
@@ -223,7 +224,7 @@ class KeyStore:
             if not await self._flag_off_confirmed():
                 return None
             self.outage.auth_off()
-            self.auth_off.grant()
+            self.auth_off.grant(lease_epoch)
             return self.anonymous
         if code == AuthCode.MISSING:
             raise AuthenticationFailed("missing API key: send 'Authorization: Bearer tdm-...'", code="missing_api_key")

@@ -265,12 +265,13 @@ class Gatekeeper:
             str(anon.rpm),
             str(anon.tpm),
         ]
+        epoch = self.keys.auth_off.epoch
         for _ in range(3):
             try:
                 reply = await self._admit(keys=keys, args=args)
                 if int(reply[0]) == AuthCode.RATE_LIMITED:
                     raise _limited(reply)
-                tenant = await self.keys.interpret(reply, authorization)
+                tenant = await self.keys.interpret(reply, authorization, epoch)
             except (RedisError, StoreError) as exc:
                 # The store is down (a Redis restart): serve whom it confirmed lately, uncharged; or 503.
                 tenant = await self.keys.outage.vouch(authorization, exc)

@@ -47,7 +47,7 @@ async def test_auth_off_is_asked_once_per_lease(open_ctx) -> None:
     assert {t.tenant_id for t in tenants} == {"anonymous"} and trips() == asked
     now = [0.0]
     ctx.keys.auth_off._clock = lambda: now[0]
-    ctx.keys.auth_off.grant()
+    ctx.keys.auth_off.grant(ctx.keys.auth_off.epoch)
     now[0] += ctx.keys.auth_off.lease_s  # the lease has run out: Redis is asked again, once
     await ctx.gate.admit(None)
     await ctx.gate.admit(None)
@@ -106,3 +106,14 @@ async def test_every_request_asks_redis_while_not_listening_or_limited(open_ctx)
     assert trips() == 3
     await limited.close()
     assert not limited.keys.auth_off.live and not limited.keys.auth_off.valid()
+
+
+async def test_an_answer_asked_before_a_key_was_announced_grants_no_lease(open_ctx) -> None:
+    ctx = await _listening(await open_ctx())
+    lease = ctx.keys.auth_off
+    asked_at = lease.epoch  # the admission script is on its way...
+    lease.end()  # ...when a key's announcement arrives; then its "auth off" answer comes back
+    lease.grant(asked_at)
+    assert not lease.valid()
+    lease.grant(lease.epoch)
+    assert lease.valid()
