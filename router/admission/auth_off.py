@@ -16,6 +16,8 @@ A key created anywhere ends the lease at once where it can be told:
   subscribers before it answers the publisher, so a request sent after ``tandem keys create`` returned
   finds the router told, unless both arrive within one turn of its event loop.
 - In the creating process itself, every lease on the same prefix ends before ``create_key`` returns.
+- An "auth off" answer that was on its way when a lease ended grants none: each end starts a new
+  ``epoch``, and an answer grants a lease only under the epoch it was asked in.
 
 No lease is granted while the subscription is not live (before it is confirmed, after an error, while
 Redis is away): then every request asks Redis, as it did before. Whatever a message could not tell
