@@ -100,7 +100,6 @@ class _CpuMeter:
     def __init__(self, *pids: int) -> None:
         import threading
 
-        self.pids = pids
         self._threads = [ThreadCpu(pid) for pid in pids]
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()

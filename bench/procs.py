@@ -69,27 +69,29 @@ class ThreadCpu:
             pids += [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
         for pid in pids:
             with contextlib.suppress(OSError):
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    with contextlib.suppress(OSError, ValueError, IndexError):
-                        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                            self._seen[tid] = int(f.read().split()[0])
+                self._seen.update(_task_ns(pid))
         return sum(self._seen.values()) / 1e9
+
+
+def _task_ns(pid: int) -> dict[str, int]:
+    """Each thread of ``pid`` and its CPU so far, in ns (``/proc/<pid>/task/*/schedstat``); raises
+    ``OSError`` when the process is gone or the kernel has no such files."""
+    seen: dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                seen[tid] = int(f.read().split()[0])
+    return seen
 
 
 def sched_cpu_s(pid: int) -> float:
     """CPU seconds of every thread of ``pid`` from the scheduler's nanosecond counters
     (``/proc/<pid>/task/*/schedstat``): for windows of a few tens of ms, where ``cpu_times``'s 10 ms
     ticks would be most of the figure. Falls back to ``cpu_s`` where there is no such file."""
-    total = 0
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
+        return sum(_task_ns(pid).values()) / 1e9
     except OSError:
         return cpu_s(pid)
-    for tid in tasks:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-    return total / 1e9
 
 
 def router_command(port: int, redis_url: str) -> list[str]:
