@@ -90,26 +90,26 @@ class ResponseIndex:
                     del self._pending[response_id]
 
     async def lookup(self, response_id: str) -> ResponseRef:
-        ref = self._pending.get(response_id)
-        if ref is not None:
-            return ref
-        raw = await self._read(response_id)
-        if raw is None and self.window_s > 0 and REQUEST_ID.fullmatch(response_id):
+        ref = await self._find(response_id)
+        if ref is None and self.window_s > 0 and REQUEST_ID.fullmatch(response_id):
             # Another replica may hold it in its window still: ask again once that has passed (only
             # for an id of the shape ours have: a made-up one is refused at once).
             await asyncio.sleep(self.window_s + 0.1)
-            ref = self._pending.get(response_id)
-            raw = msgspec.msgpack.encode(ref) if ref is not None else await self._read(response_id)
-        if raw is None:
+            ref = await self._find(response_id)
+        if ref is None:
             raise NotFound(f"No response with id `{response_id}`.", param="response_id")
-        return msgspec.msgpack.decode(raw, type=ResponseRef)
+        return ref
 
-    async def _read(self, response_id: str) -> bytes | None:
+    async def _find(self, response_id: str) -> ResponseRef | None:
+        """From the local queue first (filed, not yet written), else from Redis."""
+        ref = self._pending.get(response_id)
+        if ref is not None:
+            return ref
         try:
             raw: bytes | None = await self._redis.get(_key(response_id, self._prefix))
         except RedisError as exc:
             raise StoreError(f"response index unreadable: {exc}") from exc
-        return raw
+        return None if raw is None else msgspec.msgpack.decode(raw, type=ResponseRef)
 
     async def drain(self) -> None:
         """Write what is filed (shutdown), without waiting out the window; a failure is logged and
