@@ -25,6 +25,15 @@ _NO_MISS: dict[str, Any] = {
 }
 
 
+def p99(values: list[float]) -> float:
+    """The 99th percentile of two or more values, as ``statistics.quantiles(values, n=100,
+    method="inclusive")[98]`` gives it (its formula, so the same float), without the 98 other cut points
+    it computes: that call was most of a finished request's record (13 of 19 us)."""
+    data = sorted(values)
+    j, delta = divmod(99 * (len(data) - 1), 100)
+    return (data[j] * (100 - delta) + data[j + 1] * delta) / 100
+
+
 def request_record(
     trace: RequestTrace, *, endpoint: str, http_status: int, error_type: str | None = None
 ) -> dict[str, Any]:
@@ -58,7 +67,7 @@ def request_record(
         "t_finish": trace.finish,
         "ttft_s": trace.first_token - trace.arrival if trace.first_token else None,
         "itl_mean_s": statistics.fmean(gaps) if gaps else None,
-        "itl_p99_s": statistics.quantiles(gaps, n=100, method="inclusive")[98] if len(gaps) > 1 else None,
+        "itl_p99_s": p99(gaps) if len(gaps) > 1 else None,
         "e2e_s": trace.finish - trace.arrival if trace.finish else None,
         "prompt_tokens": trace.prompt_tokens,
         "completion_tokens": trace.completion_tokens,
