@@ -1,11 +1,16 @@
-"""``tandem bench kv-cache``'s arithmetic on canned runs (the runs themselves need engines: the bench)."""
+"""``tandem bench kv-cache``'s arithmetic on canned runs, and its probe's order of requests against a
+scripted router (the runs themselves need engines: the bench)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 
+import httpx
+
 from bench.kv_cache import ARMS, KVCacheBenchConfig, _spec, by_origin, result_line, targets
-from bench.kv_probe import came_as_expected, summarize
+from bench.kv_probe import _probe, came_as_expected, summarize
 from bench.loadgen import RequestResult
 
 
@@ -103,3 +108,32 @@ def test_the_probe_counts_a_request_only_where_its_prefix_came_from_where_its_ki
     assert (got["miss_ttft_ms"], got["local_hit_ttft_ms"], got["remote_hit_ttft_ms"]) == (2100.0, 150.0, 165.0)
     assert (got["miss_as_expected"], got["local_as_expected"], got["remote_as_expected"]) == (2, 1, 2)
     assert math.isnan(summarize([r for r in rows if r["kind"] != "remote"])["remote_hit_ttft_ms"])
+
+
+def test_every_measured_request_runs_on_a_node_that_has_just_served_one() -> None:
+    """The probe's order against a scripted router: a node whose last request was not the one before
+    first serves a one-token warm-up of another prompt, which is not among the rows."""
+    sent: list[tuple[str, str, int]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append((request.headers["x-tandem-node"], body["messages"][-1]["content"], body["max_tokens"]))
+        chunks = [
+            {"choices": [{"index": 0, "delta": {"content": "x"}}]},
+            {"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 1}},
+        ]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    def messages(task: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": "s"}, {"role": "user", "content": "repo " + task}]
+
+    rows = asyncio.run(
+        _probe("http://router", "m", ("A", "B"), [messages, messages], 4, transport=httpx.MockTransport(answer))
+    )
+    assert [(r["kind"], r["node"]) for r in rows] == [("miss", "A"), ("local", "A"), ("remote", "B")] * 2
+    order = [(node, "probe" if text.startswith("repo ") else "warm-up", n) for node, text, n in sent]
+    assert order == [
+        ("A", "warm-up", 1), ("A", "probe", 4), ("A", "probe", 4), ("B", "warm-up", 1), ("B", "probe", 4),
+        ("A", "warm-up", 1), ("A", "probe", 4), ("A", "probe", 4), ("B", "warm-up", 1), ("B", "probe", 4),
+    ]  # fmt: skip
