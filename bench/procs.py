@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 import psutil
@@ -82,6 +83,41 @@ def _task_ns(pid: int) -> dict[str, int]:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 seen[tid] = int(f.read().split()[0])
     return seen
+
+
+@dataclass(frozen=True)
+class ThreadStat:
+    """One thread as the scheduler counts it: its name, CPU so far (ns), and how often it gave up its
+    core by itself (``voluntary``: it waited, so each is a later wake-up) or had it taken
+    (``involuntary``: preempted)."""
+
+    name: str
+    cpu_ns: int
+    voluntary: int
+    involuntary: int
+
+
+def thread_stats(pid: int) -> dict[int, ThreadStat]:
+    """Every thread of ``pid`` now, by thread id (``/proc/<pid>/task/*``); threads that end while it is
+    read are left out."""
+    stats: dict[int, ThreadStat] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        base = f"/proc/{pid}/task/{tid}"
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"{base}/schedstat") as f:
+                cpu_ns = int(f.read().split()[0])
+            with open(f"{base}/comm") as f:
+                name = f.read().strip()
+            switches = {"voluntary_ctxt_switches": 0, "nonvoluntary_ctxt_switches": 0}
+            with open(f"{base}/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in switches:
+                        switches[key] = int(value)
+            stats[int(tid)] = ThreadStat(
+                name, cpu_ns, switches["voluntary_ctxt_switches"], switches["nonvoluntary_ctxt_switches"]
+            )
+    return stats
 
 
 def sched_cpu_s(pid: int) -> float:
