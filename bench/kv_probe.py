@@ -12,19 +12,21 @@ pinned with the admin header ``x-tandem-node`` (``router.edge.exchange.node_pin`
              ended) or from A (cross-node reuse, ``router.planning.peer_fetch``)
 
 Each request's prefix is the same; only the task after it differs, so the three compute the same few
-uncached tokens apart from what the origin supplies.
-
-Every measured request runs on an engine that has just served one: a node whose last request was not
-the one before it (A before its miss, B before its remote hit) first serves a one-token warm-up
-(another prompt, not measured). An engine's step queues spin for a while after each step and then
-sleep (``TANDEM_ENGINE_SPIN_MS``, a one-core node's default 1 s): without the warm-up, the local hit
-ran on A still spinning from the miss, and the remote hit on B asleep since the prefix before, so the
-ratio of the two measured B's wake-up, not the load from the tier (Xeon host: local 98 ms, remote 172
-ms; with the spin off both slept, 236 and 215 ms on an EPYC host). No wait is needed between them: A's blocks reach
+uncached tokens apart from what the origin supplies. No wait is needed between them: A's blocks reach
 the tier in the engine step after its request ends, and the next request is scheduled in that step or
 later. The medians per kind are taken over the requests whose ``usage.tandem.kv_origin`` says most of
 the prompt came from where the kind says (a remote request B computed is not a remote hit), and the
 counts say how many that was.
+
+Every measured request runs on an engine that has just served one: a node whose last request was not
+the one before it (A before its miss, B before its remote hit) first serves a warm-up, a completion of
+a few tokens (not measured). An engine's step queues spin for a while after each step and then sleep
+(``TANDEM_ENGINE_SPIN_MS``, a one-core node's default 1 s): without the warm-up, the local hit ran on
+A still spinning from the miss, and the remote hit on B asleep since the prefix before, so their ratio
+measured B's wake-up as well as the load from the tier. The warm-up is shorter than one KV block, so
+it stores nothing in the tier: a warm-up of two blocks (a chat request, with its template) evicted the
+two oldest spares of a full tier, which were the probed prefix's own tail (``host_tier.eviction``: a
+finished request's chain becomes spares tail first), and B then computed what it should have loaded.
 """
 
 from __future__ import annotations
@@ -52,13 +54,8 @@ def came_as_expected(result: RequestResult, kind: str) -> bool:
     return result.ok and prompt > 0 and sum(origin.get(k, 0) for k in ORIGIN[kind]) >= 0.5 * prompt
 
 
-def _warm_up(model: str, i: int, kind: str) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": f"Warm-up {uuid.uuid4().hex} before probe {i} {kind}."}],
-        "max_tokens": 1,
-        "stream": True,
-    }
+WARM_UP = "Warm up."
+"""The warm-up's whole prompt: a few tokens, no chat template, so no full KV block to store."""
 
 
 async def _probe(
@@ -75,9 +72,10 @@ async def _probe(
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), transport=transport) as client:
         for i, messages in enumerate(prompts):
             for kind, node in (("miss", a), ("local", a), ("remote", b)):
-                if node != last:  # wake it (the module docstring): its own prompt, one token, not measured
-                    warm = _warm_up(model, i, kind)
-                    await one_request(client, f"{url}/v1/chat/completions", warm, {"x-tandem-node": node})
+                if node != last:  # wake it (the module docstring): one token of a prompt shorter than a block
+                    warm = {"model": model, "prompt": WARM_UP, "max_tokens": 1}
+                    resp = await client.post(f"{url}/v1/completions", json=warm, headers={"x-tandem-node": node})
+                    resp.raise_for_status()
                 last = node
                 body = {
                     "model": model,

@@ -12,6 +12,7 @@ import httpx
 from bench.kv_cache import ARMS, KVCacheBenchConfig, _spec, by_origin, result_line, targets
 from bench.kv_probe import _probe, came_as_expected, summarize
 from bench.loadgen import RequestResult
+from bench.routing import _Tokens
 
 
 def _req(prompt: int, ttft: float, engine: int, tier: int, peer: int = 0) -> dict:
@@ -112,12 +113,17 @@ def test_the_probe_counts_a_request_only_where_its_prefix_came_from_where_its_ki
 
 def test_every_measured_request_runs_on_a_node_that_has_just_served_one() -> None:
     """The probe's order against a scripted router: a node whose last request was not the one before
-    first serves a one-token warm-up of another prompt, which is not among the rows."""
-    sent: list[tuple[str, str, int]] = []
+    first serves a one-token completion of a prompt too short to fill a KV block (so it stores nothing
+    in the tier), which is not among the rows."""
+    sent: list[tuple[str, str, str, int]] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
-        sent.append((request.headers["x-tandem-node"], body["messages"][-1]["content"], body["max_tokens"]))
+        node = request.headers["x-tandem-node"]
+        if request.url.path == "/v1/completions":
+            sent.append((node, "warm-up", body["prompt"], body["max_tokens"]))
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
+        sent.append((node, "probe", body["messages"][-1]["content"], body["max_tokens"]))
         chunks = [
             {"choices": [{"index": 0, "delta": {"content": "x"}}]},
             {"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 1}},
@@ -132,8 +138,10 @@ def test_every_measured_request_runs_on_a_node_that_has_just_served_one() -> Non
         _probe("http://router", "m", ("A", "B"), [messages, messages], 4, transport=httpx.MockTransport(answer))
     )
     assert [(r["kind"], r["node"]) for r in rows] == [("miss", "A"), ("local", "A"), ("remote", "B")] * 2
-    order = [(node, "probe" if text.startswith("repo ") else "warm-up", n) for node, text, n in sent]
-    assert order == [
+    assert [(node, what, n) for node, what, _, n in sent] == [
         ("A", "warm-up", 1), ("A", "probe", 4), ("A", "probe", 4), ("B", "warm-up", 1), ("B", "probe", 4),
         ("A", "warm-up", 1), ("A", "probe", 4), ("A", "probe", 4), ("B", "warm-up", 1), ("B", "probe", 4),
     ]  # fmt: skip
+    tokens = _Tokens(None)
+    warm_ups = {text for _, what, text, _ in sent if what == "warm-up"}
+    assert warm_ups and all(tokens.text(text) < 16 for text in warm_ups)  # below any block size Tandem uses
