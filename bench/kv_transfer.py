@@ -44,7 +44,6 @@ routers over the same nodes, request by request in turn; last, the quartiles of 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 import uuid
@@ -66,6 +65,7 @@ from bench.kv_transfer_results import (
     summarise,
 )
 from bench.loadgen import run_level
+from bench.procs import environment
 from contracts.config import redis_url as configured_redis_url
 from contracts.secret import engine_auth_headers
 from contracts.transfer import LAYERWISE_ID_KEY, TransferParams
@@ -323,20 +323,6 @@ def ttft_layerwise_vs_sequential(
     return {k: statistics.median(v) for k, v in got.items() if v}
 
 
-@contextmanager
-def _env(**values: str) -> Any:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _cluster(cfg: KvBenchConfig, workdir: Path, connector: str, both: int) -> Cluster:
     """Not started: ``_start`` starts it with progress on the console."""
     return Cluster(
@@ -360,7 +346,7 @@ def _started(cluster: Cluster, what: str) -> Any:
     """Start a cluster with progress on the console; yields the served model's name; always stops it.
     Its engines run with VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache."""
     try:
-        with _env(VLLM_SERVER_DEV_MODE="1"), console.status(f"starting {what} cluster…") as status:
+        with environment({"VLLM_SERVER_DEV_MODE": "1"}), console.status(f"starting {what} cluster…") as status:
             cluster.start()
             cluster.wait_ready(on_progress=lambda msg: status.update(f"{what}: {msg}"))
         yield httpx.get(f"{cluster.url}/v1/models").json()["data"][0]["id"]
@@ -393,7 +379,7 @@ def run_kv_transfer_bench(out: Path, cfg: KvBenchConfig | None = None) -> dict[s
     if cfg.nixl:
         for label, env in (("nixl", {}), ("nixl_tcp", {"UCX_TLS": "tcp"})):
             cluster = _cluster(cfg, workdir / label, "nixl", both=0)
-            with _env(**env), _started(cluster, label) as model:
+            with environment(env), _started(cluster, label) as model:
                 samples += measure_transfers(cluster, model, cfg, nixl=True, label=label, transports=(None,))
     result = summarise(samples, cfg, ttfts, block_nbytes, fixed)
     out.parent.mkdir(parents=True, exist_ok=True)

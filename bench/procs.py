@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -29,6 +29,22 @@ def wait_http(url: str, alive: Callable[[], bool], timeout_s: float = 600.0) -> 
                 return
         time.sleep(0.5)  # polling a child that has no readiness callback
     raise ConfigError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` set in this process's environment for the block, then put back as they were: every
+    process started inside it inherits them (an arm's settings, a development flag for a cluster)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def cpu_s(pid: int) -> float:

@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ import httpx
 
 from bench.host import host_record
 from bench.overhead import OverheadBenchConfig, serve_arm, vllm_bench_serve
-from bench.procs import ThreadStat, thread_stats
+from bench.procs import ThreadStat, environment, thread_stats
 
 ROUTERS = ("tandem", "peer")
 
@@ -61,21 +60,6 @@ def parse_arm(spec: str) -> Arm:
             raise ValueError(f"arm {spec!r}: {item!r} is not KEY=VALUE")
         env.append((key, value))
     return Arm(spec, router, tuple(env))
-
-
-@contextlib.contextmanager
-def environment(env: tuple[tuple[str, str], ...]) -> Iterator[None]:
-    """``env`` set in this process for the block: every process an arm starts inherits it."""
-    saved = {k: os.environ.get(k) for k, _ in env}
-    os.environ.update(dict(env))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def per_request(before: dict[int, ThreadStat], after: dict[int, ThreadStat], pid: int, requests: int) -> dict[str, Any]:
@@ -105,7 +89,7 @@ def _kv_batches(url: str) -> int | None:
 
 
 def run_arm(arm: Arm, cfg: OverheadBenchConfig, slot: int, seed: int) -> dict[str, Any]:
-    with environment(arm.env), serve_arm(arm.router, cfg, slot) as served:
+    with environment(dict(arm.env)), serve_arm(arm.router, cfg, slot) as served:
         pid = served.router_pids[0]
         kv0 = _kv_batches(served.url) if arm.router == "tandem" else None
         before = thread_stats(pid)

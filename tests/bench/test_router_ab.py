@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from bench.procs import ThreadStat
-from bench.router_ab import Arm, environment, parse_arm, per_request
+from bench.procs import ThreadStat, environment
+from bench.router_ab import Arm, parse_arm, per_request
 
 
 def test_an_arm_is_a_router_and_its_environment() -> None:
@@ -25,7 +25,7 @@ def test_an_arm_is_a_router_and_its_environment() -> None:
 def test_an_arms_environment_is_set_for_the_block_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_AB_KEPT", "before")
     monkeypatch.delenv("TANDEM_AB_NEW", raising=False)
-    with environment((("TANDEM_AB_KEPT", "during"), ("TANDEM_AB_NEW", "x"))):
+    with environment({"TANDEM_AB_KEPT": "during", "TANDEM_AB_NEW": "x"}):
         assert os.environ["TANDEM_AB_KEPT"] == "during" and os.environ["TANDEM_AB_NEW"] == "x"
     assert os.environ["TANDEM_AB_KEPT"] == "before"
     assert "TANDEM_AB_NEW" not in os.environ
