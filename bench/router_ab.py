@@ -10,9 +10,10 @@ routers measured in the same minutes of the same host. Reps alternate the arms' 
 sends ``vllm bench serve``'s load (``OverheadBenchConfig``'s prompts and concurrency, no agent workload)
 and reports, per request: the router's CPU over the load's window (the figure ``bench overhead``
 reports), split by thread (the event loop's ``main`` against the rest: the telemetry flusher, other
-helpers); its voluntary context switches (wake-ups: a router that relays more chunks per wake-up
-takes fewer) and involuntary ones (preemptions by the engine's threads); for Tandem, the KV-event
-batches its subscriber applied (``/cluster``).
+helpers; over the client's whole run, its start-up's idle seconds included, so the threads' sum runs a
+little above the window's figure); its voluntary context switches (wake-ups: a router that relays more
+chunks per wake-up takes fewer) and involuntary ones (preemptions by the engine's threads); for Tandem,
+the KV-event batches its subscriber applied (``/cluster``).
 
 What these figures showed on a 2-core Xeon host (``docs/bench/overhead.md``): the router's CPU follows
 its wake-ups (``SCHED_BATCH``, the default: 8.6 wake-ups and 3.4 ms per request; ``normal``: 37.6 and
