@@ -121,9 +121,10 @@ def main() -> None:
         for slot, arm in enumerate(order):
             run = run_arm(arm, cfg, slot, tag * 100 + rep * 10 + slot)
             runs.append({"rep": rep, **run})
+            busy = {thread: ms for thread, ms in run["threads_ms"].items() if ms >= 0.005}  # all of them: --out
             print(
-                f"{arm.name} rep {rep}: router CPU {run['router_cpu_ms_per_req']} ms/req "
-                f"{run['threads_ms']}, {run['wakeups']} wake-ups and {run['preemptions']} preemptions per request"
+                f"{arm.name} rep {rep}: router CPU {run['router_cpu_ms_per_req']} ms/req {busy}, "
+                f"{run['wakeups']} wake-ups and {run['preemptions']} preemptions per request"
                 + (f", {run['kv_batches']} KV batches" if "kv_batches" in run else "")
                 + f"; {run['req_s']} req/s, TPOT p50 {run['tpot_p50_ms']} ms",
                 flush=True,
