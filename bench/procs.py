@@ -96,9 +96,15 @@ def _task_ns(pid: int) -> dict[str, int]:
     seen: dict[str, int] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                seen[tid] = int(f.read().split()[0])
+            seen[tid] = _cpu_ns(f"/proc/{pid}/task/{tid}")
     return seen
+
+
+def _cpu_ns(task: str) -> int:
+    """A thread's CPU so far, in ns, from its ``/proc/<pid>/task/<tid>`` folder (the scheduler's run time,
+    the first field of ``schedstat``)."""
+    with open(f"{task}/schedstat") as f:
+        return int(f.read().split()[0])
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,7 @@ def thread_stats(pid: int) -> dict[int, ThreadStat]:
     for tid in os.listdir(f"/proc/{pid}/task"):
         base = f"/proc/{pid}/task/{tid}"
         with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"{base}/schedstat") as f:
-                cpu_ns = int(f.read().split()[0])
+            cpu_ns = _cpu_ns(base)
             with open(f"{base}/comm") as f:
                 name = f.read().strip()
             switches = {"voluntary_ctxt_switches": 0, "nonvoluntary_ctxt_switches": 0}
