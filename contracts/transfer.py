@@ -19,7 +19,8 @@ Versions (``PARAMS_VERSION``, the ``tandem`` field of both)
        report without a ``tandem`` field is a version-1 report (they carried none). Later, compatible
        additions (optional, absent from the dict when unset): ``layerwise``; ``prefix_tokens`` (a peer
        prefix fetch, ``router.planning.peer_fetch``: a node of an older release ignores it, pulls the whole
-       prompt, finds the lease too short, and recomputes).
+       prompt, finds the lease too short, and recomputes); ``split`` (a node of an older release loads
+       the prefix before computing the rest, as for a layer-wise peer fetch: slower, still correct).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
     chain hash, which covers every token before it and the cache salt). Blocks move by position, so the
     node loads them only if its own hash of that block agrees: a prompt it tokenized otherwise than the
     peer's leg is computed, never given the peer's KV."""
+    split: bool = False
+    """A split prefill (with ``layerwise`` and ``prefix_tokens``): the peer computes the prefix while this
+    node computes the rest of the prompt in the same engine step, each attention layer waiting for the
+    prefix's KV of that layer (a synchronous load, ``kv_connector.layer_gate``). Without it the node
+    waits for the whole prefix before it computes anything (an asynchronous load)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = msgspec.to_builtins(self)
@@ -86,6 +92,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
             del out["prefix_tokens"]
         if self.prefix_key is None:
             del out["prefix_key"]
+        if not self.split:
+            del out["split"]
         return out
 
     @classmethod

@@ -13,6 +13,11 @@ ends at its deadline on the prefill node.
 A peer prefix fetch (``TransferParams.prefix_tokens``, ``router.planning.peer_fetch``) loads only the prompt's
 first blocks from the peer, from the local hit on; vLLM then computes the rest of the prompt here as
 for any partial hit (its scheduler counts the loaded tokens as computed once the pull ends).
+
+A split prefill (``TransferParams.split``: layer-wise, a prefix the peer computes at the same time) is
+reported as loaded synchronously: vLLM schedules the rest of the prompt in the same step, and the
+worker's attention layers wait for the prefix layer by layer (``kv_connector.layer_gate``). Its pull
+then has nothing to cancel: it ends within the step that needs it.
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ class RemoteKvAdmission:
             self._release(request, params, "decode node has no room")
             return 0, False
         self._matched_from[request.request_id] = num_computed_tokens
-        return count, True
+        return count, not _split(params)
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """``update_state_after_alloc``: hand the worker the local blocks to pull into."""
@@ -123,7 +128,9 @@ class RemoteKvAdmission:
                 len(remote),
                 len(local),
             )
-        self._inflight.add(request.request_id)
+        split = _split(params)
+        if not split:  # a synchronous pull ends within its step: nothing to cancel later
+            self._inflight.add(request.request_id)
         self.recvs.append(
             RecvSpec(
                 request.request_id,
@@ -135,6 +142,7 @@ class RemoteKvAdmission:
                 params.lease_deadline,
                 params.transport,
                 params.layerwise,
+                split,
             )
         )
 
@@ -194,6 +202,11 @@ class RemoteKvAdmission:
         self.releases.append(ReleaseSpec(params.remote_endpoints, params.remote_host_id, params.transfer_id, reason))
         if forget:
             _flags(request)["do_remote_prefill"] = False
+
+
+def _split(params: TransferParams) -> bool:
+    """Whether these params ask for a synchronous, layer-by-layer load of a prefix the peer computes."""
+    return params.split and params.layerwise and params.prefix_tokens is not None
 
 
 def _flags(request: Request) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
@@ -50,6 +50,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.kv.puller")
 
 
+class PullWatch(Protocol):
+    """Who waits on a synchronous pull as it goes (``kv_connector.layer_gate``), told from the pull's thread."""
+
+    def layers(self, written: int) -> None:
+        """``written`` leading layers are in place."""
+
+    def ended(self, ok: bool) -> None:
+        """The pull ended: every layer in place (``ok``), or failed."""
+
+
 @dataclass
 class PullJob:
     request_id: str
@@ -65,6 +75,8 @@ class PullJob:
     layerwise: bool = False
     """Pull while the prefill computes (``transports.LayerwiseTransport``): ``segments`` address prompt
     positions, and ``deadline`` is a stall timeout, restarted by every sign of progress."""
+    watch: PullWatch | None = None
+    """A synchronous (split) pull's observer; None for a pull vLLM waits for as a whole."""
     submitted: float = field(default_factory=time.perf_counter)
     """When the engine thread handed the job over: a pull's time counts from here, its wait for a
     pool thread included (that is time the request waits too)."""
@@ -193,7 +205,11 @@ class Puller:
                     job.transfer_id, job.segments, TransportName.UCX.value, job.checksum, receiver.target(self.layout)
                 )
             elif job.layerwise:
-                transport = LayerwiseTransport(job.transport, stall_s=max(0.0, job.deadline - time.monotonic()))
+                transport = LayerwiseTransport(
+                    job.transport,
+                    stall_s=max(0.0, job.deadline - time.monotonic()),
+                    on_layers=job.watch.layers if job.watch is not None else None,
+                )
                 pull = transport.pull(job.transfer_id, job.segments, job.checksum, self.layout)
             else:
                 with self._lock:
@@ -220,6 +236,8 @@ class Puller:
             return
         # Every block is in place: the request goes on now. The Done only frees the prefill node's
         # blocks, which this request does not wait for, so it is sent after the outcome, off its path.
+        if job.watch is not None:
+            job.watch.ended(True)
         self._finish(PullOutcome(job.request_id, True, job.local_block_ids, nbytes, seconds, "", job.transport, wall0))
         self._acknowledge(job.endpoint, sock, job.transfer_id)
 
@@ -246,6 +264,8 @@ class Puller:
     def _fail(
         self, job: PullJob, sock: zmq.Socket[bytes] | None, reason: str, *, refused: bool, started: float
     ) -> None:
+        if job.watch is not None:  # first: an engine step may be waiting on it
+            job.watch.ended(False)
         log.warning("pull %s for %s failed: %s", job.transfer_id, job.request_id, reason)
         with self.stats.lock:
             self.stats.recv_failed += 1

@@ -69,7 +69,10 @@ class TandemConnector(KVConnectorBase_V1):
         self._worker.start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # pulls complete before the request is scheduled (asynchronous load)
+        # Only a split prefill's pull is synchronous (``layer_gate``); every other one completes before
+        # its request is scheduled.
+        assert self._worker is not None
+        self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # Blocks are served from the engine's cache itself, under a lease: nothing to copy out. A step

@@ -14,6 +14,7 @@ from typing import Any
 
 from contracts.transfer import TransferReport
 from decode_nodes.puller import Puller, PullJob, PullOutcome
+from kv_connector.layer_gate import LayerGate
 from kv_transfer import wire
 from kv_transfer.config import LAYERWISE_TRANSPORTS, ONE_HOST_TRANSPORTS, TransportName
 from kv_transfer.hugepages import advise_huge_pages
@@ -54,6 +55,11 @@ class TandemWorker:
         self._saved: set[int] = set()
         self._ready = 0
         """This step's layers written, and how many of the first layers are all written."""
+        self.gate = LayerGate(settings.transfer_timeout_s)
+        """Split prefills' pulls that this step's attention layers wait for (``kv_connector.layer_gate``)."""
+        self._split: set[str] = set()
+        """Requests whose split pull has not reported its outcome yet: vLLM did not wait for it as a
+        whole, so it is no finished or failed receive of vLLM's (its failure went out as load errors)."""
 
     def register(self, layout: KVLayout, layer_names: list[str] | None = None) -> None:
         self._layer_index = {name: i for i, name in enumerate(layer_names or [])}
@@ -86,6 +92,7 @@ class TandemWorker:
         """Act on one step's metadata; never blocks on the network."""
         assert self.server is not None and self.puller is not None, "register_kv_caches was not called"
         self._idle = meta.idle
+        self.gate.begin_step()
         for lease in meta.leases:
             self.server.offer(lease.transfer_id, lease.block_ids, lease.deadline)
         self.begin_step(meta)
@@ -112,10 +119,16 @@ class TandemWorker:
             )
             if recv.layerwise and transport not in LAYERWISE_TRANSPORTS:
                 transport = TransportName.TCP.value  # layer-wise pulls are served over frames or kernel copies only
+            watch = None
+            if recv.split:
+                self._split.add(recv.request_id)
+                watch = self.gate.open(recv.request_id, recv.local_block_ids)
             try:
                 segments = wire.segments_of(recv.remote_block_ids, recv.local_block_ids)
             except ValueError as exc:  # the prefill node holds fewer blocks than we need: recompute
                 log.warning("pull %s for %s not started: %s", recv.transfer_id, recv.request_id, exc)
+                if watch is not None:
+                    watch.ended(False)
                 self.puller.outcomes.put(PullOutcome(recv.request_id, False, recv.local_block_ids, reason=str(exc)))
                 self.puller.release(self._endpoint(recv.endpoints, transport), recv.transfer_id, str(exc))
                 continue
@@ -130,6 +143,7 @@ class TandemWorker:
                     deadline,
                     checksum=self.settings.checksum_for(transport),
                     layerwise=recv.layerwise,
+                    watch=watch,
                 )
             )
         for request_id in meta.cancels:
@@ -204,12 +218,30 @@ class TandemWorker:
                 outcome = self.puller.outcomes.get_nowait()
             except queue.Empty:
                 break
-            recving.add(outcome.request_id)
             self._reports[outcome.request_id] = outcome.report()
+            if outcome.request_id in self._split:
+                self._split.discard(outcome.request_id)  # its step waited layer by layer (wait_layer)
+                continue
+            recving.add(outcome.request_id)
             if not outcome.ok:
                 failed.add(outcome.request_id)
                 self._load_errors.update(outcome.local_block_ids)
         return sending, recving, failed
+
+    def wait_layer(self, layer_name: str) -> None:
+        """``wait_for_layer_load``: hold this layer's attention until the split pulls of this step have
+        written it; the blocks of a pull that failed or stalled become load errors (recomputed) and
+        the pull is abandoned."""
+        if not len(self.gate):
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for entry in self.gate.wait(layer):
+            log.warning("split pull for %s gave out at layer %d: its prefix is recomputed", entry.request_id, layer)
+            self._load_errors.update(entry.block_ids)
+            if self.puller is not None:
+                self.puller.cancel(entry.request_id)
 
     def _wait_if_idle(self) -> None:
         """On a step that computed nothing, sleep until a transfer ends (or ``idle_wait_ms``; while

@@ -25,6 +25,9 @@ class RecvSpec:
     """Per-request choice (``kv_transfer_params["transport"]``), else the node's setting."""
     layerwise: bool = False
     """``remote_block_ids`` are prompt positions: pull while the prefill computes."""
+    split: bool = False
+    """Loaded synchronously: this step computes the rest of the prompt, each attention layer waiting for
+    the pull to have written that layer (``TransferParams.split``)."""
 
 
 @dataclass

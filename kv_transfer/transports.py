@@ -385,13 +385,25 @@ class LayerwiseTransport:
     tcp/ipc: each layer's frames follow as on a whole pull. shm: the Grant comes first, and this side
     copies every layer itself as it is announced (the prefill node's core is computing)."""
 
-    def __init__(self, name: str, stall_s: float) -> None:
+    def __init__(self, name: str, stall_s: float, on_layers: Callable[[int], None] | None = None) -> None:
         if name not in LAYERWISE_TRANSPORTS:
             raise ValueError(f"no layer-wise pull over {name!r} (tcp, ipc, shm)")
         self.name = name
         self.stall_s = stall_s
         self.first_layer_at: float | None = None
         """monotonic: when the first layer arrived (or was announced, for shm)."""
+        self.on_layers = on_layers
+        """Told the count of leading layers in place each time it grows (a split prefill's gate)."""
+        self._ready = 0
+
+    def _progress(self, done: set[int]) -> None:
+        ready = self._ready
+        while ready in done:
+            ready += 1
+        if ready != self._ready:
+            self._ready = ready
+            if self.on_layers is not None:
+                self.on_layers(ready)
 
     def pull(self, transfer_id: str, segments: list[wire.Segment], checksum: bool, layout: KVLayout) -> wire.Pull:
         return wire.Pull(transfer_id, segments, self.name, checksum, layerwise=True)
@@ -439,6 +451,7 @@ class LayerwiseTransport:
                                     if checksum(layout.span(layer, seg.local, seg.count)) != msg.checksums[k][i]:
                                         raise TransferFailed(f"bad checksum in layer {layer} segment {i}")
                             done.add(layer)
+                        self._progress(done)
                     if len(done) == n:
                         return layout.nbytes(pull.segments)
             elif isinstance(msg, wire.LayerHeader) and grant is None:
@@ -453,6 +466,7 @@ class LayerwiseTransport:
                 self.first_layer_at = self.first_layer_at or time.monotonic()
                 _receive_layer(sock, msg, segments, layout)
                 done.add(msg.layer)
+                self._progress(done)
             elif isinstance(msg, wire.End) and grant is None:
                 if len(done) != n:
                     raise TransferFailed(f"got {len(done)} of {n} layers")
