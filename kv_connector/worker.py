@@ -55,7 +55,7 @@ class TandemWorker:
         self._saved: set[int] = set()
         self._ready = 0
         """This step's layers written, and how many of the first layers are all written."""
-        self.gate = LayerGate(settings.transfer_timeout_s)
+        self.gate = LayerGate(settings.split_stall_s)
         """Split prefills' pulls that this step's attention layers wait for (``kv_connector.layer_gate``)."""
         self._split: set[str] = set()
         """Requests whose split pull has not reported its outcome yet: vLLM did not wait for it as a

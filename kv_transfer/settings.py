@@ -35,6 +35,11 @@ class ConnectorSettings(BaseModel):
     """How long a prefill node holds a request's blocks for its decode node, at most."""
     transfer_timeout_s: float = 10.0
     """How long a decode node waits for one pull before giving up (a load error)."""
+    split_stall_s: float = 2.0
+    """A split prefill's pull (``kv_connector.layer_gate``): how long this node's forward pass waits for
+    the peer's next layer before it gives the pull up and recomputes the prefix. Short, because the
+    whole engine waits meanwhile: the router splits only onto an idle peer, whose first layer comes
+    within one of its steps."""
     reject_when_full: bool = True
     """A decode node without free blocks for a transfer releases the prefill node's lease at once and
     prefills locally when room appears, rather than keep remote blocks pinned while it queues."""

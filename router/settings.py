@@ -121,6 +121,13 @@ class RouterSettings(BaseSettings):
     (``tandem up --peer-kv``): nothing changes elsewhere."""
     peer_fetch_min_tokens: int = Field(default=256, ge=1)
     """The least a fetch must save (prompt tokens) to be worth the round trip to the peer."""
+    split_prefill: bool = True
+    """Split prefill (``router.planning.split_prefill``): a prompt the serving node would compute from
+    scratch, while it and a colocated peer are both idle, is computed by the two at once (the peer the
+    prefix, the node the rest, a layer apart): about half the time to the first token. Only between
+    colocated nodes that run our connector (``tandem up --peer-kv``)."""
+    split_prefill_min_tokens: int = Field(default=1024, ge=1)
+    """The least a prompt must leave the serving node to compute for a split to be worth its second leg."""
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     """Upper bound on one upstream call (a whole non-streamed answer, or the gap between two chunks)."""

@@ -60,6 +60,7 @@ from router.model_table import ModelTable
 from router.planning.cache_salt import CacheSalts
 from router.planning.orchestrator import Orchestrator
 from router.planning.peer_fetch import PeerFetch
+from router.planning.split_prefill import SplitPrefill
 from router.policies import CacheAware, LeastLoaded, PolicyName, RoundRobin, RoutingPolicy
 from router.record.accounting import Accounting
 from router.record.kv_activity import KVActivity
@@ -267,6 +268,7 @@ async def open_services(settings: RouterSettings) -> AsyncIterator[Services]:
         stack.push_async_callback(client.aclose)
         fleet, subscribers, housekeeping = await _open_fleet(stack, settings, st.redis, index, st.emitter)
         peers = PeerFetch(index, settings.peer_fetch_min_tokens) if settings.peer_fetch else None
+        splits = SplitPrefill(index, settings.split_prefill_min_tokens) if settings.split_prefill else None
         accounting = Accounting(
             metrics,
             st.emitter,
@@ -292,6 +294,7 @@ async def open_services(settings: RouterSettings) -> AsyncIterator[Services]:
             slots=st.admission.controller,
             models=models,
             peers=peers,
+            splits=splits,
         )
         # Scrape-time views of admission: the per-node queues and the Redis content refused.
         metrics.admission.source = st.admission.controller.snapshot

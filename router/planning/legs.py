@@ -28,9 +28,11 @@ from kv_transfer import prefill_request_params
 from kv_transfer.control import is_tandem_params, release_lease
 from router.fleet import Fleet, Pools
 from router.planning import layerwise
-from router.planning.peer_fetch import FetchPlan, PeerFetch
+from router.planning.peer_fetch import PeerFetch
+from router.planning.peer_legs import PeerLegs
 from router.planning.retention import RETAIN_FIELD
 from router.planning.selection import another_node
+from router.planning.split_prefill import SplitPlan, SplitPrefill
 from router.policies.base import Candidate, Decision, ReasonCode, RoutingPolicy, RoutingRequest
 from router.record.metrics import RouterMetrics
 from router.record.trace import (
@@ -40,8 +42,8 @@ from router.record.trace import (
     note_colocated,
     note_decode_node,
     note_pair,
-    note_peer_fetch,
     note_retry,
+    note_split,
 )
 from router.settings import FallbackPolicy, RouterSettings
 from router.upstream.node_client import NodeClient
@@ -73,7 +75,7 @@ class Leg:
         await self.hold.aclose()
 
 
-class Legs:
+class Legs(PeerLegs):
     """Runs a request's legs on the nodes a decision named (see the module docstring)."""
 
     settings: RouterSettings
@@ -82,6 +84,7 @@ class Legs:
     policy: RoutingPolicy
     metrics: RouterMetrics
     peers: PeerFetch | None
+    splits: SplitPrefill | None
 
     async def _legs(
         self,
@@ -102,6 +105,9 @@ class Legs:
         if decision.prefill is None:
             trace.mode = "colocated"
             if rr is not None and pools is not None:
+                split = self._split_plan(decision.decode, rr, pools)
+                if split is not None:
+                    return await self._split_legs(path, body, decision, split, rr, trace)
                 body = await self._peer_prefix(body, decision.decode, rr, pools, trace)
             return Leg(decision, decision.decode.node.info.url + path, body)
 
@@ -188,87 +194,69 @@ class Legs:
             self._prefill_ended(trace)
             await prefill_slot.aclose()
 
-    async def _peer_prefix(
-        self, body: dict[str, Any], target: Candidate, rr: RoutingRequest, pools: Pools, trace: RequestTrace
-    ) -> dict[str, Any]:
-        """``body``, given the transfer params of a prefix a peer leased for ``target`` when the measured
-        rates favour loading it (``router.planning.peer_fetch``); else ``body`` as it came (``target`` computes)."""
-        if self.peers is None or not rr.block_keys:
-            return body
-        # Colocated peers only: a prefill or decode node's engine is sized and admitted for its role.
+    def _split_plan(self, target: Candidate, rr: RoutingRequest, pools: Pools) -> SplitPlan | None:
+        if self.splits is None or not rr.block_keys:
+            return None
         pool = [c for c in pools.colocated if not self.fleet.is_down(c.node_id)]
-        verdict = self.peers.plan(rr.model, rr.block_keys, len(rr.prompt_token_ids), target, pool)
-        if verdict is None:
-            return body
-        if verdict.plan is None:
-            self._peer_outcome(trace, verdict.outcome)
-            return body
-        plan = verdict.plan
-        params = await self._source_leg(body, plan, rr, trace)
-        if params is None:
-            return body
+        return self.splits.plan(rr.model, rr.block_keys, len(rr.prompt_token_ids), target, pool)
+
+    async def _split_legs(
+        self,
+        path: str,
+        body: dict[str, Any],
+        decision: Decision,
+        split: SplitPlan,
+        rr: RoutingRequest,
+        trace: RequestTrace,
+    ) -> Leg:
+        """A split prefill (``router.planning.split_prefill``): the helper's prefix leg and the request itself
+        at once, as a layer-wise pair whose prefill leg only computes the prefix. A helper leg that fails
+        does not end the request: the serving node's pull then fails and it recomputes the prefix."""
+        target, helper, prefix = decision.decode, split.helper, split.prefix_tokens
+        tid = layerwise.new_transfer_id()
+        params = layerwise.decode_params(helper.node.info, tid, time.time() + self.settings.request_timeout_s)
         out = dict(body)
-        # vLLM's P/D convention: a decode engine given the prefill side's hit (remote_prefill_cached_tokens)
-        # reports that as its own cached_tokens. Here the serving node's own figure is the one that counts
-        # (its hit plus what it loaded), so the peer's is not passed on.
-        params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
         # (beside a retention hint the body may carry: router.planning.retention)
         out["kv_transfer_params"] = trace.kv_params = {
             **(body.get("kv_transfer_params") or {}),
             **params,
-            "prefix_tokens": plan.prefix_tokens,
-            "prefix_key": rr.block_keys[plan.prefix_tokens // target.node.info.block_size - 1],
+            "prefix_tokens": prefix,
+            "prefix_key": rr.block_keys[prefix // target.node.info.block_size - 1],
+            "split": True,
         }
-        note_peer_fetch(trace, plan.source.node_id, plan.prefix_tokens, plan.own_tokens)
-        self._peer_outcome(trace, "fetched")
-        return out
-
-    async def _source_leg(
-        self, body: dict[str, Any], plan: FetchPlan, rr: RoutingRequest, trace: RequestTrace
-    ) -> dict[str, Any] | None:
-        """Ask the peer to lease the prefix: its transfer params, or None when it failed or took longer
-        than computing would have (the leg is then cancelled: an aborted request leases nothing)."""
-        assert self.peers is not None
-        rates, source = self.peers.rates, plan.source
-        pbody: dict[str, Any] = {
+        hbody: dict[str, Any] = {
             "model": body["model"],
-            "prompt": list(rr.prompt_token_ids[: plan.prefix_tokens]),
+            "prompt": list(rr.prompt_token_ids[:prefix]),
             "max_tokens": 1,
-            "kv_transfer_params": prefill_request_params(),
+            "kv_transfer_params": layerwise.prefill_params(tid),
         }
         if body.get("cache_salt"):
-            pbody["cache_salt"] = body["cache_salt"]  # the same salted hashes as the request's own
-        start = time.monotonic()
-        try:
-            async with asyncio.timeout(plan.compute_s):
-                with self.fleet.track(source):
-                    resp = await self.client.post_json(
-                        source.node.info.url + PATHS["completion"], pbody, self._headers(trace, "prefill")
-                    )
-        except TimeoutError:
-            elapsed = time.monotonic() - start
-            rates.observe_source(source.node_id, elapsed)  # so a slow peer is asked less
-            self.metrics.peer_fetch_leg.observe(elapsed)
-            self._peer_outcome(trace, "source_slow")
-            return None
-        except UpstreamError as exc:
-            self._node_failed(source, exc)
-            log.warning("prefix fetch from %s failed (%s); computing it here", source.node_id, exc.message)
-            self._peer_outcome(trace, "source_failed")
-            return None
-        elapsed = time.monotonic() - start
-        rates.observe_source(source.node_id, elapsed)
-        self.metrics.peer_fetch_leg.observe(elapsed)
-        params = resp.get("kv_transfer_params")
-        if not is_tandem_params(params):
-            log.warning("prefix fetch from %s: no transfer params in its answer; computing", source.node_id)
-            self._peer_outcome(trace, "source_failed")
-            return None
-        return params  # type: ignore[return-value]
+            hbody["cache_salt"] = body["cache_salt"]  # the same salted hashes as the request's own
+        note_split(trace, helper.node_id, prefix, split.local_tokens)
+        self._peer_outcome(trace, "split")
+        leg = Leg(decision, target.node.info.url + path, out)
+        helper_leg = asyncio.ensure_future(self._helper_leg(helper, hbody, trace))
+        serve = self._open_once(leg, trace) if body.get("stream") else self._post_decode(leg, trace)
+        leg.pair = layerwise.Pair(asyncio.ensure_future(serve), helper_leg)
+        await leg.pair.first()
+        return leg
 
-    def _peer_outcome(self, trace: RequestTrace, outcome: str) -> None:
-        trace.peer_outcome = outcome
-        self.metrics.peer_fetches.labels(outcome).inc()
+    async def _helper_leg(self, helper: Candidate, hbody: dict[str, Any], trace: RequestTrace) -> None:
+        try:
+            with self.fleet.track(helper):
+                resp = await self.client.post_json(
+                    helper.node.info.url + PATHS["completion"], hbody, self._headers(trace, "prefill")
+                )
+            details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+            if trace.split_cached is not None:  # (None: the request was retried elsewhere meanwhile)
+                trace.split_cached = (trace.split_cached[0], int(details.get("cached_tokens") or 0))
+        except UpstreamError as exc:
+            self._node_failed(helper, exc)
+            log.warning(
+                "split prefill: %s's prefix leg failed (%s); the prefix is recomputed", helper.node_id, exc.message
+            )
+            self._peer_outcome(trace, "split_failed")
+            raise
 
     def _prefill_ended(self, trace: RequestTrace) -> None:
         trace.prefill_end = time.time()

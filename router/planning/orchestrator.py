@@ -52,6 +52,7 @@ from router.planning import selection
 from router.planning.legs import Background, Leg, Legs
 from router.planning.peer_fetch import PeerFetch
 from router.planning.retention import retention_default, retention_for
+from router.planning.split_prefill import SplitPrefill
 from router.policies.base import Candidate, Decision, RoutingPolicy, RoutingRequest
 from router.record.metrics import RouterMetrics
 from router.record.trace import Kind, RequestTrace, RouteMode, note_decision, note_resolution
@@ -105,10 +106,13 @@ class Orchestrator(Legs):
         slots: AdmissionController | None = None,
         models: ModelTable | None = None,
         peers: PeerFetch | None = None,
+        splits: SplitPrefill | None = None,
     ) -> None:
         self.models = models or ModelTable()
         self.peers = peers
         """Cross-node prefix reuse (``router.planning.peer_fetch``); None: off."""
+        self.splits = splits
+        """One cold prompt on two idle colocated nodes at once (``router.planning.split_prefill``); None: off."""
         self.index = index
         self.slots = slots
         self._hashers: dict[tuple[str, int], BlockHasher] = {}

@@ -101,7 +101,8 @@ class RouterMetrics:
         self.layerwise_pairs, self.sequential_pairs = self.pairs.labels("layerwise"), self.pairs.labels("sequential")
         self.peer_fetches = Counter(
             "tandem_peer_fetch_total",
-            "Requests a peer's cached prefix could serve, by outcome (fetched | slower | source_failed | source_slow)",
+            "Requests a peer could help, by outcome (a cached prefix: fetched | slower | source_failed | "
+            "source_slow; a prefix it computes meanwhile: split | split_failed)",
             ["outcome"],
             registry=r,
         )

@@ -91,6 +91,9 @@ class RequestTrace:
     """Prompt tokens the serving node was to load from ``peer_node``."""
     peer_outcome: str | None = None
     """How a fetch a peer could serve went (``tandem_peer_fetch_total``'s outcome); None: no peer could."""
+    split_cached: tuple[int, int] | None = None
+    """A split prefill (``router.planning.split_prefill``): the serving node's own hit as the router saw it,
+    and the helper's hit on the prefix (its answer's); their sum is the request's cache hit."""
     tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
     """Tool calls in the answer by index: id, name, arguments (streamed fragments joined)."""
     finish_reason: str | None = None
@@ -162,6 +165,15 @@ def note_peer_fetch(trace: RequestTrace, source: str, prefix_tokens: int, own_to
         trace.routed_cached_tokens = prefix_tokens
 
 
+def note_split(trace: RequestTrace, helper: str, prefix_tokens: int, local_tokens: int) -> None:
+    """``helper`` computes the first ``prefix_tokens`` while the serving node, which holds
+    ``local_tokens`` of them, computes the rest (``router.planning.split_prefill``). The prefix is
+    computed, not cached: the routed view is left as it is, and the hit is the two engines' own."""
+    trace.peer_node, trace.peer_tokens = helper, prefix_tokens - local_tokens
+    trace.kv_connector = "tandem"
+    trace.split_cached = (local_tokens, 0)
+
+
 def note_retry(trace: RequestTrace, target: Candidate, why: str) -> None:
     """The decode leg failed before its first token and ``target`` serves the request alone. A peer
     fetch went with the failed leg: the retry computes or hits, so its prefix no longer counts."""
@@ -172,6 +184,7 @@ def note_retry(trace: RequestTrace, target: Candidate, why: str) -> None:
                 view, routed_tokens=view.routed_tokens - view.routed_peer_tokens, routed_peer_tokens=0
             )
         trace.peer_node, trace.peer_tokens, trace.kv_params = None, 0, None
+    trace.split_cached = None
     trace.fallback, trace.mode = True, "colocated"
     note_decode_node(trace, target)
     trace.reason = f"{trace.reason}; decode leg failed, {why}"
@@ -203,6 +216,8 @@ def note_rates(rates: RateSink, trace: RequestTrace) -> None:
     token, or a peer fetch's transfer time per token moved."""
     if trace.status != "ok" or trace.mode != "colocated" or trace.decode_node is None:
         return
+    if trace.split_cached is not None:
+        return  # its pull's time and its first token's both include the helper's computing
     if trace.peer_node is not None:
         report = trace.transfer or {}
         if report.get("ok"):  # the pull's own report, or the peer's lease report (a streamed answer)
@@ -234,7 +249,11 @@ def record_usage(trace: RequestTrace, usage: dict[str, Any] | None) -> None:
     trace.completion_tokens = usage.get("completion_tokens")
     details = usage.get("prompt_tokens_details") or {}
     if trace.mode != "disaggregated":
-        trace.engine_cached_tokens = details.get("cached_tokens")
+        cached = details.get("cached_tokens")
+        if trace.split_cached is not None and cached is not None:
+            # The serving engine counts the prefix it loaded as cached; the helper computed it.
+            cached = min(cached, sum(trace.split_cached))
+        trace.engine_cached_tokens = cached
     trace.cached_tokens = trace.engine_cached_tokens
     usage["prompt_tokens_details"] = {**details, "cached_tokens": trace.engine_cached_tokens or 0}
     miss = settle_miss(trace)

@@ -44,6 +44,9 @@ PREFIXES = [
     for p in range(5)
 ]
 AUTH = engine_auth_headers(loopback_only=True)
+SPLIT_MIN = 512
+"""Cold prompts of at least this many tokens are split across the two idle nodes
+(``router.planning.split_prefill``); every prompt of the fetch tests is shorter, or held by the peer."""
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
@@ -83,6 +86,7 @@ class Running:
             policy="least_loaded",
             tokenize="always",
             peer_fetch_min_tokens=2 * BLOCK,
+            split_prefill_min_tokens=SPLIT_MIN,
         )
 
     def stop(self) -> None:
@@ -187,6 +191,29 @@ def test_a_prefix_loaded_from_a_peer_gives_the_tokens_the_peer_computed(running:
         assert origin["computed"] == usage["prompt_tokens"] - prefix_tokens
     page = running.metrics()
     assert _metric(page, "tandem_peer_fetch_total", outcome="fetched") == len(PREFIXES)
+    assert wait_for(lambda: running.engine_idle(SERVING[1]) and running.engine_idle(SOURCE[1]), timeout_s=30)
+
+
+def test_a_cold_prompt_split_across_two_idle_nodes_gives_the_tokens_of_one(running: Running) -> None:
+    """Split prefill: the peer computes the prefix while the serving node computes the rest, each of its
+    layers waiting for the peer's; the answer is the one a single engine gives, nothing counts as a
+    cache hit (the prefix was computed, by the peer), and both engines end with nothing held."""
+    prompt = "\n".join(PREFIXES[:2]).replace("shared", "split") + "\nQuestion: which tool handles line 7?"
+    n = len(running.ids(prompt))
+    assert n >= SPLIT_MIN and running.held(SOURCE[0], prompt) == running.held(SERVING[0], prompt) == 0
+    assert wait_for(lambda: running.router_sees_idle(SERVING[0]) and running.router_sees_idle(SOURCE[0]), timeout_s=30)
+    before = _metric(running.metrics(), "tandem_peer_fetch_total", outcome="split")
+    answer = running.routed(prompt)
+    assert _metric(running.metrics(), "tandem_peer_fetch_total", outcome="split") == before + 1
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, answer["usage"]
+    origin = answer["usage"]["tandem"]["kv_origin"]
+    assert origin["engine"] == origin["peer"] == 0 and origin["computed"] == n, origin
+    # the peer computed the prefix (its engine holds it now) and the serving node the whole prompt's KV
+    prefix = n // 2 // BLOCK * BLOCK
+    assert wait_for(lambda: running.held(SOURCE[0], prompt) == prefix // BLOCK, timeout_s=30)
+    assert wait_for(lambda: running.held(SERVING[0], prompt) == (n - 1) // BLOCK, timeout_s=30)
+    reference = running.engine(SOURCE[1], {"prompt": prompt})  # the peer alone: its prefix, then the rest
+    assert answer["choices"][0]["text"] == reference["choices"][0]["text"]  # float32 greedy: the same
     assert wait_for(lambda: running.engine_idle(SERVING[1]) and running.engine_idle(SOURCE[1]), timeout_s=30)
 
 

@@ -1,0 +1,74 @@
+"""When the router splits a cold prompt across two idle colocated nodes (``router.planning.split_prefill``),
+and where it cuts it: only idle nodes that run our connector, only prompts the serving node would
+mostly compute, never what a peer already holds (a fetch's business), the cut balancing the two halves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
+from router.planning.split_prefill import SplitPrefill, idle
+from router.policies.base import Candidate
+
+BS = 16
+
+
+class Index:
+    def __init__(self, own: dict[str, int] | None = None, longest: dict[str, int] | None = None) -> None:
+        self.own, self.longest = own or {}, longest or {}
+
+    def own_prefix(self, model: str, keys: Sequence[int]) -> dict[str, int]:
+        return self.own
+
+    def longest_prefix(self, model: str, keys: Sequence[int]) -> dict[str, int]:
+        return self.longest or self.own
+
+
+def node(name: str, *, running: int = 0, inflight: int = 0, peer_kv: bool = True) -> Candidate:
+    info = NodeInfo(
+        node_id=name,
+        role=Role.BOTH,
+        url=f"http://{name}",
+        model="m",
+        max_model_len=4096,
+        block_size=BS,
+        kv_connector="tandem" if peer_kv else "",
+        kv_endpoints={"tcp": f"tcp://{name}:1"} if peer_kv else {},
+        kv_host_id="h" if peer_kv else "",
+    )
+    return Candidate(node=LiveNode(info=info, load=NodeLoad(running=running)), inflight=inflight)
+
+
+KEYS = list(range(100))
+
+
+def test_a_cold_prompt_on_two_idle_nodes_is_cut_in_half_on_a_block() -> None:
+    a, b = node("a"), node("b")
+    plan = SplitPrefill(Index(), min_tokens=1024).plan("m", KEYS, 1537, a, [a, b])
+    assert plan is not None and plan.helper.node_id == "b"
+    assert plan.prefix_tokens == 768 and plan.local_tokens == 0
+
+
+def test_what_the_helper_holds_moves_the_cut_toward_the_end() -> None:
+    a, b = node("a"), node("b")
+    plan = SplitPrefill(Index(own={"b": 8}), min_tokens=512).plan("m", KEYS, 1600, a, [a, b])
+    assert plan is not None and plan.prefix_tokens == (1600 + 8 * BS) // 2 // BS * BS
+
+
+def test_no_split_for_a_busy_node_a_short_prompt_a_held_prefix_or_a_node_without_our_connector() -> None:
+    split = SplitPrefill(Index(), min_tokens=1024)
+    a, b = node("a"), node("b")
+    assert split.plan("m", KEYS, 1000, a, [a, b]) is None  # too short to pay for a second leg
+    assert split.plan("m", KEYS, 1600, node("a", running=1), [b]) is None  # the server is busy
+    assert split.plan("m", KEYS, 1600, a, [node("b", inflight=1)]) is None  # the helper is busy
+    assert split.plan("m", KEYS, 1600, a, [node("b", peer_kv=False)]) is None
+    assert split.plan("m", KEYS, 1600, node("a", peer_kv=False), [b]) is None
+    # the helper holds most of the prompt: that is a fetch (router.planning.peer_fetch), not a split
+    assert SplitPrefill(Index(own={"b": 60}), min_tokens=1024).plan("m", KEYS, 1600, a, [a, b]) is None
+    # the serving node holds most of it: too little left to share
+    assert SplitPrefill(Index(own={"a": 60}), min_tokens=512).plan("m", KEYS, 1600, a, [a, b]) is None
+
+
+def test_idle_means_nothing_running_waiting_or_in_flight() -> None:
+    assert idle(node("a"))
+    assert not idle(node("a", running=1)) and not idle(node("a", inflight=1))
