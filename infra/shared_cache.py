@@ -33,7 +33,9 @@ from pathlib import Path
 import psutil
 
 MIN_NODES = 4
-"""Colocated nodes of one model from which the shared cache is on by default."""
+"""Colocated nodes of one model from which the host tier is on by default."""
+PEER_MIN_NODES = 2
+"""Colocated nodes of one model from which peer KV (split prefill, peer fetch) is on by default."""
 TIER_MAX = 2 << 30
 TIER_MIN = 192 << 20
 TIER_SHARE = 8
@@ -68,14 +70,19 @@ def shared_cache_default(
     connector: str | None = None,
     tier_bytes: int | None = None,
 ) -> SharedCache:
-    """The rule (this module's docstring): on for ``MIN_NODES`` or more colocated nodes of one model on a
-    host with the memory for a tier, off otherwise. ``tier_bytes`` stands for ``default_tier_bytes()``."""
+    """The rule (this module's docstring): peer KV from ``PEER_MIN_NODES`` colocated nodes of one model, the
+    host tier too from ``MIN_NODES`` on a host with the memory for it. ``tier_bytes`` stands for
+    ``default_tier_bytes()``."""
     if pd_nodes or models > 1 or connector not in (None, "tandem"):
         why = "P/D nodes" if pd_nodes else "several models" if models > 1 else f"the {connector} connector"
         return SharedCache(None, False, f"off ({why})")
+    if colocated < PEER_MIN_NODES:
+        return SharedCache(None, False, f"off ({colocated} colocated node(s); peer KV from {PEER_MIN_NODES})")
     if colocated < MIN_NODES:
-        return SharedCache(None, False, f"off ({colocated} colocated node(s); on from {MIN_NODES})")
+        why = f"{colocated} colocated nodes; the host tier from {MIN_NODES}"
+        return SharedCache(None, True, f"peer KV on, host tier off ({why})")
     size = default_tier_bytes() if tier_bytes is None else tier_bytes
     if size < TIER_MIN:
-        return SharedCache(None, False, f"off (under {TIER_MIN >> 20} MiB of memory to spare for a host tier)")
+        why = f"under {TIER_MIN >> 20} MiB of memory to spare for a host tier"
+        return SharedCache(None, True, f"peer KV on, host tier off ({why})")
     return SharedCache(f"{size >> 20}MiB", True, f"on ({colocated} colocated nodes: {size >> 20} MiB host tier)")

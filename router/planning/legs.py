@@ -233,6 +233,7 @@ class Legs(PeerLegs):
         if body.get("cache_salt"):
             hbody["cache_salt"] = body["cache_salt"]  # the same salted hashes as the request's own
         note_split(trace, helper.node_id, prefix, split.local_tokens)
+        self.policy.on_split(decision, helper.node_id, prefix - split.local_tokens)
         self._peer_outcome(trace, "split")
         leg = Leg(decision, target.node.info.url + path, out)
         helper_leg = asyncio.ensure_future(self._helper_leg(helper, hbody, trace))

@@ -133,3 +133,8 @@ class RoutingPolicy(Protocol):
     def on_complete(self, decision: Decision) -> None:
         """The decision's request ended (exactly once per decision the router acted on)."""
         ...
+
+    def on_split(self, decision: Decision, helper: str, prefix_tokens: int) -> None:
+        """The decision's prompt is split (``router.planning.split_prefill``): ``helper`` computes its first
+        ``prefix_tokens`` (at most once, before ``on_prefilled``)."""
+        ...

@@ -9,6 +9,11 @@ Per candidate n (block size bs = n's block size, P = prompt tokens):
     cached(n) = min(matched_blocks(n), (P - 1) // bs) * bs
                 (vLLM never reuses a prompt's last token, so a whole-prompt match reuses one block less)
     load(n)   = requests this router has in flight on n + requests n's engine reports waiting
+    pending(n) = leading blocks of the prompt that a prompt this router sent to n and not yet prefilled
+                shares with it: cached(n) counts max(matched, pending) blocks. Two sessions of one
+                repository that arrive together then meet on the node computing their context (the
+                second waits for the first, then computes only its own turn) instead of computing it
+                twice, once on each node, while other cold prompts queue behind them.
     queued(n) = uncached prompt tokens this router sent to n and not yet prefilled (released by
                 ``on_prefilled`` when a streamed answer's first token arrives, else by ``on_complete``
                 at the request's end) + n.waiting * waiting_request_tokens (other routers' queue,
@@ -27,6 +32,8 @@ Decode node (chosen first):
 Conditional disaggregation: ``prefill=None`` (the decode node prefills itself, no KV transfer) when
     P > 0 (token ids known) and P - cached(decode) <= local_prefill_max_tokens, or every prefill candidate has
     load >= prefill_saturation_load.
+A split prompt (``on_split``, ``router.planning.split_prefill``) moves its prefix's tokens from the serving
+node's queue to the helper's, and the helper's pending blocks are the prefix.
 Prefill node:
     score(n) = cached(n) - load_weight * queued(n); the highest wins (ties: lower load, node id).
     Load-imbalance guard: if max load - min load over the pool > imbalance_threshold, the least
@@ -99,11 +106,12 @@ class CacheAware:
         self.index = index
         self.config = config or CacheAwareConfig()
         self._queued: dict[str, int] = {}
-        self._unsettled: dict[int, tuple[str, int]] = {}
-        """id(decision.extra) -> (node, tokens) a decision still counts in that node's queue. Keyed by
-        the ``extra`` dict: the one object every copy of a decision (``dataclasses.replace``) shares,
-        alive until the router calls ``on_complete``; settled tokens go back to the node they were
-        added to, even when the prefill moved (a forced P/D)."""
+        self._unsettled: dict[int, list[tuple[str, int, tuple[int, ...]]]] = {}
+        """id(decision.extra) -> (node, tokens, block keys) a decision still counts in that node's queue
+        and pending prefixes (two entries once split). Keyed by the ``extra`` dict: the one object every
+        copy of a decision (``dataclasses.replace``) shares, alive until the router calls
+        ``on_complete``; settled tokens go back to the node they were added to, even when the prefill
+        moved (a forced P/D)."""
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
     # --- pieces ---------------------------------------------------------------------------------
@@ -113,6 +121,25 @@ class CacheAware:
         if prompt_tokens <= 0 or bs <= 0:
             return 0
         return min(matches.get(c.node_id, 0), (prompt_tokens - 1) // bs) * bs
+
+    def _with_pending(self, keys: Sequence[int], matches: dict[str, int]) -> dict[str, int]:
+        """``matches`` raised, per node, to the leading blocks of ``keys`` a prompt still to prefill there
+        shares (its blocks will be cached by the time a request queued behind it runs)."""
+        if not keys or not self._unsettled:
+            return matches
+        out = dict(matches)
+        for entries in self._unsettled.values():
+            for node, _, pending in entries:
+                if not pending or pending[0] != keys[0]:
+                    continue  # (the common case: another context from its first block)
+                n = 0
+                for a, b in zip(pending, keys, strict=False):
+                    if a != b:
+                        break
+                    n += 1
+                if n > out.get(node, 0):
+                    out[node] = n
+        return out
 
     def _queued_tokens(self, c: Candidate) -> int:
         return self._queued.get(c.node_id, 0) + c.node.load.waiting * self.config.waiting_request_tokens
@@ -180,6 +207,7 @@ class CacheAware:
         matches = self.index.longest_prefix(request.model, request.block_keys) if request.block_keys else {}
         bs = decode[0].node.info.block_size
         fleet_blocks = min(max(matches.values(), default=0), (prompt_tokens - 1) // bs if prompt_tokens else 0)
+        matches = self._with_pending(request.block_keys, matches)  # (fleet_blocks: what is cached now)
 
         if not prefill:  # colocated: the decode pool prefills, so its cache decides
             prev = self._sessions.get(request.session_id) if cfg.session_affinity and request.session_id else None
@@ -240,7 +268,7 @@ class CacheAware:
             "uncached_tokens": float(uncached),
             "queued_tokens": float(uncached),
         }
-        self._unsettled[id(extra)] = (prefiller.node_id, uncached)
+        self._unsettled[id(extra)] = [(prefiller.node_id, uncached, tuple(request.block_keys))]
         return Decision(
             decode=d,
             prefill=p,
@@ -253,6 +281,17 @@ class CacheAware:
             extra=extra,
         )
 
+    def on_split(self, decision: Decision, helper: str, prefix_tokens: int) -> None:
+        entries = self._unsettled.get(id(decision.extra))
+        if entries is None or len(entries) != 1:
+            return
+        node, tokens, keys = entries[0]
+        bs = decision.decode.node.info.block_size
+        moved = min(tokens, prefix_tokens)
+        entries[:] = [(node, tokens - moved, keys), (helper, moved, keys[: prefix_tokens // bs] if bs > 0 else ())]
+        self._queued[node] = self._queued.get(node, 0) - moved
+        self._queued[helper] = self._queued.get(helper, 0) + moved
+
     def on_prefilled(self, decision: Decision) -> None:
         self._settle(decision)
 
@@ -261,12 +300,10 @@ class CacheAware:
 
     def _settle(self, decision: Decision) -> None:
         """Take the decision's prompt tokens off its node's queue, once."""
-        entry = self._unsettled.pop(id(decision.extra), None)
-        if entry is None:
-            return
-        node, tokens = entry
-        left = self._queued.get(node, 0) - tokens
-        if left > 0:
-            self._queued[node] = left
-        else:
-            self._queued.pop(node, None)
+        entries = self._unsettled.pop(id(decision.extra), None)
+        for node, tokens, _ in entries or ():
+            left = self._queued.get(node, 0) - tokens
+            if left > 0:
+                self._queued[node] = left
+            else:
+                self._queued.pop(node, None)

@@ -32,6 +32,9 @@ class LeastLoaded:
             load=float(chosen.inflight + chosen.node.load.waiting),
         )
 
+    def on_split(self, decision: Decision, helper: str, prefix_tokens: int) -> None:
+        pass
+
     def on_prefilled(self, decision: Decision) -> None:
         return None
 

@@ -36,6 +36,9 @@ class RoundRobin:
             reason="round robin",
         )
 
+    def on_split(self, decision: Decision, helper: str, prefix_tokens: int) -> None:
+        pass
+
     def on_prefilled(self, decision: Decision) -> None:
         return None
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 from contracts.registry import Role
 from router.kv_index import BlockHasher, FleetIndex
 from router.policies import CacheAware, CacheAwareConfig, ReasonCode, RoutingRequest
+from router.policies.base import Candidate
 from tests.router.policies.helpers import cand
 
 BS = 16
@@ -38,6 +39,8 @@ def _fleet(holdings: dict[str, list[int]]) -> FleetIndex:
 
 
 PROMPT = _tokens(2000, seed=1)
+OTHER = _tokens(2000, seed=2)
+"""Shares no block with PROMPT: its routing sees PROMPT's node only as busy."""
 DECODE = [cand("d0", Role.DECODE)]
 
 
@@ -66,8 +69,8 @@ def test_own_queue_is_tracked_and_released() -> None:
     policy = CacheAware(fleet)
     first = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
     assert first.prefill is not None and first.prefill.node_id == "p1"
-    # p1 now has 1840 uncached tokens queued from this router: the same prompt goes to p0
-    second = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
+    # p1 now has 1840 uncached tokens queued from this router: another prompt goes to p0
+    second = policy.select(_req(OTHER), [cand("p0"), cand("p1")], DECODE)
     assert second.prefill is not None and second.prefill.node_id == "p0"
     policy.on_complete(first)
     policy.on_complete(second)
@@ -82,7 +85,7 @@ def test_the_queue_is_released_at_the_first_token_once() -> None:
     policy = CacheAware(fleet)
     first = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
     assert first.prefill is not None and first.prefill.node_id == "p1"
-    second = policy.select(_req(PROMPT), [cand("p0"), cand("p1")], DECODE)
+    second = policy.select(_req(OTHER), [cand("p0"), cand("p1")], DECODE)
     assert second.prefill is not None and second.prefill.node_id == "p0"
     policy.on_prefilled(first)  # p1's prompt work is done while its answer streams on
     policy.on_prefilled(first)  # a repeat settles nothing twice
@@ -180,3 +183,50 @@ def test_colocated_session_affinity_carries_its_guard() -> None:
     assert policy.select(_req(PROMPT, "s"), [], both).code == ReasonCode.BEST_PREFIX
     again = policy.select(_req(PROMPT, "s"), [], [cand("b0", Role.BOTH, inflight=1), cand("b1", Role.BOTH)])
     assert (again.decode.node_id, again.code, again.threshold, again.load) == ("b0", ReasonCode.SESSION_AFFINITY, 2, 1)
+
+
+def _colocated(*names: str) -> list[Candidate]:
+    return [cand(n, Role.BOTH) for n in names]
+
+
+def test_a_sibling_meets_its_context_where_waiting_costs_less_than_computing_it_again() -> None:
+    """Two sessions of one repository arriving together: the context the first is computing counts as
+    cached on its node for the second (pending), against that node's queue. Behind a whole cold prompt
+    the second computes the context again on the idle node (sooner for it); behind half of one (the
+    first split with that node) it waits there and computes only its own turn. Once prefilled, nothing
+    of a prompt is pending any more."""
+    policy = CacheAware(_fleet({}))
+    context = PROMPT[:1600]
+    first = policy.select(_req(context + _tokens(100, seed=5)), [], _colocated("a", "b"))
+    assert first.decode.node_id == "a"  # (a tie: by node id)
+    sibling = policy.select(_req(context + _tokens(120, seed=6)), [], _colocated("a", "b"))
+    assert sibling.decode.node_id == "b"  # 1,700 queued on a against 1,600 shared
+    policy.on_complete(sibling)
+    policy.on_split(first, "b", 848)  # b computes the first 848 tokens, a the rest
+    sibling = policy.select(_req(context + _tokens(120, seed=6)), [], _colocated("a", "b"))
+    assert sibling.decode.node_id == "a" and sibling.extra["routed_cached_tokens"] >= 1536
+    assert sibling.extra["fleet_cached_tokens"] == 0  # what is cached now: nothing yet
+    stranger = policy.select(_req(OTHER), [], _colocated("a", "b"))
+    assert stranger.decode.node_id == "b"  # no shared block: a's queue is the longer
+    for d in (first, sibling, stranger):
+        policy.on_prefilled(d)
+    later = policy.select(_req(context + _tokens(90, seed=7)), [], _colocated("a", "b"))
+    assert later.extra["routed_cached_tokens"] == 0  # (the index, empty here, is the only source again)
+
+
+def test_a_split_moves_the_prefix_to_the_helpers_queue_and_pending_blocks() -> None:
+    """After ``on_split`` the helper is busy with the prefix's tokens (another cold prompt goes to the
+    serving node, whose queue is the rest) and holds the prefix pending; settling takes both back."""
+    policy = CacheAware(_fleet({}))
+    first = policy.select(_req(PROMPT), [], _colocated("a", "b"))
+    assert first.decode.node_id == "a"
+    policy.on_split(first, "b", 1024)
+    assert policy._queued == {"a": 2000 - 1024, "b": 1024}
+    other = policy.select(_req(OTHER), [], _colocated("a", "b"))
+    assert other.decode.node_id == "a"  # 976 queued there against 1024 on b
+    sibling = policy.select(_req(PROMPT[:1500] + _tokens(50, seed=8)), [], _colocated("a", "b"))
+    assert sibling.extra["routed_cached_tokens"] >= 1024  # the helper's pending prefix counts on b ...
+    policy.on_complete(first)
+    policy.on_complete(other)
+    policy.on_complete(sibling)
+    assert policy._queued == {}  # ... and every token queued is settled where it was added
