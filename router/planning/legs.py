@@ -105,7 +105,7 @@ class Legs(PeerLegs):
         if decision.prefill is None:
             trace.mode = "colocated"
             if rr is not None and pools is not None:
-                split = self._split_plan(decision.decode, rr, pools)
+                split = self._split_plan(decision, rr, pools)
                 if split is not None:
                     return await self._split_legs(path, body, decision, split, rr, trace)
                 body = await self._peer_prefix(body, decision.decode, rr, pools, trace)
@@ -194,11 +194,11 @@ class Legs(PeerLegs):
             self._prefill_ended(trace)
             await prefill_slot.aclose()
 
-    def _split_plan(self, target: Candidate, rr: RoutingRequest, pools: Pools) -> SplitPlan | None:
-        if self.splits is None or not rr.block_keys:
-            return None
+    def _split_plan(self, decision: Decision, rr: RoutingRequest, pools: Pools) -> SplitPlan | None:
+        if self.splits is None or not rr.block_keys or decision.code is ReasonCode.PINNED:
+            return None  # (a pinned request is its node's alone: x-tandem-node)
         pool = [c for c in pools.colocated if not self.fleet.is_down(c.node_id)]
-        return self.splits.plan(rr.model, rr.block_keys, len(rr.prompt_token_ids), target, pool)
+        return self.splits.plan(rr.model, rr.block_keys, len(rr.prompt_token_ids), decision.decode, pool)
 
     async def _split_legs(
         self,

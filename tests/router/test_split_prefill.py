@@ -72,3 +72,23 @@ def test_no_split_for_a_busy_node_a_short_prompt_a_held_prefix_or_a_node_without
 def test_idle_means_nothing_running_waiting_or_in_flight() -> None:
     assert idle(node("a"))
     assert not idle(node("a", running=1)) and not idle(node("a", inflight=1))
+
+
+def test_a_pinned_request_is_never_split() -> None:
+    """``x-tandem-node`` pins a request to its node alone: the router plans no split for it, and plans one
+    for the same request routed by the policy (the legs' own check, before the planner)."""
+    from types import SimpleNamespace
+
+    from router.fleet import Pools
+    from router.planning.legs import Legs
+    from router.policies.base import Decision, ReasonCode, RoutingRequest
+
+    a, b = node("a"), node("b")
+    legs = SimpleNamespace(
+        splits=SplitPrefill(Index(), min_tokens=1024), fleet=SimpleNamespace(is_down=lambda n: False)
+    )
+    rr = RoutingRequest(request_id="r", model="m", prompt_token_ids=tuple(range(1600)), block_keys=tuple(KEYS))
+    pools = Pools(prefill=[], decode=[], colocated=[a, b])
+    for code, split in ((ReasonCode.PINNED, False), (ReasonCode.BEST_PREFIX, True)):
+        decision = Decision(decode=a, prefill=None, policy="cache_aware", code=code, decode_code=code)
+        assert (Legs._split_plan(legs, decision, rr, pools) is not None) is split  # type: ignore[arg-type]
