@@ -101,6 +101,8 @@ class Legs(PeerLegs):
         runs the prefill leg closes ``prefill_slot`` when it ends. A node that prefills itself may load a
         prefix from a peer first (``router.planning.peer_fetch``)."""
         path = PATHS[kind]
+        if self.splits is not None:  # a split's steps are starting there: join the next ones
+            await self.splits.wait_hold(decision.decode.node_id, decision.prefill and decision.prefill.node_id)
         note_decode_node(trace, decision.decode)
         if decision.prefill is None:
             trace.mode = "colocated"
@@ -239,6 +241,8 @@ class Legs(PeerLegs):
         helper_leg = asyncio.ensure_future(self._helper_leg(helper, hbody, trace))
         serve = self._open_once(leg, trace) if body.get("stream") else self._post_decode(leg, trace)
         leg.pair = layerwise.Pair(asyncio.ensure_future(serve), helper_leg)
+        assert self.splits is not None  # (it planned the split)
+        self.splits.hold(target.node_id, helper.node_id)
         await leg.pair.first()
         return leg
 

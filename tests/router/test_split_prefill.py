@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from contracts.registry import LiveNode, NodeInfo, NodeLoad, Role
 from router.planning.split_prefill import SplitPrefill, idle
 from router.policies.base import Candidate
@@ -92,3 +94,31 @@ def test_a_pinned_request_is_never_split() -> None:
     for code, split in ((ReasonCode.PINNED, False), (ReasonCode.BEST_PREFIX, True)):
         decision = Decision(decode=a, prefill=None, policy="cache_aware", code=code, decode_code=code)
         assert (Legs._split_plan(legs, decision, rr, pools) is not None) is split  # type: ignore[arg-type]
+
+
+def test_requests_to_a_split_node_wait_for_its_steps_to_start(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """For ``hold_s`` after a split, a request to either of its nodes waits (so the engines' next steps
+    hold the split alone); requests to other nodes, and any after the hold, go at once."""
+    import asyncio
+
+    from router.planning import split_prefill
+
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    monkeypatch.setattr(split_prefill.asyncio, "sleep", sleep)
+    clock = [100.0]
+    monkeypatch.setattr(split_prefill.time, "monotonic", lambda: clock[0])
+    split = SplitPrefill(Index(), min_tokens=1024, hold_s=0.1)
+    asyncio.run(split.wait_hold("a"))
+    assert waits == []  # no split yet
+    split.hold("a", "b")
+    clock[0] += 0.03
+    asyncio.run(split.wait_hold("c", None))
+    asyncio.run(split.wait_hold("c", "b"))
+    assert waits == [pytest.approx(0.07)]  # only the request that touches a split node
+    clock[0] += 0.1
+    asyncio.run(split.wait_hold("a"))
+    assert len(waits) == 1  # the hold is over
