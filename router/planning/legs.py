@@ -200,7 +200,8 @@ class Legs(PeerLegs):
         if self.splits is None or not rr.block_keys or decision.code is ReasonCode.PINNED:
             return None  # (a pinned request is its node's alone: x-tandem-node)
         pool = [c for c in pools.colocated if not self.fleet.is_down(c.node_id)]
-        return self.splits.plan(rr.model, rr.block_keys, len(rr.prompt_token_ids), decision.decode, pool)
+        n = len(rr.prompt_token_ids)
+        return self.splits.plan(rr.model, rr.block_keys, n, decision.decode, pool, self.fleet.inflight)
 
     async def _split_legs(
         self,

@@ -18,7 +18,8 @@ SmolLM2-135M, cold 1,536-token prompts, TTFT alone against split, alternated: 3.
 P balances the halves: Y computes [its own hit, P), X computes [P, n); P is whole blocks and leaves X at
 least the prompt's last token. X's own hit is pulled past, not over (``decode_nodes.admission``).
 
-Only between idle nodes. X's engine waits inside its forward pass, which would hold every other stream
+Only between idle nodes (their heartbeats, this router's live count, no split under way on either).
+X's engine waits inside its forward pass, which would hold every other stream
 on X for the length of Y's half; and Y's half delays whatever Y serves. So both must show nothing
 running or waiting (their last heartbeat) and nothing this router has sent them in flight. A burst of
 cold prompts thus splits its first one and routes the rest as usual: on two nodes, three cold contexts
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.planning.peer_fetch import OwnPrefix, serves_peers
@@ -94,12 +95,26 @@ class SplitPrefill:
         if wait > 0:
             await asyncio.sleep(wait)
 
+    def _free(self, c: Candidate, inflight: Callable[[str], int]) -> bool:
+        """Idle, by its candidate (a snapshot taken when the request was routed) and by this router's live
+        count, and in no split's hold. Two prompts planned one after the other must not split in
+        opposite directions over the same two nodes: each node's step would wait on the other's."""
+        now = time.monotonic()
+        return idle(c) and inflight(c.node_id) == 0 and self._held.get(c.node_id, now) <= now
+
     def plan(
-        self, model: str, keys: Sequence[int], prompt_tokens: int, target: Candidate, pool: Sequence[Candidate]
+        self,
+        model: str,
+        keys: Sequence[int],
+        prompt_tokens: int,
+        target: Candidate,
+        pool: Sequence[Candidate],
+        inflight: Callable[[str], int] = lambda node_id: 0,
     ) -> SplitPlan | None:
-        """Whether ``target`` should compute this prompt with a peer of ``pool`` (see the module docstring)."""
+        """Whether ``target`` should compute this prompt with a peer of ``pool`` (see the module docstring);
+        ``inflight``: this router's requests in flight on a node now (``Fleet.inflight``)."""
         bs = target.node.info.block_size
-        if not keys or bs <= 0 or not serves_peers(target) or not idle(target):
+        if not keys or bs <= 0 or not serves_peers(target) or not self._free(target, inflight):
             return None
         cap = (prompt_tokens - 1) // bs
         local = min(self.index.longest_prefix(model, keys).get(target.node_id, 0), cap) * bs
@@ -112,7 +127,7 @@ class SplitPrefill:
             and serves_peers(c)
             and c.node.info.block_size == bs
             and c.node.info.kv_host_id
-            and idle(c)
+            and self._free(c, inflight)
         ]
         if not helpers:
             return None

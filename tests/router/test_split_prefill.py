@@ -87,7 +87,8 @@ def test_a_pinned_request_is_never_split() -> None:
 
     a, b = node("a"), node("b")
     legs = SimpleNamespace(
-        splits=SplitPrefill(Index(), min_tokens=1024), fleet=SimpleNamespace(is_down=lambda n: False)
+        splits=SplitPrefill(Index(), min_tokens=1024),
+        fleet=SimpleNamespace(is_down=lambda n: False, inflight=lambda n: 0),
     )
     rr = RoutingRequest(request_id="r", model="m", prompt_token_ids=tuple(range(1600)), block_keys=tuple(KEYS))
     pools = Pools(prefill=[], decode=[], colocated=[a, b])
@@ -122,3 +123,16 @@ def test_requests_to_a_split_node_wait_for_its_steps_to_start(monkeypatch) -> No
     clock[0] += 0.1
     asyncio.run(split.wait_hold("a"))
     assert len(waits) == 1  # the hold is over
+
+
+def test_no_split_over_a_node_in_a_split_or_busy_by_the_live_count() -> None:
+    """Candidates are snapshots taken when a request was routed. A second prompt planned after a first
+    one's split must not split over the same nodes (in the opposite direction each node's step would
+    wait on the other's): the hold and this router's live count both refuse it."""
+    a, b = node("a"), node("b")
+    split = SplitPrefill(Index(), min_tokens=1024)
+    assert split.plan("m", KEYS, 1600, a, [a, b]) is not None
+    assert split.plan("m", KEYS, 1600, a, [a, b], inflight=lambda n: int(n == "a")) is None
+    assert split.plan("m", KEYS, 1600, a, [a, b], inflight=lambda n: int(n == "b")) is None
+    split.hold("a", "b")
+    assert split.plan("m", KEYS, 1600, b, [a, b]) is None
