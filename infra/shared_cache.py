@@ -1,26 +1,33 @@
-"""When ``tandem up`` turns the shared cache on by itself: a host tier every colocated node shares, plus peer
-fetch (``ClusterSpec.host_tier``, ``ClusterSpec.peer_kv``). ``shared_cache_default`` is the rule;
-``tandem up --host-tier SIZE|off`` and ``--peer-kv/--no-peer-kv`` override it.
+"""When ``tandem up`` turns the shared cache on by itself: peer KV between colocated nodes (our connector:
+split prefill and peer fetch) and a host tier every colocated node shares (``ClusterSpec.peer_kv``,
+``ClusterSpec.host_tier``). ``shared_cache_default`` is the rule; ``tandem up --host-tier SIZE|off`` and
+``--peer-kv/--no-peer-kv`` override it.
 
 The rule, from measurement on 2-core hosts (SmolLM2-135M, CPU engines):
 
-- Two colocated nodes: off. ``tandem bench fleet --nodes 2`` (agent sessions over three repositories of
-  ~1.5k shared tokens, 1 GiB of KV per node): the same hit with the tier and peer fetch on (0.821) and
-  fewer sessions per minute (16.7 against 20.6; client ITL p50 69 ms against 50 ms: the connector a
-  peer-fetching node runs costs every engine step). Cache-aware routing keeps a repository's sessions
-  on one node, so its engine already holds the context: ``tandem bench kv-cache --nodes 2`` found the
-  tier level with giving the engines its memory (hit 0.903 against 0.904).
+- Peer KV from two colocated nodes. Split prefill (``router.planning.split_prefill``) computes a cold
+  prompt on two idle nodes at once: TTFT 1.83-1.87 s against 3.05-3.25 s alone (cold 1,536-token
+  prompts, AMD EPYC host). ``tandem bench fleet --nodes 2`` with it on by default (the defaults arm),
+  same host, two runs: TTFT p99 5.51 and 5.60 s against vllm-router ``cache_aware``'s 7.13 and 6.72 s,
+  sessions per minute 15.8 and 17.7 against 11.9 and 13.4, client ITL p50 52.4 and 47.9 ms against
+  55.1 and 52.3 (before it, the defaults arm's TTFT p99 was 6.48 s against 6.29).
+- The host tier from four. At two nodes, ``tandem bench fleet --nodes 2`` (agent sessions over three
+  repositories of ~1.5k shared tokens, 1 GiB of KV per node) gave the same hit with the tier (0.821) and
+  fewer sessions per minute (16.7 against 20.6 in one run; on the AMD EPYC host, with peer KV in both
+  arms, 15.8 against 15.8 and 16.7 against 17.7). Cache-aware routing keeps a repository's sessions on one node, so its
+  engine already holds the context: ``tandem bench kv-cache --nodes 2`` found the tier level with giving
+  the engines its memory (hit 0.903 against 0.904).
 - Four colocated nodes: on. ``tandem bench kv-cache`` (four nodes, a 192 MiB tier): hit 0.876 against
   0.579 for the engines alone and 0.737 for the engines given the tier's memory, TTFT p50 0.93 s against
   4.8 s. A repository's sessions spread over several nodes; the tier holds each block once for all of
   them, and a node loads what another computed.
 
-So the threshold is ``MIN_NODES`` colocated nodes of one model (four: the count measured paying; three
-is not measured, and the tier's cost per engine step is certain where its gain is not), and a tier
-only where the host has the memory: 1/``TIER_SHARE`` of the memory available at start, at most
+So peer KV from ``PEER_MIN_NODES`` colocated nodes of one model, the tier from ``MIN_NODES`` (four: the count
+measured paying; three is not measured, and the tier's cost per engine step is certain where its gain
+is not), and a tier only where the host has the memory: 1/``TIER_SHARE`` of the memory available at start, at most
 ``TIER_MAX`` (the size ``bench fleet`` measured), at least ``TIER_MIN`` (the size ``bench kv-cache``
 measured paying), and never more than half of what /dev/shm has free (the tier's file lives there).
-Not for P/D clusters (their nodes already move KV between roles), several served models (the tier
+Neither for P/D clusters (their nodes already move KV between roles), several served models (the tier
 holds one model's layout) or the NIXL connector (it serves no prefixes to peers).
 """
 
