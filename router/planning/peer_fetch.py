@@ -162,6 +162,17 @@ def serves_peers(c: Candidate) -> bool:
     return c.node.info.kv_connector == TANDEM and bool(c.node.info.kv_endpoints)
 
 
+def peers_of(target: Candidate, pool: Sequence[Candidate]) -> list[Candidate]:
+    """The nodes of ``pool`` that can exchange KV blocks with ``target``: others running our connector
+    with a block server, of its block size, on a host they name."""
+    bs = target.node.info.block_size
+    return [
+        c
+        for c in pool
+        if c.node_id != target.node_id and serves_peers(c) and c.node.info.block_size == bs and c.node.info.kv_host_id
+    ]
+
+
 class PeerFetch:
     def __init__(self, index: OwnPrefix, min_tokens: int, rates: FetchRates | None = None) -> None:
         self.index = index
@@ -176,14 +187,7 @@ class PeerFetch:
         bs = target.node.info.block_size
         if not keys or bs <= 0 or prompt_tokens <= 1 or not serves_peers(target):
             return None
-        peers = [
-            c
-            for c in pool
-            if c.node_id != target.node_id
-            and serves_peers(c)
-            and c.node.info.block_size == bs
-            and c.node.info.kv_host_id
-        ]
+        peers = peers_of(target, pool)
         if not peers:  # (before the index walks: a fleet without peers pays nothing per request)
             return None
         cap = (prompt_tokens - 1) // bs

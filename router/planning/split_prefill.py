@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from router.planning.peer_fetch import OwnPrefix, serves_peers
+from router.planning.peer_fetch import OwnPrefix, peers_of, serves_peers
 from router.policies.base import Candidate
 
 HOLD_S = 0.1
@@ -120,15 +120,7 @@ class SplitPrefill:
         local = min(self.index.longest_prefix(model, keys).get(target.node_id, 0), cap) * bs
         if prompt_tokens - local < self.min_tokens:
             return None
-        helpers = [
-            c
-            for c in pool
-            if c.node_id != target.node_id
-            and serves_peers(c)
-            and c.node.info.block_size == bs
-            and c.node.info.kv_host_id
-            and self._free(c, inflight)
-        ]
+        helpers = [c for c in peers_of(target, pool) if self._free(c, inflight)]
         if not helpers:
             return None
         own = self.index.own_prefix(model, keys)
