@@ -209,6 +209,7 @@ class Puller:
                     job.transport,
                     stall_s=max(0.0, job.deadline - time.monotonic()),
                     on_layers=job.watch.layers if job.watch is not None else None,
+                    cancelled=job.cancelled.is_set,
                 )
                 pull = transport.pull(job.transfer_id, job.segments, job.checksum, self.layout)
             else:

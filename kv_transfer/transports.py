@@ -385,7 +385,13 @@ class LayerwiseTransport:
     tcp/ipc: each layer's frames follow as on a whole pull. shm: the Grant comes first, and this side
     copies every layer itself as it is announced (the prefill node's core is computing)."""
 
-    def __init__(self, name: str, stall_s: float, on_layers: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        stall_s: float,
+        on_layers: Callable[[int], None] | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
         if name not in LAYERWISE_TRANSPORTS:
             raise ValueError(f"no layer-wise pull over {name!r} (tcp, ipc, shm)")
         self.name = name
@@ -394,6 +400,9 @@ class LayerwiseTransport:
         """monotonic: when the first layer arrived (or was announced, for shm)."""
         self.on_layers = on_layers
         """Told the count of leading layers in place each time it grows (a split prefill's gate)."""
+        self.cancelled = cancelled
+        """Checked before each layer is written: a pull given up (a split's stall) must not write into
+        blocks its engine recomputes, or frees and gives to another request."""
         self._ready = 0
 
     def _progress(self, done: set[int]) -> None:
@@ -424,6 +433,9 @@ class LayerwiseTransport:
             if getattr(msg, "transfer_id", pull.transfer_id) != pull.transfer_id:
                 _drain(sock)
                 continue  # the tail of an earlier, abandoned pull on this socket
+            if self.cancelled():
+                _drain(sock)
+                raise TransferFailed("cancelled")
             if isinstance(msg, wire.Filling):
                 deadline = max(deadline, time.monotonic() + self.stall_s)
                 if msg.layers and segments is None:

@@ -201,3 +201,38 @@ def test_a_pull_waiting_for_a_lease_that_never_opened_is_refused_when_it_is_rele
     assert wire.Ack() in answers
     remote.open_fill(tid)
     assert remote.ended(tid) == "released"
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_split_pull_opens_its_gate_layer_by_layer_and_once_cancelled_writes_nothing_more(
+    remote: Remote,
+    local,  # noqa: ANN001
+    transport: str,
+) -> None:
+    """A split prefill's pull (``kv_connector.layer_gate``): the engine's wait for layer 0 returns once the
+    prefill has written layer 0, not before; a pull given up (the engine's forward stopped waiting)
+    writes no later layer into blocks its engine now recomputes, and its lease ends."""
+    from kv_connector.layer_gate import LayerGate
+
+    arrays, puller = local
+    gate = LayerGate(stall_s=30)
+    tid = f"lw-split-{transport}"
+    remote.open_fill(tid)
+    watch = gate.open(tid, LOCAL_IDS)
+    positions = list(range(len(LOCAL_IDS)))
+    ep = remote.tcp if transport == "tcp" else remote.ipc
+    segments = wire.segments_of(positions, LOCAL_IDS)
+    job = PullJob(tid, tid, ep, transport, segments, LOCAL_IDS, time.monotonic() + 5, layerwise=True, watch=watch)
+    puller.submit(job)
+    assert wait_for(lambda: remote.state(tid) == "sending", timeout_s=10)
+    assert watch.written == 0
+    remote.fill(tid, 1, REMOTE_IDS)
+    assert gate.wait(0) == []  # returns: layer 0 is in place
+    assert _has_layer(arrays, 0) and not arrays[1].any()
+    puller.cancel(tid)
+    remote.fill(tid, LAYERS, REMOTE_IDS, done=True)  # everything else, after the pull was given up
+    out = _outcome(puller)
+    assert not out.ok and "cancelled" in out.reason
+    assert not any(arrays[layer].any() for layer in range(1, LAYERS))
+    assert [e.request_id for e in gate.wait(1)] == [tid]  # ended, not ok: handed back once
+    assert wait_for(lambda: remote.ended(tid) is not None, timeout_s=10)
