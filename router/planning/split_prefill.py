@@ -114,14 +114,16 @@ class SplitPrefill:
         """Whether ``target`` should compute this prompt with a peer of ``pool`` (see the module docstring);
         ``inflight``: this router's requests in flight on a node now (``Fleet.inflight``)."""
         bs = target.node.info.block_size
-        if not keys or bs <= 0 or not serves_peers(target) or not self._free(target, inflight):
+        if prompt_tokens < self.min_tokens or not keys or bs <= 0 or not serves_peers(target):
+            return None
+        if not self._free(target, inflight):
+            return None
+        helpers = [c for c in peers_of(target, pool) if self._free(c, inflight)]
+        if not helpers:  # (before the index walks: a busy fleet pays nothing per request)
             return None
         cap = (prompt_tokens - 1) // bs
         local = min(self.index.longest_prefix(model, keys).get(target.node_id, 0), cap) * bs
         if prompt_tokens - local < self.min_tokens:
-            return None
-        helpers = [c for c in peers_of(target, pool) if self._free(c, inflight)]
-        if not helpers:
             return None
         own = self.index.own_prefix(model, keys)
         helper = max(helpers, key=lambda c: (min(own.get(c.node_id, 0), cap), c.node_id))
