@@ -18,18 +18,20 @@ SmolLM2-135M, cold 1,536-token prompts, TTFT alone against split, alternated: 3.
 P balances the halves: Y computes [its own hit, P), X computes [P, n); P is whole blocks and leaves X at
 least the prompt's last token. X's own hit is pulled past, not over (``decode_nodes.admission``).
 
-Only between idle nodes (their heartbeats, this router's live count, no split under way on either).
-X's engine waits inside its forward pass, which would hold every other stream
+Only between idle nodes. X's engine waits inside its forward pass, which would hold every other stream
 on X for the length of Y's half; and Y's half delays whatever Y serves. So both must show nothing
-running or waiting (their last heartbeat) and nothing this router has sent them in flight. A burst of
-cold prompts thus splits its first one and routes the rest as usual: on two nodes, three cold contexts
-end after 1.5 prefills instead of 2.
+running or waiting (their last heartbeat), nothing this router has in flight there (its live count, not
+the snapshot the request was routed from), and no split under way (two prompts split in opposite
+directions over the same nodes would each wait on the other until the stall). A burst of cold prompts
+thus splits its first one and routes the rest as usual: in ``bench fleet``'s burst (three cold contexts
+on two nodes) the last first turn ended at 5.4-5.6 s instead of 6.1-6.6 (one context alone: 3.1-3.5 s;
+an even spread of the work would end at 1.5 of those).
 
 Other requests wait for the split's steps to start: vLLM adds a waiting request to the step it starts
 next, up to its token budget, so a cold prompt routed to X or Y a few milliseconds after the split
 would share that step and stretch it, and the split's first token would come only when both prompts'
-tokens are computed (measured in ``bench fleet``'s burst of four cold first turns: the split prompt's
-TTFT 2.5-2.7 s instead of 1.9). For ``HOLD_S`` after a split, a request routed to either node waits
+tokens are computed (in ``bench fleet``'s burst the split prompt's TTFT was 2.5-2.7 s without the hold,
+2.2-2.4 s with it; 1.85 s alone). For ``HOLD_S`` after a split, a request routed to either node waits
 before it is sent (``wait_hold``); it then runs in the step after, which is where it would have
 finished anyway.
 
