@@ -18,7 +18,9 @@ def test_frozen_objects_leave_the_collector_and_later_ones_do_not() -> None:
     startup = [[i] for i in range(10_000)]  # long-lived containers, as a start-up leaves them
     try:
         frozen = freeze_startup_heap()
-        assert frozen >= len(startup) and gc.get_freeze_count() == frozen
+        # (<=: in a process with other threads, a frozen object may die between the two reads; the full
+        # suite saw 1,188,446 frozen, then 1,188,444)
+        assert frozen >= len(startup) and 0 < gc.get_freeze_count() <= frozen
         tracked = {id(o) for o in gc.get_objects()}  # every generation a collection walks
         assert not any(id(o) in tracked for o in startup)
         later = [[0]]
