@@ -71,6 +71,8 @@ class StandInEngine:
     """Token streaming mode: chunks per write."""
     token_interval_s: float = 0.0
     """Token streaming mode: pause between writes (an engine's time per output token); 0: none."""
+    done_delay_s: float = 0.0
+    """Token streaming mode: pause between the last chunk (finish and usage) and ``[DONE]``; 0: one write."""
     prefill_error: int | None = None
     """Prefill legs are answered with this HTTP status and an error (None: answered as a prefill node)."""
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -223,7 +225,7 @@ class StandInEngine:
                     f'"completion_tokens":{n}}}}}\n\n'
                 ).encode()
             )
-        burst, interval = self.burst, self.token_interval_s
+        burst, interval, done_delay = self.burst, self.token_interval_s, self.done_delay_s
 
         async def events() -> AsyncIterator[bytes]:
             with self._lock:
@@ -237,7 +239,12 @@ class StandInEngine:
                     k = min(burst, left)
                     yield token * k
                     left -= k
-                yield last + usage + b"data: [DONE]\n\n"
+                if done_delay:
+                    yield last + usage
+                    await asyncio.sleep(done_delay)
+                    yield b"data: [DONE]\n\n"
+                else:
+                    yield last + usage + b"data: [DONE]\n\n"
             finally:
                 with self._lock:
                     self.streams_open -= 1

@@ -87,6 +87,8 @@ class _Relay:
     """Per-stream state: the trace to fill, and how payloads are rewritten for the client."""
 
     __slots__ = ("trace", "include_usage", "rid")
+    complete = False
+    """Chat and completions end with ``[DONE]``, written with the end of the body."""
 
     def __init__(self, trace: RequestTrace, include_usage: bool) -> None:
         self.trace = trace
@@ -151,6 +153,10 @@ class BatchEncoder(Protocol):
     """What the relay writes for each batch of engine payloads and at the end: ``_Relay`` for chat and
     completions, an edge API's encoder (``router.edge.codecs.relay.CodecRelay``) for Responses and Messages."""
 
+    complete: bool
+    """Whether what ``batch`` has encoded already ends the answer in the API's terms (Responses'
+    ``response.completed``, Messages' ``message_stop``): a client may leave once it has read that."""
+
     def batch(self, payloads: list[bytes]) -> bytes: ...
     def end(self, error: TandemError | None) -> bytes: ...
 
@@ -199,6 +205,9 @@ class RelayResponse(StreamingResponse):
         self._scope: Scope | None = None
         self._direct: DirectWriter | None = None
         """Body chunks straight to uvicorn's transport (``router.edge.direct_write``), once the start is sent."""
+        self._delivered = False
+        """A write that carried the API's end of the answer went out (``BatchEncoder.complete``): a client
+        that leaves after it got its whole answer (Codex CLI closes on ``response.completed``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._scope = scope
@@ -247,10 +256,10 @@ class RelayResponse(StreamingResponse):
                 status, error = "error", exc
                 log.warning("%s: %s", self.trace.request_id, exc.message)
         except (asyncio.CancelledError, GeneratorExit):
-            status = "cancelled"
+            status = "ok" if self._delivered else "cancelled"
             raise
         except OSError:  # the client's connection went away under a write
-            status = "cancelled"
+            status = "ok" if self._delivered else "cancelled"
             raise
         finally:
             if isinstance(source, SseStream):
@@ -267,6 +276,7 @@ class RelayResponse(StreamingResponse):
         data = self.state.batch(batch)
         if data and not (self._direct is not None and self._direct.write(data)):
             await send(_body(data))
+        self._delivered = self.state.complete
 
     async def _push(self, source: SseStream, send: Send) -> None:
         self._send, self._source = send, source
@@ -284,12 +294,14 @@ class RelayResponse(StreamingResponse):
             return
         data = self.state.batch(batch)
         if not data or (self._direct is not None and self._direct.write(data)):
+            self._delivered = self.state.complete
             return  # written (the common case: the client reads)
         assert self._send is not None and self._source is not None
         pending = self._send(_body(data))
         try:
             blocker = pending.send(None)
         except StopIteration:
+            self._delivered = self.state.complete
             return  # written (the common case: the server had room)
         self._source.pause()
         self._draining = asyncio.ensure_future(self._finish_send(self._source, self._send, pending, blocker))
@@ -302,6 +314,7 @@ class RelayResponse(StreamingResponse):
         deadline = None if self.send_timeout_s is None else time.monotonic() + self.send_timeout_s
         try:
             await self._complete(pending, blocker, deadline)
+            self._delivered = self.state.complete  # the backlog is encoded as it is written
             while self._backlog:
                 await self._bounded(self._write(send, self._backlog.pop(0)), deadline)
         except asyncio.CancelledError:

@@ -44,6 +44,8 @@ from router.record.trace import RequestTrace, record_usage
 
 _decode = msgspec.json.decode
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_ANSWERED = frozenset({"response.completed", "response.incomplete", "message_stop"})
+"""The events after which the client holds its whole answer (it may close the stream there)."""
 
 
 class StreamEncoder(Protocol):
@@ -84,6 +86,8 @@ class CodecRelay:
         self.reader = ChatChunkReader()
         self.events: list[Event] = []
         self.started = False
+        self.complete = False
+        """An answered end (``_ANSWERED``) is encoded: ``router.edge.sse.BatchEncoder.complete``."""
         self._final: dict[str, Any] | None = None
 
     def _encode(self, events: list[Event]) -> bytes:
@@ -94,8 +98,10 @@ class CodecRelay:
         for ev in events:
             self.events.append(ev)
             for e in self.encoder.feed(ev):
-                if e.get("type") in _TERMINAL:
+                kind = e.get("type")
+                if kind in _TERMINAL:
                     self._final = e["response"]
+                self.complete = self.complete or kind in _ANSWERED
                 out.append(self.frame(e))
         return b"".join(out)
 

@@ -4,6 +4,8 @@ leaves mid-stream cancels the engine's stream as on chat."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import openai
@@ -125,3 +127,47 @@ async def test_a_client_gone_mid_stream_cancels_on_both_apis(tmp_path) -> None:
                     return (metric(text, "tandem_requests_total", model=c.model, status="cancelled") or 0) >= n
 
                 await wait_until(cancelled)
+
+
+async def test_a_client_that_leaves_once_it_has_the_whole_answer_is_answered(tmp_path) -> None:
+    # Codex CLI closes the stream on response.completed, which comes with the engine's usage chunk,
+    # before the engine's [DONE] ends the upstream stream (here 3 s later). That request was answered:
+    # recorded ok and stored for previous_response_id, not cancelled. The same for Messages' message_stop.
+    # (The stand-in ends on its token budget: response.incomplete, Responses' other answered end.)
+    engine = {"stream_tokens": 4, "done_delay_s": 3.0}
+    async with standin_cluster(tmp_path, {"n": Role.BOTH}, engine=engine) as c:
+        sdk = openai.AsyncOpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)
+        bodies = {
+            "/v1/responses": {"model": c.model, "input": "hi", "stream": True},
+            "/v1/messages": {
+                "model": c.model,
+                "stream": True,
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        }
+        ends = {"response.completed", "response.incomplete", "message_stop"}
+        async with httpx.AsyncClient(base_url=c.url, timeout=30) as client:
+            response_id = None
+            for n, (path, body) in enumerate(bodies.items(), 1):
+                async with httpx.AsyncClient(base_url=c.url, timeout=30) as leaving:
+                    async with leaving.stream("POST", path, json=body) as resp:
+                        assert resp.status_code == 200
+                        async for line in resp.aiter_lines():
+                            event = json.loads(line[6:]) if line.startswith("data: ") else {}
+                            if event.get("type") in ends:
+                                response_id = response_id or (event.get("response") or {}).get("id")
+                                break
+                        else:
+                            raise AssertionError(f"{path}: the stream ended without its answered end")
+                        assert c.engines["n"].streams_open == 1  # left before the engine's [DONE]
+
+                async def answered(n: int = n) -> bool:
+                    text = (await client.get("/metrics")).text
+                    return (metric(text, "tandem_requests_total", model=c.model, status="ok") or 0) >= n
+
+                await wait_until(answered)
+                text = (await client.get("/metrics")).text
+                assert not metric(text, "tandem_requests_total", model=c.model, status="cancelled")
+        assert response_id is not None
+        await wait_until(lambda: _stored(sdk, response_id))
