@@ -136,3 +136,40 @@ def test_no_split_over_a_node_in_a_split_or_busy_by_the_live_count() -> None:
     assert split.plan("m", KEYS, 1600, a, [a, b], inflight=lambda n: int(n == "b")) is None
     split.hold("a", "b")
     assert split.plan("m", KEYS, 1600, b, [a, b]) is None
+
+
+async def test_cold_prompts_wait_for_the_splits_prefix_and_warm_turns_do_not() -> None:
+    """A prompt its node would compute >= min_tokens of waits until the split's prefix is computed
+    (``release``), at most ``cold_wait_s``; a warm turn only the short hold. No new split starts on a
+    node whose split computes or that a cold prompt waits for."""
+    import asyncio
+
+    a, b = node("a"), node("b")
+    split = SplitPrefill(Index(longest={"a": 90}), min_tokens=1024, hold_s=0.0, cold_wait_s=30.0)
+    assert split.cold("m", KEYS, 1600, "b", BS) and not split.cold("m", KEYS, 1600, "a", BS)
+    assert not split.cold("m", KEYS, 1000, "b", BS)  # shorter than min_tokens
+    computed = split.hold("a", "b")
+    assert split.holding() and split.plan("m", KEYS, 1600, b, [a, b]) is None  # a split computes there
+    await asyncio.wait_for(split.wait_hold("b"), 5)  # warm: only the (here empty) short hold
+    cold = asyncio.create_task(split.wait_hold("b", cold=True))
+    other = asyncio.create_task(split.wait_hold("c", cold=True))  # no split on c: goes at once
+    await asyncio.wait_for(other, 5)
+    await asyncio.sleep(0)
+    assert not cold.done()
+    split.release(computed)
+    await asyncio.wait_for(cold, 5)
+    assert not split.holding() and split.plan("m", KEYS, 1600, b, [a, b]) is not None
+
+
+async def test_a_cold_prompt_waits_no_longer_than_cold_wait_s_and_blocks_new_splits_meanwhile() -> None:
+    import asyncio
+
+    a, b = node("a"), node("b")
+    split = SplitPrefill(Index(), min_tokens=1024, hold_s=0.0, cold_wait_s=0.3)
+    computed = split.hold("a", "b")
+    waiting = asyncio.create_task(split.wait_hold("a", cold=True))
+    await asyncio.sleep(0)
+    split._computing.clear()  # as if the split's record were gone: the waiter alone keeps a busy
+    assert split.plan("m", KEYS, 1600, a, [a, b]) is None
+    await asyncio.wait_for(waiting, 5)  # given up after cold_wait_s, though never released
+    assert not computed.is_set() and split.plan("m", KEYS, 1600, a, [a, b]) is not None
