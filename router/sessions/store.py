@@ -93,6 +93,16 @@ _json_enc = msgspec.json.Encoder()
 _json_dec = msgspec.json.Decoder(Turn)
 
 
+def _packed(turn: Turn) -> bytes | None:
+    """The turn as a cache entry, or None where MessagePack cannot hold it: a content part the client
+    sent may carry an integer past 64 bits, which the store's JSON keeps. Such a session is not cached
+    (its reads go to the store), rather than cached without that turn."""
+    try:
+        return _msgpack_enc.encode(turn)
+    except OverflowError:
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class RegionCache:
     """One region's Redis (a server, or a logical database of one). Its client must return bytes
@@ -218,23 +228,23 @@ class SessionStore:
                     log.error("giving up on %d session turns after %d attempts: %s", len(batch), attempt + 1, exc)
                     return
                 await asyncio.sleep(self._retry_backoff_s * 2**attempt)
+        packed = [(t, _packed(t)) for t in batch]
+        uncached = {self.cache_key(t.tenant_id, t.session_id) for t, body in packed if body is None}
         for region in (self.home, *self.others):
             only_if_cached = "0" if region is self.home else "1"
             try:
                 async with region.redis.pipeline(transaction=False) as pipe:
-                    for t in batch:
+                    for t, body in packed:
+                        if body is None:
+                            continue
                         await self._append[region.name](
                             keys=[self.cache_key(t.tenant_id, t.session_id)],
-                            args=[
-                                t.turn_id,
-                                _msgpack_enc.encode(t),
-                                self._ttl_ms,
-                                only_if_cached,
-                                self.max_cached_turns,
-                            ],
+                            args=[t.turn_id, body, self._ttl_ms, only_if_cached, self.max_cached_turns],
                             client=pipe,
                         )
                     await pipe.execute()
+                if uncached:  # (after the appends: a later turn of the batch must not cache it again)
+                    await region.redis.delete(*uncached)
             except RedisError as exc:
                 # the store has the turns; this region reads them from there on its next miss
                 self.stats.cache_errors += 1
@@ -256,14 +266,20 @@ class SessionStore:
             return sorted(turns, key=_order)
         turns = await self.read_store(tenant_id, session_id)
         if cached is not None and len(turns) <= self.max_cached_turns:
-            args: list[str | bytes] = [self._ttl_ms]
-            for t in turns:
-                args += [t.turn_id, _msgpack_enc.encode(t)]
-            try:
-                await self._refill(keys=[key], args=args)
-            except RedisError as exc:
-                log.warning("session cache refill in region %s failed: %s", self.home.name, exc)
+            await self._refill_cache(key, turns)
         return turns
+
+    async def _refill_cache(self, key: str, turns: list[Turn]) -> None:
+        args: list[str | bytes] = [self._ttl_ms]
+        for t in turns:
+            body = _packed(t)
+            if body is None:
+                return  # not cached (``_packed``)
+            args += [t.turn_id, body]
+        try:
+            await self._refill(keys=[key], args=args)
+        except RedisError as exc:
+            log.warning("session cache refill in region %s failed: %s", self.home.name, exc)
 
     async def read_store(self, tenant_id: str, session_id: str) -> list[Turn]:
         rows = await self._db.fetch(_SELECT, tenant_id, session_id)

@@ -236,3 +236,23 @@ async def test_writer_gives_up_after_its_attempts_and_keeps_running(ctx, redis_a
         assert await store.read_store(TENANT, "s1") == [t2]
     finally:
         await store.close()
+
+
+async def test_a_turn_messagepack_cannot_hold_is_stored_and_its_session_read_from_the_store(ctx, redis_a):
+    # A content part a client sent may carry an integer past 64 bits (the API fuzzer's did): the store's
+    # JSON keeps it, MessagePack cannot. The turn is stored, the session stops being cached (a cache
+    # without that turn would answer reads with a history missing it), and reads come from the store.
+    store = ctx.sessions
+    t1 = turn("big", "t1", 1)
+    store.record_turn(t1)
+    await store.flush()
+    assert await store.get_history(TENANT, "big") == [t1]  # now cached whole
+    huge = Message(role="user", content=[{"type": "text", "text": "hi", "n": 2**70}])
+    t2 = Turn(turn_id="t2", session_id="big", tenant_id=TENANT, created_at=t1.created_at + 1, messages=[huge])
+    store.record_turn(t2)
+    await store.flush()
+    assert store.stats.failed == 0 and store.stats.written == 2
+    assert not await redis_a.exists(store.cache_key(TENANT, "big"))
+    for _ in range(2):  # the second read finds no cache either: it is not refilled without the turn
+        assert await store.get_history(TENANT, "big") == [t1, t2]
+    assert not await redis_a.exists(store.cache_key(TENANT, "big"))
