@@ -50,7 +50,6 @@ prefix (``kv_load_failure_policy``) and the request is answered. The router does
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -143,10 +142,12 @@ class SplitPrefill:
             return
         nodes = [n for n in node_ids if n is not None]
         self._cold.update(nodes)
+        waits = [asyncio.ensure_future(e.wait()) for e in splits]
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in splits)), self.cold_wait_s)
+            await asyncio.wait(waits, timeout=self.cold_wait_s)  # (all of them, or the time is up)
         finally:
+            for w in waits:
+                w.cancel()
             for n in nodes:
                 self._cold[n] -= 1
                 if self._cold[n] <= 0:
