@@ -199,15 +199,9 @@ class Legs(PeerLegs):
     async def _wait_split(self, decision: Decision, rr: RoutingRequest | None) -> None:
         assert self.splits is not None
         target = decision.prefill or decision.decode
-        # The policy's own count where it gives one: it knows the prompts still prefilling there (a
-        # second session of the split prompt's repository is warm on its node, not cold).
-        uncached = decision.extra.get("uncached_tokens")
-        if uncached is not None:
-            cold = uncached >= self.splits.min_tokens
-        else:
-            cold = rr is not None and self.splits.cold(
-                rr.model, rr.block_keys, len(rr.prompt_token_ids), target.node_id, target.node.info.block_size
-            )
+        cold = rr is not None and self.splits.cold(
+            rr.model, rr.block_keys, len(rr.prompt_token_ids), target.node_id, target.node.info.block_size
+        )
         await self.splits.wait_hold(decision.decode.node_id, decision.prefill and decision.prefill.node_id, cold=cold)
 
     def _split_plan(self, decision: Decision, rr: RoutingRequest, pools: Pools) -> SplitPlan | None:

@@ -50,6 +50,7 @@ prefix (``kv_load_failure_policy``) and the request is answered. The router does
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -142,12 +143,10 @@ class SplitPrefill:
             return
         nodes = [n for n in node_ids if n is not None]
         self._cold.update(nodes)
-        waits = [asyncio.ensure_future(e.wait()) for e in splits]
         try:
-            await asyncio.wait(waits, timeout=self.cold_wait_s)  # (all of them, or the time is up)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in splits)), self.cold_wait_s)
         finally:
-            for w in waits:
-                w.cancel()
             for n in nodes:
                 self._cold[n] -= 1
                 if self._cold[n] <= 0:

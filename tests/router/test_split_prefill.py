@@ -173,33 +173,3 @@ async def test_a_cold_prompt_waits_no_longer_than_cold_wait_s_and_blocks_new_spl
     assert split.plan("m", KEYS, 1600, a, [a, b]) is None
     await asyncio.wait_for(waiting, 5)  # given up after cold_wait_s, though never released
     assert not computed.is_set() and split.plan("m", KEYS, 1600, a, [a, b]) is not None
-
-
-async def test_the_legs_judge_cold_by_the_policys_uncached_count_where_it_gives_one() -> None:
-    """A second session of the split prompt's repository, routed to the node computing it (the policy's
-    pending blocks), is warm there though the fleet index does not hold it yet: it goes after the short
-    hold. Without the policy's count the fleet index decides."""
-    import asyncio
-    import contextlib
-    from types import SimpleNamespace
-
-    from router.planning.legs import Legs
-    from router.policies.base import Decision, ReasonCode, RoutingRequest
-
-    a, b = node("a"), node("b")
-    split = SplitPrefill(Index(), min_tokens=1024, hold_s=0.0, cold_wait_s=30.0)
-    legs = SimpleNamespace(splits=split)
-    rr = RoutingRequest(request_id="r", model="m", prompt_token_ids=tuple(range(1600)), block_keys=tuple(KEYS))
-    computed = split.hold("a", "b")
-    code = ReasonCode.BEST_PREFIX
-    for uncached, waits in ((128.0, False), (1472.0, True), (None, True)):
-        extra = {} if uncached is None else {"uncached_tokens": uncached}
-        decision = Decision(decode=a, prefill=None, policy="cache_aware", code=code, decode_code=code, extra=extra)
-        task = asyncio.create_task(Legs._wait_split(legs, decision, rr))  # type: ignore[arg-type]
-        await asyncio.sleep(0.05)
-        assert task.done() is not waits, uncached
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    split.release(computed)
-    assert b.node_id not in split._cold and not split._cold  # the cancelled waiters left no count
