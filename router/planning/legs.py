@@ -101,8 +101,8 @@ class Legs(PeerLegs):
         runs the prefill leg closes ``prefill_slot`` when it ends. A node that prefills itself may load a
         prefix from a peer first (``router.planning.peer_fetch``)."""
         path = PATHS[kind]
-        if self.splits is not None and self.splits.holding():  # a split's steps there: join the next ones
-            await self._wait_split(decision, rr)
+        if self.splits is not None:  # a split's steps are starting there: join the next ones
+            await self.splits.wait_hold(decision.decode.node_id, decision.prefill and decision.prefill.node_id)
         note_decode_node(trace, decision.decode)
         if decision.prefill is None:
             trace.mode = "colocated"
@@ -196,14 +196,6 @@ class Legs(PeerLegs):
             self._prefill_ended(trace)
             await prefill_slot.aclose()
 
-    async def _wait_split(self, decision: Decision, rr: RoutingRequest | None) -> None:
-        assert self.splits is not None
-        target = decision.prefill or decision.decode
-        cold = rr is not None and self.splits.cold(
-            rr.model, rr.block_keys, len(rr.prompt_token_ids), target.node_id, target.node.info.block_size
-        )
-        await self.splits.wait_hold(decision.decode.node_id, decision.prefill and decision.prefill.node_id, cold=cold)
-
     def _split_plan(self, decision: Decision, rr: RoutingRequest, pools: Pools) -> SplitPlan | None:
         if self.splits is None or not rr.block_keys or decision.code is ReasonCode.PINNED:
             return None  # (a pinned request is its node's alone: x-tandem-node)
@@ -250,10 +242,8 @@ class Legs(PeerLegs):
         helper_leg = asyncio.ensure_future(self._helper_leg(helper, hbody, trace))
         serve = self._open_once(leg, trace) if body.get("stream") else self._post_decode(leg, trace)
         leg.pair = layerwise.Pair(asyncio.ensure_future(serve), helper_leg)
-        splits = self.splits
-        assert splits is not None  # (it planned the split)
-        computed = splits.hold(target.node_id, helper.node_id)
-        helper_leg.add_done_callback(lambda _: splits.release(computed))
+        assert self.splits is not None  # (it planned the split)
+        self.splits.hold(target.node_id, helper.node_id)
         await leg.pair.first()
         return leg
 

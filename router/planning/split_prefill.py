@@ -35,13 +35,6 @@ tokens are computed (in ``bench fleet``'s burst the split prompt's TTFT was 2.5-
 before it is sent (``wait_hold``); it then runs in the step after, which is where it would have
 finished anyway.
 
-A cold prompt (one its node would compute at least ``min_tokens`` of) waits longer: until the split's
-prefix is computed (the helper's leg ends), at most ``COLD_WAIT_S``. Sent after ``HOLD_S`` it would fill
-the next steps of X or Y with its own chunks, and since each of X's layers waits for Y's, both nodes go
-at the pace of the fuller step: the split and the cold prompt end later than one after the other (the
-burst's last first turn 5.4-5.6 s against the 1.85 + 3.1 s of the two in a row). A small (warm) turn
-adds little to a step and is not held. While cold prompts wait on a node, no new split starts there.
-
 Failures: Y's leg failing ends its lease (the prefill node aborts the fill: X's pull fails at once), or
 Y goes silent (X gives its pull up after ``ConnectorSettings.split_stall_s``); X then recomputes the
 prefix (``kv_load_failure_policy``) and the request is answered. The router does not retry it.
@@ -50,9 +43,7 @@ prefix (``kv_load_failure_policy``) and the request is answered. The router does
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -62,9 +53,6 @@ from router.policies.base import Candidate
 HOLD_S = 0.1
 """How long after a split's legs are sent other requests to its two nodes wait (the module docstring):
 time for an idle engine's API server to take a request and its scheduler to start a step on it."""
-COLD_WAIT_S = 10.0
-"""The longest a cold prompt waits for a split's prefix on its node (the module docstring); the helper's
-leg ends sooner (a stalled split is given up after ``ConnectorSettings.split_stall_s``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,52 +72,22 @@ def idle(c: Candidate) -> bool:
 
 
 class SplitPrefill:
-    def __init__(
-        self, index: OwnPrefix, min_tokens: int, hold_s: float = HOLD_S, cold_wait_s: float = COLD_WAIT_S
-    ) -> None:
+    def __init__(self, index: OwnPrefix, min_tokens: int, hold_s: float = HOLD_S) -> None:
         self.index = index
         self.min_tokens = min_tokens
         self.hold_s = hold_s
-        self.cold_wait_s = cold_wait_s
         self._held: dict[str, float] = {}
         """node id -> monotonic time until which requests to it wait (a split's steps starting)."""
-        self._computing: dict[str, asyncio.Event] = {}
-        """node id -> set when the split under way there has its prefix (what cold prompts wait for)."""
-        self._cold: Counter[str] = Counter()
-        """node id -> cold prompts waiting for its split: no new split starts there meanwhile."""
 
-    def holding(self) -> bool:
-        """Whether any split holds requests now (when not, ``wait_hold`` returns at once)."""
-        return bool(self._held or self._computing)
-
-    def hold(self, *node_ids: str) -> asyncio.Event:
-        """A split's legs were just sent to these nodes: hold other requests to them for ``hold_s``, and
-        cold prompts until the returned event is ``release``d (the split's prefix is computed)."""
+    def hold(self, *node_ids: str) -> None:
+        """A split's legs were just sent to these nodes: hold other requests to them for ``hold_s``."""
         until = time.monotonic() + self.hold_s
-        computed = asyncio.Event()
         for node_id in node_ids:
             self._held[node_id] = until
-            self._computing[node_id] = computed
-        return computed
 
-    def release(self, computed: asyncio.Event) -> None:
-        """The split ``hold`` returned ``computed`` for has its prefix (or failed): cold prompts go."""
-        for node_id, event in list(self._computing.items()):
-            if event is computed:
-                del self._computing[node_id]
-        computed.set()
-
-    def cold(self, model: str, keys: Sequence[int], prompt_tokens: int, node_id: str, block_size: int) -> bool:
-        """Whether the node would compute at least ``min_tokens`` of this prompt itself."""
-        if prompt_tokens < self.min_tokens:
-            return False
-        hit = self.index.longest_prefix(model, keys).get(node_id, 0) * block_size if keys else 0
-        return prompt_tokens - hit >= self.min_tokens
-
-    async def wait_hold(self, *node_ids: str | None, cold: bool = False) -> None:
-        """Wait out the holds on these nodes (at once when none applies: the common case); a ``cold``
-        prompt also waits for the splits under way there to have their prefix."""
-        if not self.holding():
+    async def wait_hold(self, *node_ids: str | None) -> None:
+        """Wait out the holds on these nodes (at once when none applies: the common case)."""
+        if not self._held:
             return
         now = time.monotonic()
         for node_id, until in list(self._held.items()):
@@ -138,33 +96,13 @@ class SplitPrefill:
         wait = max((self._held.get(n, now) for n in node_ids if n is not None), default=now) - now
         if wait > 0:
             await asyncio.sleep(wait)
-        splits = {self._computing[n] for n in node_ids if n is not None and n in self._computing}
-        if not cold or not splits:
-            return
-        nodes = [n for n in node_ids if n is not None]
-        self._cold.update(nodes)
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in splits)), self.cold_wait_s)
-        finally:
-            for n in nodes:
-                self._cold[n] -= 1
-                if self._cold[n] <= 0:
-                    del self._cold[n]
 
     def _free(self, c: Candidate, inflight: Callable[[str], int]) -> bool:
         """Idle, by its candidate (a snapshot taken when the request was routed) and by this router's live
-        count, in no split's hold and awaited by no cold prompt. Two prompts planned one after the other
-        must not split in opposite directions over the same two nodes: each node's step would wait on
-        the other's."""
+        count, and in no split's hold. Two prompts planned one after the other must not split in
+        opposite directions over the same two nodes: each node's step would wait on the other's."""
         now = time.monotonic()
-        return (
-            idle(c)
-            and inflight(c.node_id) == 0
-            and self._held.get(c.node_id, now) <= now
-            and c.node_id not in self._computing
-            and not self._cold[c.node_id]
-        )
+        return idle(c) and inflight(c.node_id) == 0 and self._held.get(c.node_id, now) <= now
 
     def plan(
         self,
