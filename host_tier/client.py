@@ -58,6 +58,9 @@ class TierClient:
         self._endpoint = endpoint
         self._timeout_ms = int(timeout_s * 1000)
         self._sock = self._connect()
+        self._notices: zmq.Socket[bytes] | None = None
+        """A DEALER for the notices nothing answers (``demote``), made at the first one."""
+        self.notices_dropped = 0
         welcome = self._call(m.Hello())
         assert isinstance(welcome, m.Welcome)
         if welcome.fingerprint != fingerprint:
@@ -120,14 +123,32 @@ class TierClient:
         return len(sealed)
 
     def slots(self, keys: Sequence[bytes]) -> list[int]:
-        """The slots of the longest held prefix of ``keys`` (read them with ``arena.read_scatter``)."""
+        """The slots of the longest held prefix of ``keys`` (read them with ``arena.read_scatter``, which
+        checks each still holds its key: a slot reused since fails the read, never serves other bytes)."""
         found = self._call(m.Lookup(list(keys)))
         assert isinstance(found, m.Found)
         return found.slots
 
-    def demote(self, keys: Sequence[bytes]) -> None:
-        """The caller now holds its own copies of these blocks: the tier's become spares (``eviction.py``)."""
-        self._call(m.Demote(list(keys)))
+    def demote(self, keys: Sequence[bytes], *, wait: bool = True) -> None:
+        """The caller now holds its own copies of these blocks: the tier's become spares (``eviction.py``).
+
+        ``wait=False`` sends it as a notice and returns at once: an engine that just loaded blocks does
+        not wait on the tier's process, which on a host whose cores the engines keep busy answers in
+        milliseconds, not microseconds. A notice the socket cannot queue is dropped and counted: the
+        tier then keeps those copies where they were in line, which costs room, not correctness."""
+        if wait:
+            self._call(m.Demote(list(keys)))
+            return
+        if self._notices is None:
+            self._notices = self._ctx.socket(zmq.DEALER)
+            self._notices.setsockopt(zmq.LINGER, 0)
+            self._notices.setsockopt(zmq.SNDHWM, 1024)
+            self._notices.connect(self._endpoint)
+        try:
+            # The empty frame a REQ socket puts first: the server's ROUTER reads both kinds alike.
+            self._notices.send_multipart([b"", m.encoder.encode(m.Demote(list(keys), reply=False))], zmq.NOBLOCK)
+        except zmq.Again:
+            self.notices_dropped += 1
 
     def forget(self, keys: Sequence[bytes], reason: str = "corrupt") -> None:
         self._call(m.Forget(list(keys), reason))
@@ -174,4 +195,6 @@ class TierClient:
 
     def close(self) -> None:
         self._sock.close()
+        if self._notices is not None:
+            self._notices.close()
         self.arena.close()

@@ -47,6 +47,9 @@ class BlockCopy:
     block_ids: list[int]
     keys: list[bytes]
     retain: Retain | None = None
+    slots: list[int] | None = None
+    """A load's tier slots, as the scheduler's lookup found them in the same step: the worker reads them
+    without asking again (each read checks the slot still holds its key). None: ask."""
 
 
 @dataclass

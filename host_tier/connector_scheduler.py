@@ -21,7 +21,7 @@ class TierScheduler:
     def __init__(self, link: TierLink, block_size: int) -> None:
         self._link = link
         self.block_size = block_size
-        self._pending_load: dict[str, tuple[int, int]] = {}  # request -> (first block index, count)
+        self._pending_load: dict[str, tuple[int, list[int]]] = {}  # request -> (first block index, tier slots)
         self._loads: list[BlockCopy] = []
         self._stores: list[BlockCopy] = []
         self._cached: dict[int, bytes] = {}
@@ -42,14 +42,14 @@ class TierScheduler:
         if not keys:
             return 0, False
         try:
-            n = tier.lookup(keys)
+            slots = tier.slots(keys)  # handed to the worker: its load asks the tier nothing more
         except ConfigError as exc:
             self._link.down(exc)
             return 0, False
-        if n == 0:
+        if not slots:
             return 0, False
-        self._pending_load[request.request_id] = (first, n)
-        return n * self.block_size, False
+        self._pending_load[request.request_id] = (first, slots)
+        return len(slots) * self.block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()[0] if blocks.blocks else []
@@ -62,10 +62,10 @@ class TierScheduler:
         pending = self._pending_load.pop(request.request_id, None)
         if pending is None or num_external_tokens == 0:
             return
-        first, n = pending
-        n = min(n, num_external_tokens // self.block_size)
+        first, slots = pending
+        n = min(len(slots), num_external_tokens // self.block_size)
         keys = [bytes(h) for h in request.block_hashes[first : first + n]]
-        self._loads.append(BlockCopy(request.request_id, list(block_ids[first : first + n]), keys))
+        self._loads.append(BlockCopy(request.request_id, list(block_ids[first : first + n]), keys, slots=slots[:n]))
 
     def _note_evicted(self, block_id: int) -> None:
         key = self._cached.pop(block_id)

@@ -1,9 +1,12 @@
 """The worker half of the host-tier connector (``host_tier.connector``): the copies between the engine's
 KV cache and the tier's slots. Loads run before the step's forward, each block checked by the tier's
 seqlock and checksum (``host_tier.arena``); a block that fails is reported as a load error, so vLLM
-recomputes from it, and the tier forgets it. Stores copy a finished request's blocks out (Reserve ->
-copy -> Commit) and pin those the router marked for retention; evicted blocks are saved hot in
-``handle_preemptions``, before anything writes them.
+recomputes from it, and the tier forgets it. A load asks the tier's process nothing: it reads the
+slots the scheduler's lookup found in the same step and tells the tier it holds the blocks now with a
+notice it does not wait for (``TierClient.demote``). On a host whose cores the engines keep busy each
+round trip to the tier waited 4-9 ms for a core, two of them on every remote hit. Stores copy a
+finished request's blocks out (Reserve -> copy -> Commit) and pin those the router marked for
+retention; evicted blocks are saved hot in ``handle_preemptions``, before anything writes them.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class TierWorker:
         found: list[int] = []
         if tier is not None and self._kv is not None:
             try:
-                found = tier.slots(copy.keys)
+                found = copy.slots if copy.slots is not None else tier.slots(copy.keys)
             except ConfigError as exc:
                 self._link.down(exc)
         loaded = 0
@@ -77,7 +80,8 @@ class TierWorker:
         self.loaded_blocks += loaded
         if loaded and tier is not None:
             try:
-                tier.demote(copy.keys[:loaded])  # this engine holds them now: the tier's are the spares
+                # This engine holds them now: the tier's are the spares. A notice: the step goes on.
+                tier.demote(copy.keys[:loaded], wait=False)
             except ConfigError as exc:
                 self._link.down(exc)
 

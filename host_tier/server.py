@@ -372,11 +372,17 @@ def serve(
             ready_socks = dict(poller.poll(500))
             if sock in ready_socks:
                 ident, empty, payload = sock.recv_multipart()
+                notice = False
                 try:
-                    reply: m.Reply = core.handle(m.request_decoder.decode(payload))
+                    req = m.request_decoder.decode(payload)
+                    notice = isinstance(req, m.Demote) and not req.reply
+                    reply: m.Reply = core.handle(req)
                 except (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError) as exc:
                     reply = m.Failed(f"bad request: {exc}")
-                sock.send_multipart([ident, empty, m.encoder.encode(reply)])
+                    if notice:
+                        log.warning("host tier: a notice refused: %s", reply.message)
+                if not notice:
+                    sock.send_multipart([ident, empty, m.encoder.encode(reply)])
             events.flush(heartbeat_s=1.0)
             if replay is not None and replay in ready_socks:
                 _answer_replay(replay, events, core)

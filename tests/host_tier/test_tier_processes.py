@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from contracts.errors import ConfigError
+from host_tier import messages as m
 from host_tier.client import TierClient
 from host_tier.events import MEDIUM, event_key
 from host_tier.settings import TierSettings, layout_from_model
@@ -80,6 +81,7 @@ def blocks(tier: Tier, n: int, seed: int = 0) -> tuple[list[bytes], list[np.ndar
 
 WRITER = """
 import sys, numpy as np
+from host_tier import messages as m
 from host_tier.client import TierClient
 endpoint, fp = sys.argv[1], bytes.fromhex(sys.argv[2])
 seed, n, size = (int(a) for a in sys.argv[3:6])
@@ -372,6 +374,7 @@ def test_the_tier_emits_host_tier_rows_the_lake_writer_writes_and_they_sum_to_it
 STALLED_WRITER = """
 import sys
 from host_tier import messages as m
+from host_tier import messages as m
 from host_tier.client import TierClient
 client = TierClient(sys.argv[1], bytes.fromhex(sys.argv[2]), timeout_s=30.0)
 keys = [bytes([i]) * 32 for i in range(int(sys.argv[3]))]
@@ -414,3 +417,27 @@ def test_an_engine_killed_inside_an_offload_leaves_no_tier_space_behind(tmp_path
         if t.proc is not None and t.proc.poll() is None:
             t.proc.terminate()
             t.proc.wait(timeout=10)
+
+
+def test_a_demote_notice_is_answered_with_nothing_and_its_blocks_leave_first(tier: Tier) -> None:
+    """What an engine sends once it has loaded blocks (``TierClient.demote(wait=False)``): no answer to
+    wait for, and the tier's copies become the first to leave."""
+    client = tier.client()
+    keys, data = blocks(tier, 8)
+    assert client.put(keys[:4], data[:4]) == 4
+    assert client.put(keys[4:], data[4:]) == 4  # full: keys[0] is the least recently used
+    client.demote(keys[4:6], wait=False)
+    # One connection keeps its order: the server's next message from it is this Stats, and the one frame
+    # that comes back answers it (were the notice answered, a Done would come first).
+    notices = client._notices
+    assert notices is not None
+    notices.send_multipart([b"", m.encoder.encode(m.Stats())])
+    assert notices.poll(30_000)
+    _, payload = notices.recv_multipart()
+    assert isinstance(m.reply_decoder.decode(payload), m.TierStats)
+    assert not notices.poll(0)
+    new_keys, new_data = blocks(tier, 2, seed=1)
+    assert client.put(new_keys, new_data) == 2
+    assert client.lookup(keys[:4]) == 4  # without the notice, the least recently used would have left
+    assert client.lookup(keys[4:5]) == 0 and client.lookup(keys[6:8]) == 2
+    assert client.notices_dropped == 0
