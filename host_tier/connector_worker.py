@@ -3,7 +3,7 @@ KV cache and the tier's slots. Loads run before the step's forward, each block c
 seqlock and checksum (``host_tier.arena``); a block that fails is reported as a load error, so vLLM
 recomputes from it, and the tier forgets it. A load asks the tier's process nothing: it reads the
 slots the scheduler's lookup found in the same step and tells the tier it holds the blocks now with a
-notice it does not wait for (``TierClient.demote``). On a host whose cores the engines keep busy each
+notice it does not wait for (``TierClient.demote``). Beside busy processes on a 2-core host each
 round trip to the tier waited 4-9 ms for a core, two of them on every remote hit. Stores copy a
 finished request's blocks out (Reserve -> copy -> Commit) and pin those the router marked for
 retention; evicted blocks are saved hot in ``handle_preemptions``, before anything writes them.
