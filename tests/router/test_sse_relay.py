@@ -112,6 +112,25 @@ async def test_a_foreign_engine_id_is_replaced_and_tool_calls_are_collected() ->
     assert trace.finish_reason == "tool_calls"
 
 
+async def test_an_odd_payload_is_forwarded_untraced_and_every_token_keeps_the_time_it_went_out() -> None:
+    """Chunks are sent unread and read into the trace at the stream's end, all at once: one payload that
+    is not JSON must not cost the others their trace, and each token keeps its own batch's time."""
+    a, odd, b = _chunk(RID, {"content": "a"}), b"{not json", _chunk(RID, {"content": "b"}, "stop")
+    out, trace, finished = await _run([[a, odd], [b]], include_usage=False)
+    assert _events(out) == [a, odd, b, b"[DONE]"]
+    assert trace.content == ["a", "b"] and trace.finish_reason == "stop"
+    assert len(trace.token_times) == 2 and trace.first_token == trace.token_times[0] <= trace.token_times[1]
+    assert finished == [("ok", None)]
+
+
+async def test_a_long_answer_is_traced_whole_in_order() -> None:
+    """Past the chunks a stream keeps unread, they are read into the trace as it goes; none is lost."""
+    chunks = [_chunk(RID, {"content": f"t{i} "}) for i in range(600)]
+    out, trace, _ = await _run([chunks[i : i + 7] for i in range(0, 600, 7)], include_usage=False)
+    assert len(_events(out)) == 601
+    assert "".join(trace.content) == "".join(f"t{i} " for i in range(600)) and len(trace.token_times) == 600
+
+
 async def test_a_stream_that_breaks_after_tokens_ends_with_an_error_event() -> None:
     out, trace, finished = await _run([[_chunk(RID, {"content": "partial"})]], include_usage=False, fail=True)
     events = [e for e in out.split(b"\n\n") if e]
