@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
@@ -82,6 +82,8 @@ class Fleet:
         self.model_names: frozenset[str] = frozenset()
         """The models the nodes of the last registry read serve (a bounded set: safe as metric labels)."""
         self._inflight: Counter[str] = Counter()
+        self._ended: dict[str, deque[float]] = {}
+        """node id -> when this router's last few requests there ended (wall clock, as heartbeats are)."""
         self._epochs: dict[str, int] = {}
         self.restarts: Counter[str] = Counter()
         """Incarnation changes seen per node id since this router started."""
@@ -249,10 +251,12 @@ class Fleet:
         try:
             yield
         finally:
+            now = time.time()
             for i in ids:
                 self._inflight[i] -= 1
                 if self._inflight[i] <= 0:
                     del self._inflight[i]
+                self._ended.setdefault(i, deque(maxlen=_ENDED_KEPT)).append(now)
 
     def role_and_usage(self, node_id: str) -> tuple[str, float] | None:
         for n in self._nodes:
@@ -262,6 +266,14 @@ class Fleet:
 
     def inflight(self, node_id: str) -> int:
         return self._inflight[node_id]
+
+    def ended_since(self, node_id: str, t: float) -> int:
+        """How many of this router's requests on ``node_id`` ended after ``t`` (of the last few): work a
+        heartbeat taken at ``t`` may have counted that is over now."""
+        return sum(1 for e in self._ended.get(node_id, ()) if e > t)
+
+
+_ENDED_KEPT = 16
 
 
 def _can_serve(nodes: list[LiveNode]) -> bool:

@@ -201,7 +201,8 @@ class Legs(PeerLegs):
             return None  # (a pinned request is its node's alone: x-tandem-node)
         pool = [c for c in pools.colocated if not self.fleet.is_down(c.node_id)]
         n = len(rr.prompt_token_ids)
-        return self.splits.plan(rr.model, rr.block_keys, n, decision.decode, pool, self.fleet.inflight)
+        fleet = self.fleet
+        return self.splits.plan(rr.model, rr.block_keys, n, decision.decode, pool, fleet.inflight, fleet.ended_since)
 
     async def _split_legs(
         self,

@@ -4,6 +4,7 @@ mostly compute, never what a peer already holds (a fetch's business), the cut ba
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -26,7 +27,7 @@ class Index:
         return self.longest or self.own
 
 
-def node(name: str, *, running: int = 0, inflight: int = 0, peer_kv: bool = True) -> Candidate:
+def node(name: str, *, running: int = 0, inflight: int = 0, peer_kv: bool = True, at: float = 0.0) -> Candidate:
     info = NodeInfo(
         node_id=name,
         role=Role.BOTH,
@@ -38,7 +39,7 @@ def node(name: str, *, running: int = 0, inflight: int = 0, peer_kv: bool = True
         kv_endpoints={"tcp": f"tcp://{name}:1"} if peer_kv else {},
         kv_host_id="h" if peer_kv else "",
     )
-    return Candidate(node=LiveNode(info=info, load=NodeLoad(running=running)), inflight=inflight)
+    return Candidate(node=LiveNode(info=info, load=NodeLoad(running=running, updated_at=at)), inflight=inflight)
 
 
 KEYS = list(range(100))
@@ -76,6 +77,34 @@ def test_idle_means_nothing_running_waiting_or_in_flight() -> None:
     assert not idle(node("a", running=1)) and not idle(node("a", inflight=1))
 
 
+def test_a_heartbeat_s_busy_count_that_this_router_s_ended_requests_explain_is_idle() -> None:
+    """A heartbeat taken while a short request of ours ran there, read after it ended, says busy."""
+    ended = {"a": [99.0, 101.0]}  # when this router's requests on a ended; the heartbeat was taken at 100
+
+    def ended_since(node_id: str, t: float) -> int:
+        return sum(1 for e in ended.get(node_id, []) if e > t)
+
+    assert idle(node("a", running=1, at=100.0), ended_since)
+    assert not idle(node("a", running=2, at=100.0), ended_since)  # one more than ours: someone's still there
+    assert not idle(node("a", running=1, at=102.0), ended_since)  # taken after ours ended: another request
+    assert not idle(node("a", running=1, inflight=1, at=100.0), ended_since)
+    split = SplitPrefill(Index(), min_tokens=1024)
+    a, b = node("a", running=1, at=100.0), node("b")
+    assert split.plan("m", KEYS, 1600, a, [a, b]) is None
+    assert split.plan("m", KEYS, 1600, a, [a, b], ended_since=ended_since) is not None
+
+
+def test_the_fleet_counts_a_node_s_requests_that_ended_after_a_time() -> None:
+    from router.fleet import Fleet
+
+    fleet = Fleet(registry=None)  # type: ignore[arg-type]  # the counters alone: never started, no registry read
+    t0 = time.time()
+    with fleet.track(node("a")):
+        assert fleet.inflight("a") == 1 and fleet.ended_since("a", t0 - 1) == 0
+    assert fleet.inflight("a") == 0 and fleet.ended_since("a", t0 - 1) == 1
+    assert fleet.ended_since("a", time.time() + 1) == 0 and fleet.ended_since("b", 0.0) == 0
+
+
 def test_a_pinned_request_is_never_split() -> None:
     """``x-tandem-node`` pins a request to its node alone: the router plans no split for it, and plans one
     for the same request routed by the policy (the legs' own check, before the planner)."""
@@ -88,7 +117,7 @@ def test_a_pinned_request_is_never_split() -> None:
     a, b = node("a"), node("b")
     legs = SimpleNamespace(
         splits=SplitPrefill(Index(), min_tokens=1024),
-        fleet=SimpleNamespace(is_down=lambda n: False, inflight=lambda n: 0),
+        fleet=SimpleNamespace(is_down=lambda n: False, inflight=lambda n: 0, ended_since=lambda n, t: 0),
     )
     rr = RoutingRequest(request_id="r", model="m", prompt_token_ids=tuple(range(1600)), block_keys=tuple(KEYS))
     pools = Pools(prefill=[], decode=[], colocated=[a, b])
