@@ -129,16 +129,13 @@ class TierClient:
         assert isinstance(found, m.Found)
         return found.slots
 
-    def demote(self, keys: Sequence[bytes], *, wait: bool = True) -> None:
+    def demote(self, keys: Sequence[bytes]) -> None:
         """The caller now holds its own copies of these blocks: the tier's become spares (``eviction.py``).
 
-        ``wait=False`` sends it as a notice and returns at once: an engine that just loaded blocks does
-        not wait on the tier's process, which on a host whose cores the engines keep busy answers in
-        milliseconds, not microseconds. A notice the socket cannot queue is dropped and counted: the
-        tier then keeps those copies where they were in line, which costs room, not correctness."""
-        if wait:
-            self._call(m.Demote(list(keys)))
-            return
+        A notice, sent without waiting: an engine that just loaded blocks does not wait on the tier's
+        process, which on a host whose cores the engines keep busy answers in milliseconds, not
+        microseconds. A notice the socket cannot queue is dropped and counted: the tier then keeps those
+        copies where they were in line, which costs room, not correctness."""
         if self._notices is None:
             self._notices = self._ctx.socket(zmq.DEALER)
             self._notices.setsockopt(zmq.LINGER, 0)
@@ -146,7 +143,7 @@ class TierClient:
             self._notices.connect(self._endpoint)
         try:
             # The empty frame a REQ socket puts first: the server's ROUTER reads both kinds alike.
-            self._notices.send_multipart([b"", m.encoder.encode(m.Demote(list(keys), reply=False))], zmq.NOBLOCK)
+            self._notices.send_multipart([b"", m.encoder.encode(m.Demote(list(keys)))], zmq.NOBLOCK)
         except zmq.Again:
             self.notices_dropped += 1
 

@@ -49,7 +49,7 @@ class BlockCopy:
     retain: Retain | None = None
     slots: list[int] | None = None
     """A load's tier slots, as the scheduler's lookup found them in the same step: the worker reads them
-    without asking again (each read checks the slot still holds its key). None: ask."""
+    without asking again (each read checks the slot still holds its key). None for a store."""
 
 
 @dataclass

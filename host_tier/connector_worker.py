@@ -54,12 +54,7 @@ class TierWorker:
         """Fill the claimed blocks, or report them as load errors: a claimed block left unfilled would
         be computed on from whatever the cache held, so every path ends in one or the other."""
         tier = self._link.up()
-        found: list[int] = []
-        if tier is not None and self._kv is not None:
-            try:
-                found = copy.slots if copy.slots is not None else tier.slots(copy.keys)
-            except ConfigError as exc:
-                self._link.down(exc)
+        found = (copy.slots or []) if tier is not None and self._kv is not None else []
         loaded = 0
         for i, block_id in enumerate(copy.block_ids):
             ok = (
@@ -79,11 +74,7 @@ class TierWorker:
             loaded += 1
         self.loaded_blocks += loaded
         if loaded and tier is not None:
-            try:
-                # This engine holds them now: the tier's are the spares. A notice: the step goes on.
-                tier.demote(copy.keys[:loaded], wait=False)
-            except ConfigError as exc:
-                self._link.down(exc)
+            tier.demote(copy.keys[:loaded])  # this engine holds them now: the tier's are the spares
 
     def _store(self, copy: BlockCopy, *, cold: bool) -> None:
         tier = self._link.up()

@@ -15,15 +15,14 @@ slot numbers and keys cross this socket; block bytes never do (clients copy thro
                                                             no longer names is unpinned and demoted);
                                                             past the tenant's budget, refused
     Forget(keys, reason)           -> Done                  a reader found a block corrupt or stale
-    Demote(keys, reply)            -> Done                  an engine just loaded these: the tier's
-                                                            copies are spares now; reply=False: a
-                                                            notice, answered with nothing (an engine
-                                                            sends it and never waits on the tier)
+    Demote(keys)                   -> (nothing: a notice)   an engine just loaded these: the tier's
+                                                            copies are spares now (the engine sends it
+                                                            and never waits on the tier)
     Stats                          -> TierStats
 
 Versions: 1, the first; 2 adds ``Reserve.cold`` and ``Demote`` (a version-1 server could not decode
-``Demote``, so the handshake refuses it); 3 adds ``Demote.reply`` (a version-2 server would answer a
-notice, and the answers would pile up unread on the sender's socket).
+``Demote``, so the handshake refuses it); 3 makes ``Demote`` a notice (a version-2 server would
+answer it, and the answers would pile up unread on the sender's socket).
 
 A notice comes on a DEALER socket of its own (``TierClient.demote``), framed as a REQ socket frames a
 request, so the server's one ROUTER socket takes both; the server sends nothing back to it.
@@ -79,8 +78,6 @@ class Forget(msgspec.Struct, tag=True):
 
 class Demote(msgspec.Struct, tag=True):
     keys: list[bytes]
-    reply: bool = True
-    """False: a notice. Nothing comes back; bookkeeping an engine's load must not wait for."""
 
 
 class Stats(msgspec.Struct, tag=True):

@@ -375,7 +375,7 @@ def serve(
                 notice = False
                 try:
                     req = m.request_decoder.decode(payload)
-                    notice = isinstance(req, m.Demote) and not req.reply
+                    notice = isinstance(req, m.Demote)  # nothing comes back: bookkeeping a load never waits for
                     reply: m.Reply = core.handle(req)
                 except (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError) as exc:
                     reply = m.Failed(f"bad request: {exc}")

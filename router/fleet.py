@@ -57,6 +57,10 @@ class Pools:
     colocated: list[Candidate]
 
 
+_ENDED_KEPT = 16
+"""Ends of a node's requests a router remembers (``Fleet.ended_since``): a heartbeat's worth and more."""
+
+
 class Fleet:
     def __init__(
         self,
@@ -271,9 +275,6 @@ class Fleet:
         """How many of this router's requests on ``node_id`` ended after ``t`` (of the last few): work a
         heartbeat taken at ``t`` may have counted that is over now."""
         return sum(1 for e in self._ended.get(node_id, ()) if e > t)
-
-
-_ENDED_KEPT = 16
 
 
 def _can_serve(nodes: list[LiveNode]) -> bool:

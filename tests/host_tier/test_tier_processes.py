@@ -420,13 +420,13 @@ def test_an_engine_killed_inside_an_offload_leaves_no_tier_space_behind(tmp_path
 
 
 def test_a_demote_notice_is_answered_with_nothing_and_its_blocks_leave_first(tier: Tier) -> None:
-    """What an engine sends once it has loaded blocks (``TierClient.demote(wait=False)``): no answer to
+    """What an engine sends once it has loaded blocks (``TierClient.demote``): no answer to
     wait for, and the tier's copies become the first to leave."""
     client = tier.client()
     keys, data = blocks(tier, 8)
     assert client.put(keys[:4], data[:4]) == 4
     assert client.put(keys[4:], data[4:]) == 4  # full: keys[0] is the least recently used
-    client.demote(keys[4:6], wait=False)
+    client.demote(keys[4:6])
     # One connection keeps its order: the server's next message from it is this Stats, and the one frame
     # that comes back answers it (were the notice answered, a Done would come first).
     notices = client._notices
