@@ -66,7 +66,11 @@ CLAUDE_CODE = ("@anthropic-ai/claude-code", "2.1.197")
 
 AGENT_CONTEXT = 40960
 """Context window of an engine serving these clients: Claude Code's 32000 output tokens plus its
-prompt, inside a 1 GiB KV cache in bfloat16 (23 KB per token of SmolLM2-135M: ~46k tokens)."""
+prompt. vLLM refuses to start an engine whose KV cache cannot hold one request this long."""
+AGENT_KV_CACHE_GIB = 2
+"""KV cache of such an engine: one 40960-token request takes 0.88 GiB in bfloat16 (23 KB per token of
+SmolLM2-135M) and 1.76 GiB in float32, the dtype a node picks on a CPU without bfloat16 math
+(``node_agent.dtype``); with the node's default 1 GiB its engine fails to start there."""
 AGENT_GENERATION = {"max_new_tokens": 256, "temperature": 0}
 """The engine's generation config (``--override-generation-config``): defaults where the request has
 no value. Neither client sends a temperature; both send a max_tokens the cap then lowers."""
@@ -82,6 +86,7 @@ def agent_node_env() -> dict[str, str]:
     context window and the generation config, through the node settings (``TANDEM_NODE_*``)."""
     return {
         "TANDEM_NODE_MAX_MODEL_LEN": str(AGENT_CONTEXT),
+        "TANDEM_NODE_KV_CACHE_GIB": str(AGENT_KV_CACHE_GIB),
         "TANDEM_NODE_EXTRA_ENGINE_ARGS": json.dumps(list(agent_engine_args())),
         "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
     }

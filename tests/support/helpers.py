@@ -46,11 +46,14 @@ class OutputLines:
         assert proc.stdout is not None
         self.proc = proc
         self.seen: list[str] = []
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(
-            target=lambda: [self._lines.put(x) for x in iter(proc.stdout.readline, "")],  # type: ignore[union-attr]
-            daemon=True,
-        ).start()
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in iter(self.proc.stdout.readline, ""):
+            self._lines.put(line)
+        self._lines.put(None)  # end of output: the child closed it, so `until` stops waiting now
 
     def until(self, prefix: str, timeout_s: float, what: str = "process") -> str:
         """Wait for a line starting with ``prefix`` and return it; RuntimeError (with the output's tail)
@@ -61,6 +64,13 @@ class OutputLines:
                 line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 raise RuntimeError(f"{what} not ready in {timeout_s:.0f} s:\n{''.join(self.seen[-40:])}") from None
+            if line is None:
+                self._lines.put(None)  # a later call sees the end too
+                try:
+                    code = self.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise RuntimeError(f"{what} closed its output (exit {code}):\n{''.join(self.seen[-40:])}")
             self.seen.append(line)
             if line.startswith(prefix):
                 return line
