@@ -58,6 +58,7 @@ import psutil
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
 from bench.charts import grouped_bars, save, subplots
 from bench.histograms import diff_buckets, histogram_quantile, parse_histogram
+from bench.host import host_probe
 from bench.loadgen import SentRequest, percentile, run_sessions
 from bench.procs import outside_cpu_s, sched_cpu_s, served_model, wait_http
 from bench.routing import _Tokens
@@ -390,7 +391,8 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
     nonce = uuid.uuid4().hex[:6]
     runs: list[RunRecord] = []
     commands: dict[str, list[str]] = {}
-    load = {"before": os.getloadavg()}
+    load, probe = {"before": os.getloadavg()}, host_probe()
+    _log(f"host: {probe}")
     for rnd in range(cfg.rounds):
         salt = f"fleet-{nonce}-r{rnd}"
         scripts = build_sessions(cfg.workload, salt, tokens.text, lambda m: len(tokens.prompt(m)))
@@ -437,7 +439,7 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
     arms = {arm: summarize([r for r in runs if r.arm == arm]) for arm in cfg.arms}
     result = {
         "config": {**dataclasses.asdict(cfg), "workdir": str(cfg.workdir)},
-        "host": {"cores": len(os.sched_getaffinity(0)), "loadavg": load},
+        "host": {"cores": len(os.sched_getaffinity(0)), "loadavg": load, **probe},
         "engine_commands": commands,
         "arms": arms,
         "per_run": {f"r{r.round}-{r.arm}": summarize([r]) for r in runs},

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.host import host_record
+from bench.host import host_probe, host_record
 from bench.loadgen import percentile
 from bench.overhead_report import ARMS, plot, summarize, targets
 from bench.procs import ThreadCpu, served_model, wait_http
@@ -320,13 +320,14 @@ def run_overhead_bench(out: Path, cfg: OverheadBenchConfig | None = None) -> dic
     cfg = cfg or OverheadBenchConfig()
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     run_tag = int(time.time()) % 1_000_000
-    load_before = os.getloadavg()
+    load_before, probe = os.getloadavg(), host_probe()
+    _log(f"host: {probe}")
     rounds = [_run_round(cfg, rnd, run_tag) for rnd in range(cfg.rounds)]
     _log("router ceiling over the stand-in engine")
     ceiling = router_ceiling(cfg)
     summary = summarize(rounds, cfg.arms)
     result = _result(summary, ceiling)
-    doc = _document(cfg, rounds, summary, ceiling, result, load_before)
+    doc = _document(cfg, rounds, summary, ceiling, result, host_record(load_before, probe))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     png = out.with_suffix(".png")
@@ -388,13 +389,13 @@ def _document(
     summary: dict[str, Any],
     ceiling: dict[str, Any],
     result: dict[str, float],
-    load_before: tuple[float, float, float],
+    host: dict[str, Any],
 ) -> dict[str, Any]:
     """The JSON results: host, config, what each arm is, every round, the summary, ratios and targets."""
     doc: dict[str, Any] = {
         "benchmark": "overhead",
         "time": time.time(),
-        "host": host_record(load_before),
+        "host": host,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "arms": {
             "plain": "vllm serve with the node's flags, all cores, no agent",
