@@ -7,13 +7,14 @@ Processor` whatever it runs on):
 - ``python_loop_10m_s``: the CPU seconds of ten million steps of an empty Python loop (timed over one
   million and scaled): the interpreter's speed, which bounds the router's and node agents' work.
   Measured hosts: 0.24 s (a 2-core AMX Xeon VM) to 2.0 s (a slow 2-core EPYC VM).
-- ``wakeup_us``: the on-CPU time of one wake-up of a thread that slept 1 s (``time.sleep``, one
-  loop step, then sleep again), from the scheduler's nanosecond counter. On most hosts this is tens of
-  microseconds. On a VM whose idle memory the hypervisor reclaims, each wake-up after idle first waits
-  for its pages to come back, and that wait is charged as the process's CPU: a 2-core Xeon VM (Firecracker,
-  guest `haltpoll`) charged 3,052 us per wake-up after 2 s asleep, 395 us after 0.2 s and 127 us after
-  20 ms. There an idle router read 16 ms of CPU a second and vllm-router 1.07, and every per-request CPU
-  figure at an engine's pace carries that cost: compare such figures only within one run, as ratios.
+- ``wakeup_us``: the on-CPU time of one wake-up of a thread that slept 1 s, from the scheduler's
+  nanosecond counter (median of three). Where the vCPU stays with the guest this is a few interpreter
+  steps and a system call: 60-100 us on a 2-core Xeon VM (Firecracker, guest `haltpoll`) while another
+  benchmark kept its cores busy. The same VM idle charged 3,052 us per wake-up after 2 s asleep, 395 us
+  after 0.2 s and 127 us after 20 ms: figures that fit a wake-up first waiting for the hypervisor to give
+  the vCPU and its memory back, charged as the woken process's CPU. There an idle router read 16 ms of
+  CPU a second and vllm-router 1.07, and every per-request CPU figure at an engine's pace carries that
+  cost: compare such figures only between hosts whose probes are alike, and within a run as ratios.
 """
 
 from __future__ import annotations

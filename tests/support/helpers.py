@@ -66,8 +66,8 @@ class OutputLines:
                 raise RuntimeError(f"{what} not ready in {timeout_s:.0f} s:\n{''.join(self.seen[-40:])}") from None
             if line is None:
                 self._lines.put(None)  # a later call sees the end too
-                try:
-                    code = self.proc.wait(max(0.1, deadline - time.monotonic()))
+                try:  # (a child that closed its output but lingers is not waited for long)
+                    code = self.proc.wait(min(30.0, max(0.1, deadline - time.monotonic())))
                 except subprocess.TimeoutExpired:
                     code = None
                 raise RuntimeError(f"{what} closed its output (exit {code}):\n{''.join(self.seen[-40:])}")
