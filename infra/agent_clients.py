@@ -41,12 +41,14 @@ Claude Code, ``claude -p PROMPT``
 What the serving engine must allow (``AGENT_ENGINE``): Claude Code's ``max_tokens`` of 32000 must fit
 the context window beside the prompt (the router and vLLM refuse a request whose ``max_tokens`` alone
 fills it), so the window is raised past SmolLM2's 8,192 positions (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``;
-the prompts themselves, 2-5k tokens, stay inside the trained range). The answer is capped and made
-greedy through the engine's generation config, which applies where the client sends no value: an
-answer that hits its cap ends with ``stop_reason: max_tokens``, which Claude Code answers by asking
-the model to continue, three times, then exits 1 ("exceeded the 32000 output token maximum"). So
-a turn completes only when the model ends its answer itself, which the 135M model does, greedily,
-for a short prompt that ends with the user's turn.
+the prompts themselves, 2-5k tokens, stay inside the trained range). The answer is made greedy and
+capped through the engine's generation config, which applies where the client sends no value. An
+answer that hits a cap ends with ``stop_reason: max_tokens``, which Claude Code answers by asking the
+model to continue, three times, then exits 1 ("exceeded the 32000 output token maximum"); so a turn
+completes only when the model ends its answer itself, which the 135M model does or not depending on
+the date in Claude Code's prompt and on the CPU's arithmetic. The engine's logits processor
+``infra.agent_turns.EndTurn`` ends every answer with the model's end token by its 48th token, under
+the cap, so every turn completes on every host.
 """
 
 from __future__ import annotations
@@ -78,7 +80,12 @@ no value. Neither client sends a temperature; both send a max_tokens the cap the
 
 def agent_engine_args() -> tuple[str, ...]:
     """Extra ``vllm serve`` arguments of an engine serving the agent clients."""
-    return ("--override-generation-config", json.dumps(AGENT_GENERATION))
+    return (
+        "--override-generation-config",
+        json.dumps(AGENT_GENERATION),
+        "--logits-processors",
+        "infra.agent_turns:EndTurn",
+    )
 
 
 def agent_node_env() -> dict[str, str]:

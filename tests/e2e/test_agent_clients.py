@@ -3,8 +3,9 @@
 their requests on /v1/responses and /v1/messages, answered 200.
 
 The cluster is this module's own: its engines serve a context window wide enough for Claude Code's
-``max_tokens`` of 32000 and a generation config that caps and greedies the answers
-(``infra.agent_clients``, which also says how each client is pointed at the router and what it sends).
+``max_tokens`` of 32000, a generation config that caps and greedies the answers and a logits processor
+that ends each by its 48th token, whatever the host's arithmetic (``infra.agent_clients``, which also
+says how each client is pointed at the router and what it sends).
 Skipped only when npm itself is missing (the clients are npm packages); an npm install that fails is a
 failure.
 
@@ -143,12 +144,13 @@ def test_claude_p_with_its_default_tools_and_skills_is_served(
     agent_cluster: AgentCluster, clients: AgentClients, tmp_path: Path
 ) -> None:
     """Claude Code as it runs by default: all 24 tools, and its agents and skills in a mid-conversation
-    ``system`` message after the user's prompt. The 135M model then copies that message until its cap,
-    so the client may give up on the answer ("exceeded the … output token maximum", after asking it to
-    continue); every request it sent must still be served: 200, no protocol error."""
+    ``system`` message after the user's prompt. The 135M model copies that message rather than answer;
+    the engine's ``EndTurn`` ends the copy, so the turn completes and every request is served: 200, no
+    protocol error, and no answer cut at a length cap."""
     since = datetime.now(UTC)
     run = run_claude(clients, _endpoint(agent_cluster), PROMPT, tmp_path, tools=None)
-    gave_up = "output token maximum" in run.stdout
-    assert run.returncode == 0 or gave_up, f"claude -p exited {run.returncode}:\n{run.stdout[-2000:]}"
-    rows = _landed(agent_cluster, since, "messages", at_least=4 if gave_up else 1)  # gave up: 1 + 3 continues
+    assert run.returncode == 0, f"claude -p exited {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
+    assert "API Error" not in run.stdout, run.stdout[-2000:]
+    rows = _landed(agent_cluster, since, "messages")
+    assert all(r["finish_reason"] != "length" for r in rows), rows
     assert [(r["http_status"], r["status"]) for r in rows] == [(200, "ok")] * len(rows)
