@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -298,6 +299,16 @@ def _alive(engine: EngineProcess) -> Callable[[], bool]:
     return lambda: engine.exited() is None
 
 
+def fresh_arm_state(workdir: Path, tag: str) -> tuple[Path, Path]:
+    """The cluster folder and router database of one Tandem arm and round, emptied of an earlier run's:
+    each arm's lake then holds that arm's requests only (a lake kept across runs mixed every run's
+    rows under one ``cluster-<tag>``), and its router starts without an earlier run's stored responses."""
+    cluster, db = workdir / f"cluster-{tag}", workdir / f"router-{tag}.db"
+    shutil.rmtree(cluster, ignore_errors=True)
+    db.unlink(missing_ok=True)
+    return cluster, db
+
+
 @contextlib.contextmanager
 def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
     """Start one arm on fresh processes; everything it started is stopped on exit."""
@@ -331,6 +342,7 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
                 e.stop()
         return
     tier = arm == "tandem_tier"
+    cluster_dir, router_db = fresh_arm_state(cfg.workdir, tag)
     default = shared_cache_default(cfg.nodes)  # the defaults arm gets what `tandem up` gives a user
     spec = ClusterSpec(
         prefill=0,
@@ -344,8 +356,8 @@ def serve_arm(arm: str, cfg: FleetBenchConfig, tag: str) -> Iterator[Served]:
         redis_port=cfg.port_base + 60,
         kv_cache_gib=cfg.kv_cache_gib,
         routers=cfg.routers,
-        workdir=cfg.workdir / f"cluster-{tag}",
-        router_env=(("TANDEM_DATABASE_URL", f"sqlite:///{(cfg.workdir / f'router-{tag}.db').resolve()}"),),
+        workdir=cluster_dir,
+        router_env=(("TANDEM_DATABASE_URL", f"sqlite:///{router_db.resolve()}"),),
         host_tier=cfg.host_tier if tier else default.host_tier,
         peer_kv=tier or default.peer_kv,
     )

@@ -6,6 +6,7 @@ import asyncio
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from bench.fleet import (
     BASELINE,
     RunRecord,
+    fresh_arm_state,
     plain_env,
     requests_of,
     result_line,
@@ -164,3 +166,17 @@ def test_outside_cpu_leaves_out_what_this_process_and_its_children_burn() -> Non
         child.kill()
         child.wait()
     assert host - outside >= 0.5  # the child's half second (and this process's own) is not outside
+
+
+def test_an_arms_cluster_folder_and_router_database_start_empty(tmp_path: Path) -> None:
+    """A second run's arm must not find the first run's lake rows or stored responses."""
+    old_lake = tmp_path / "cluster-r0-tandem" / "lake" / "requests"
+    old_lake.mkdir(parents=True)
+    (old_lake / "part-0.parquet").write_bytes(b"rows of an earlier run")
+    (tmp_path / "router-r0-tandem.db").write_bytes(b"responses of an earlier run")
+    other = tmp_path / "cluster-r1-tandem"
+    other.mkdir()
+    cluster, db = fresh_arm_state(tmp_path, "r0-tandem")
+    assert (cluster, db) == (tmp_path / "cluster-r0-tandem", tmp_path / "router-r0-tandem.db")
+    assert not cluster.exists() and not db.exists()
+    assert other.exists()  # another arm's folder is left alone
