@@ -45,8 +45,8 @@ the prompts themselves, 2-5k tokens, stay inside the trained range). The answer 
 capped through the engine's generation config, which applies where the client sends no value. An
 answer that hits a cap ends with ``stop_reason: max_tokens``, which Claude Code answers by asking the
 model to continue, three times, then exits 1 ("exceeded the 32000 output token maximum"); so a turn
-completes only when the model ends its answer itself, which the 135M model does or not depending on
-the date in Claude Code's prompt and on the CPU's arithmetic. The engine's logits processor
+completes only when the model ends its answer itself, which the 135M model did on some hosts and not
+on a CI host (its prompt holds the date and the host's details). The engine's logits processor
 ``infra.agent_turns.EndTurn`` ends every answer with the model's end token by its 48th token, under
 the cap, so every turn completes on every host.
 """
