@@ -9,9 +9,9 @@ ends its answer greedily is the model's whim: its prompt changes from day to day
 (Claude Code puts the date, the working folder and the kernel's version in it) and the engine's dtype
 with the CPU (bfloat16 or float32). On one CI host every answer ran to the cap; on the hosts tried
 since, the same test answered "Hello." for every date tried. A test that relies on it passes on one
-host and fails on another. With this
-processor every answer ends by ``LIMIT`` tokens with ``end_turn`` / ``completed``, as a capable model's
-short answer does, and what the agent tests check is the protocol, not the model's manners.
+host and fails on another. With this processor every answer ends by ``LIMIT`` tokens with
+``end_turn`` / ``completed``, as a capable model's short answer does, and what the agent tests check
+is the protocol, not the model's manners.
 
 It only adds the end token's choice once an answer is ``LIMIT`` tokens long: shorter answers and the
 prompt are untouched, so the prefix cache, the KV transfer and the router see ordinary requests.
@@ -61,15 +61,11 @@ class EndTurn(LogitsProcessor):
         for index, _params, _prompt, output in batch_update.added:
             self.outputs[index] = output
         for a, b, direction in batch_update.moved:
-            moving = self.outputs.pop(a, None)
-            if direction == MoveDirectionality.SWAP:
-                other = self.outputs.pop(b, None)
-                if other is not None:
-                    self.outputs[a] = other
+            moving, replaced = self.outputs.pop(a, None), self.outputs.pop(b, None)
+            if direction == MoveDirectionality.SWAP and replaced is not None:
+                self.outputs[a] = replaced
             if moving is not None:
                 self.outputs[b] = moving
-            else:
-                self.outputs.pop(b, None)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         rows = [index for index, output in self.outputs.items() if len(output) >= LIMIT and index < logits.shape[0]]
