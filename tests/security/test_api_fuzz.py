@@ -224,15 +224,28 @@ def test_stateful(live: tuple[Router, dict[str, str]]) -> None:
     """Sequences the document's links allow: a completion, then its session (read, deleted, read
     again: ``use_after_free``) and feedback on its answer; with the served model, so that answers exist."""
     answered: Counter[tuple[str, int]] = Counter()
+    failed: list[str] = []
 
     class Counted(load_live(live).as_state_machine()):  # type: ignore[misc]
         def after_call(self, response: Any, case: schemathesis.Case) -> None:
             answered[(case.path, response.status_code)] += 1
             super().after_call(response, case)
 
+        def step(self, input: Any) -> Any:
+            try:
+                return super().step(input)
+            except Exception as exc:
+                failed.append(f"{input.case.method} {input.case.path}: {type(exc).__name__}: {str(exc)[:2000]}")
+                raise
+
     started = time.monotonic()
     with naming_the_served_model(live[0].model):
-        Counted.run(settings=SETTINGS)
+        try:
+            Counted.run(settings=SETTINGS)
+        except Exception as exc:
+            # A call whose answer differs when hypothesis replays the sequence (a server in another state
+            # by then) surfaces as FlakyStrategyDefinition, which names no failure: name the first here.
+            raise AssertionError(f"stateful run failed; first failing step: {failed[:1]}") from exc
     assert time.monotonic() - started < 60
     # It went past the first call: answers were given, and the link to feedback on them followed.
     assert answered["/v1/chat/completions", 200] + answered["/v1/completions", 200] > 0, answered
