@@ -66,3 +66,28 @@ async def test_an_entry_edited_after_signing_is_refused(client: aioredis.Redis) 
     moved = msgspec.structs.replace(signed, url="http://10.9.9.9:80")  # the proof of another address
     await client.set(node_key("n", CLUSTER), msgspec.msgpack.encode(moved))
     assert await router.live_nodes() == []
+
+
+async def test_a_registration_is_verified_once_until_its_bytes_change(
+    client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contracts.registry as registry
+
+    key_a = registry_proof_key(secrets.token_hex(32).encode(), CLUSTER)
+    router = NodeRegistry(client, cluster=CLUSTER, proof_key=key_a)
+    node = NodeRegistry(client, cluster=CLUSTER, proof_key=key_a, ttl_s=60)
+    await node.register(_info("n"))
+    proofs: list[str] = []
+    real = registry.registration_proof
+
+    def counted(info: NodeInfo, key: bytes) -> str:
+        proofs.append(info.node_id)
+        return real(info, key)
+
+    monkeypatch.setattr(registry, "registration_proof", counted)
+    for _ in range(3):  # heartbeats rewrite the load entry only: the registration is checked once
+        assert [n.info.epoch for n in await router.live_nodes()] == [0]
+    assert proofs == ["n"]
+    await node.register(msgspec.structs.replace(_info("n"), epoch=1))  # a new engine: new bytes, checked anew
+    assert [n.info.epoch for n in await router.live_nodes()] == [1]
+    assert proofs == ["n", "n", "n"]  # the writer's signature, then the reader's check
