@@ -184,7 +184,7 @@ def _keepalive(sock: socket.socket) -> tuple[int, ...]:
 async def test_engine_connections_give_up_on_a_silent_host_within_dead_after() -> None:
     """Streams and plain calls alike: keepalive probes after 5 s, every 2 s, 5 of them, and a 15 s user
     timeout, so a partitioned engine host fails its requests in about 15 s, not request_timeout_s (the
-    partition itself: tests/lab/test_pd_hosts.py)."""
+    partition itself: tests/lab/hosts/test_pd_hosts.py)."""
     server = SseServer([json.dumps({"choices": [{"text": "a"}]}), "[DONE]"])
     url = await server.start()
     client = NodeClient(connect_timeout_s=5, request_timeout_s=600, dead_after_s=15)

@@ -1,6 +1,6 @@
 """Faults between the hosts of the lab (issue 38, item 3): a partition between prefill and decode during a
-KV pull, the store host (Redis, PostgreSQL) cut off from everyone, and a whole host lost. One lab cluster
-for the module (``infra.lab.cluster``, with a lake writer on the store host); every request comes from
+KV pull, the store host (Redis, PostgreSQL) cut off from everyone, and a whole host lost. The lab
+cluster of ``tests/lab/hosts/conftest.py`` (with a lake writer on the store host); every request comes from
 the client host.
 
 Each fault ends with the same checks, read from what the components publish:
@@ -25,20 +25,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from infra.lab.network import LabSpec
 from tests.e2e.conftest import engine_metric
-from tests.lab.cluster import NODES, SPEC, LabCluster, lab_cluster, node_id
+from tests.lab.cluster import NODES, LabCluster, node_id
 from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
-FAULTS_SPEC = LabSpec("flt", SPEC.hosts, net=233)
 MAX_TOKENS = 8
 ENDED_S = 30.0
 """How long a request hit by a fault may take to end: the decode node's pull timeout (10 s) plus its
@@ -46,21 +43,6 @@ recompute, or the router's upstream_dead_after_s (15 s), and slack for a 2-core 
 STORE_CUT_S = 20.0
 """Longer than the registry's entry TTL (15 s): every node's entry expires in Redis during the cut."""
 _LONG = "\n".join(f"def handler_{i}(request):\n    return request.shard({i}) + {i * 7}" for i in range(80))
-
-
-@pytest.fixture(scope="module")
-def lc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabCluster]:
-    with lab_cluster(tmp_path_factory.mktemp("lab"), FAULTS_SPEC, lake=True) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def machine() -> Iterator[ThreadPoolExecutor]:
-    """A thread in the machine's namespace: link changes and host kills run there, not in the client's."""
-    pool = ThreadPoolExecutor(1)
-    pool.submit(lambda: None).result()
-    yield pool
-    pool.shutdown()
 
 
 ANSWERED: list[str] = []

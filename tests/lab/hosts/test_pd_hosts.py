@@ -1,6 +1,8 @@
 """P/D across hosts of the lab (issue 38, first acceptance item): a router host, a prefill host, a decode
 host, a colocated node's host and a store host (Redis, PostgreSQL), each a network namespace with its own
-address (``tests/lab/cluster.py``). Every request comes from a client host, over the lab's bridge.
+address (``tests/lab/cluster.py``; the cluster of ``tests/lab/hosts/conftest.py``, which
+``test_faults_hosts`` ran its faults on first). Every request comes from a client host, over the lab's
+bridge.
 
 - Disaggregated answers equal colocated ones token for token (float32, greedy, as
   ``tests/e2e/test_pd_equivalence.py`` on loopback), the decode node computed no prompt token itself, and
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from contracts.secret import curve_keys
 from kv_transfer import wire
 from node_agent.kv_events_relay import END_SEQ
 from tests.e2e.conftest import engine_metric
-from tests.lab.cluster import NODES, LabCluster, lab_cluster
+from tests.lab.cluster import NODES, LabCluster
 from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -63,12 +64,6 @@ CHATS: list[list[dict[str, str]]] = [
     ],
 ]
 """Small prompts (2 cores, three engines): two under one KV block, one of a few blocks."""
-
-
-@pytest.fixture(scope="module")
-def lc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabCluster]:
-    with lab_cluster(tmp_path_factory.mktemp("lab")) as cluster:
-        yield cluster
 
 
 def _chat(http: httpx.Client, lc: LabCluster, messages: list[dict[str, str]], route: str) -> dict:
