@@ -105,5 +105,13 @@ def engine_metric(base_url: str, name: str, **labels: str) -> float:
     return total
 
 
+def prompt_tokens_by_source(base_url: str) -> dict[str, float]:
+    """An engine's prompt tokens so far by where they came from: computed, its own cache, loaded KV."""
+    return {
+        s: engine_metric(base_url, "vllm:prompt_tokens_by_source_total", source=s)
+        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+
+
 def registry_empty(redis_url: str) -> bool:
     return redis.Redis.from_url(redis_url).scard(NODES_SET) == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import LiveCluster, engine_metric
+from tests.e2e.conftest import LiveCluster, prompt_tokens_by_source
 from tests.e2e.prompts import CHATS, COMPLETION_PROMPT, LONG_CHAT_INDEX
 
 pytestmark = pytest.mark.e2e
@@ -30,16 +30,9 @@ def _chat(cluster: LiveCluster, messages: list[dict], route: str) -> dict:
     return resp.json()
 
 
-def _by_source(url: str) -> dict[str, float]:
-    return {
-        s: engine_metric(url, "vllm:prompt_tokens_by_source_total", source=s)
-        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
-    }
-
-
 def test_disaggregated_equals_colocated_token_for_token(cluster: LiveCluster) -> None:
     assert _chat(cluster, CHATS[LONG_CHAT_INDEX], "colocated")["usage"]["prompt_tokens"] > 1000
-    before = _by_source(cluster.decode_url)
+    before = prompt_tokens_by_source(cluster.decode_url)
     pd_prompt_tokens = 0
     for messages in CHATS:
         pd = _chat(cluster, messages, "disaggregated")
@@ -49,7 +42,7 @@ def test_disaggregated_equals_colocated_token_for_token(cluster: LiveCluster) ->
         assert pd_ids == colo_ids, f"P/D and colocated differ for {messages[-1]['content'][:40]!r}"
         assert pd["choices"][0]["message"]["content"] == colo["choices"][0]["message"]["content"]
         pd_prompt_tokens += pd["usage"]["prompt_tokens"]
-    after = _by_source(cluster.decode_url)
+    after = prompt_tokens_by_source(cluster.decode_url)
     loaded = after["external_kv_transfer"] - before["external_kv_transfer"]
     reused = after["local_cache_hit"] - before["local_cache_hit"]
     computed = after["local_compute"] - before["local_compute"]

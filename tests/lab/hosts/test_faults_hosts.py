@@ -23,7 +23,6 @@ fixed at a request's first scheduling, so it cannot show a recompute: the answer
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +32,7 @@ import pytest
 
 from tests.e2e.conftest import engine_metric
 from tests.lab.cluster import NODES, LabCluster, node_id
+from tests.lab.hosts.streams import story, stream_through_a_fault
 from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -164,30 +164,13 @@ def test_the_decode_host_lost_whole(lc: LabCluster, machine: ThreadPoolExecutor)
     """Every process of the decode host SIGKILLed at once mid-stream: the stream ends with an error event,
     the colocated node serves, the lost node's registry entry expires (nobody deregistered it), and a
     node started again on the host serves P/D."""
-    body = {
-        "model": lc.model,
-        "messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}],
-        "max_tokens": 300,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = story(lc, 300)
     with lc.lab.inside("client"), httpx.Client(timeout=httpx.Timeout(10, read=ENDED_S * 2)) as http:
-        data: list[str] = []
-        lost_at = 0.0
-        with http.stream(
-            "POST", f"{lc.router_url}/v1/chat/completions", headers={"x-tandem-route": "disaggregated"}, json=body
-        ) as resp:
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    data.append(line.removeprefix("data: "))
-                if not lost_at and len(data) >= 5:
-                    assert machine.submit(lc.lose_host, "decode").result(), "no process on the decode host"
-                    lost_at = time.monotonic()
-        ended_after = time.monotonic() - lost_at
-        assert lost_at, "the stream ended before the host was lost"
-        assert data[-1] == "[DONE]" and "error" in json.loads(data[-2]), data[-3:]
+
+        def lose() -> None:
+            assert machine.submit(lc.lose_host, "decode").result(), "no process on the decode host"
+
+        ended_after = stream_through_a_fault(http, lc, body, lose)
         assert ended_after < ENDED_S, f"the stream took {ended_after:.1f} s to end"
         print(f"lab: the stream ended {ended_after:.1f} s after its decode host was lost")
 

@@ -22,8 +22,6 @@ bridge.
 
 from __future__ import annotations
 
-import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,8 +33,9 @@ import zmq
 from contracts.secret import curve_keys
 from kv_transfer import wire
 from node_agent.kv_events_relay import END_SEQ
-from tests.e2e.conftest import engine_metric
+from tests.e2e.conftest import engine_metric, prompt_tokens_by_source
 from tests.lab.cluster import NODES, LabCluster
+from tests.lab.hosts.streams import story, stream_through_a_fault
 from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -82,13 +81,6 @@ def _chat(http: httpx.Client, lc: LabCluster, messages: list[dict[str, str]], ro
     return resp.json()
 
 
-def _by_source(url: str) -> dict[str, float]:
-    return {
-        s: engine_metric(url, "vllm:prompt_tokens_by_source_total", source=s)
-        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
-    }
-
-
 def _received(lc: LabCluster, host: str) -> int:
     """Bytes ``host`` received on its link: what its bridge-side peer sent (read in the machine's namespace)."""
     return int(Path(f"/sys/class/net/{lc.lab.hosts[host].outer}/statistics/tx_bytes").read_text())
@@ -98,7 +90,7 @@ def test_pd_between_hosts_equals_colocated_and_the_kv_crosses_the_network(lc: La
     decode = lc.engine_url("decode")
     link_before = _received(lc, "decode")
     with lc.lab.inside("client"), httpx.Client(timeout=300) as http:
-        before = _by_source(decode)
+        before = prompt_tokens_by_source(decode)
         pulled_before = engine_metric(decode, "tandem_kv_transfer_bytes_total")
         pd_prompt_tokens = 0
         for messages in CHATS:
@@ -109,7 +101,7 @@ def test_pd_between_hosts_equals_colocated_and_the_kv_crosses_the_network(lc: La
             assert pd_ids == colo_ids, f"P/D and colocated differ for {messages[-1]['content'][:40]!r}"
             assert pd["choices"][0]["message"]["content"] == colo["choices"][0]["message"]["content"]
             pd_prompt_tokens += pd["usage"]["prompt_tokens"]
-        after = _by_source(decode)
+        after = prompt_tokens_by_source(decode)
         pulled = engine_metric(decode, "tandem_kv_transfer_bytes_total") - pulled_before
     link = _received(lc, "decode") - link_before
     loaded = after["external_kv_transfer"] - before["external_kv_transfer"]
@@ -230,40 +222,18 @@ def _relay_refuses(lc: LabCluster, http: httpx.Client) -> None:
         ctx.destroy(linger=0)
 
 
-def test_the_decode_host_cut_mid_stream_ends_the_stream_cleanly_and_the_cluster_recovers(lc: LabCluster) -> None:
+def test_the_decode_host_cut_mid_stream_ends_the_stream_cleanly_and_the_cluster_recovers(
+    lc: LabCluster, machine: ThreadPoolExecutor
+) -> None:
     """A partition (the decode host's link down: packets vanish, nothing is refused) while the decode node
     streams an answer: the client gets an error event and ``[DONE]`` within ``CUT_DETECTED_S``, not a
     stream that hangs until some read timeout; the colocated node serves meanwhile; the prefill node holds
     no lease and the decode engine no request once the link is back; P/D answers again, token for token."""
     prefill, decode = lc.engine_url("prefill"), lc.engine_url("decode")
-    # Link changes run in the machine's namespace: from a thread started there, not the client's.
-    machine = ThreadPoolExecutor(1)
-    machine.submit(lambda: None).result()
-    body = {
-        "model": lc.model,
-        "messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}],
-        "max_tokens": 400,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = story(lc, 400)
     try:
         with lc.lab.inside("client"), httpx.Client(timeout=httpx.Timeout(10, read=CUT_DETECTED_S * 3)) as http:
-            data: list[str] = []
-            cut_at = 0.0
-            with http.stream(
-                "POST", f"{lc.router_url}/v1/chat/completions", headers={"x-tandem-route": "disaggregated"}, json=body
-            ) as resp:
-                assert resp.status_code == 200
-                for line in resp.iter_lines():
-                    if line.startswith("data: "):
-                        data.append(line.removeprefix("data: "))
-                    if not cut_at and len(data) >= 5:
-                        machine.submit(lc.lab.cut, "decode").result()
-                        cut_at = time.monotonic()
-            ended_after = time.monotonic() - cut_at
-            assert cut_at, "the stream ended before the cut"
-            assert data[-1] == "[DONE]" and "error" in json.loads(data[-2]), data[-3:]
+            ended_after = stream_through_a_fault(http, lc, body, lambda: machine.submit(lc.lab.cut, "decode").result())
             assert ended_after < CUT_DETECTED_S, f"the stream took {ended_after:.1f} s to end after the cut"
             print(f"lab: the stream ended {ended_after:.1f} s after the decode host was cut")
 
@@ -291,4 +261,3 @@ def test_the_decode_host_cut_mid_stream_ends_the_stream_cleanly_and_the_cluster_
             assert wait_for(lambda: sum(engine_metric(decode, m) for m in busy) == 0, 60, interval_s=1.0)
     finally:
         machine.submit(lc.lab.heal, "decode").result()  # idempotent: the next test gets a whole lab
-        machine.shutdown()
