@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e.conftest import engine_metric
 from tests.lab.cluster import NODES, LabCluster, node_id
-from tests.lab.hosts.streams import story, stream_through_a_fault
+from tests.lab.hosts.support import received, story, stream_through_a_fault
 from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -67,10 +66,6 @@ def _chat(http: httpx.Client, lc: LabCluster, content: str, route: str, max_toke
     return body
 
 
-def _received(lc: LabCluster, host: str) -> int:
-    return int(Path(f"/sys/class/net/{lc.lab.hosts[host].outer}/statistics/tx_bytes").read_text())
-
-
 def _nothing_stranded(lc: LabCluster, http: httpx.Client) -> None:
     assert wait_for(lambda: lc.kv_held("prefill", http) == (0, 0), 60, interval_s=1.0), (
         f"the prefill node still holds (leases, blocks) = {lc.kv_held('prefill', http)}"
@@ -96,12 +91,12 @@ def test_prefill_host_cut_during_the_kv_pull(lc: LabCluster, machine: ThreadPool
         with lc.lab.inside("client"), httpx.Client(timeout=httpx.Timeout(10, read=ENDED_S * 3)) as http:
             failures = engine_metric(decode, "tandem_kv_transfer_failures_total")
             client = ThreadPoolExecutor(1)  # started here: its thread is the client host's
-            link = _received(lc, "decode")
+            link = received(lc, "decode")
             started = time.monotonic()
             answer = client.submit(_chat, http, lc, prompt, "disaggregated")
             # The KV of ~2k float32 tokens is ~90 MB; a request or an answer is kilobytes. The first
             # megabyte on the decode host's link is the pull under way.
-            while _received(lc, "decode") - link < 1_000_000 and not answer.done():
+            while received(lc, "decode") - link < 1_000_000 and not answer.done():
                 time.sleep(0.001)  # a byte counter in sysfs: nothing to wait on
             assert not answer.done(), f"the request ended before any KV flowed: {answer.exception()}"
             machine.submit(lc.lab.cut, "prefill").result()

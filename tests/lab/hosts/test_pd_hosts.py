@@ -23,7 +23,6 @@ bridge.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -35,7 +34,7 @@ from kv_transfer import wire
 from node_agent.kv_events_relay import END_SEQ
 from tests.e2e.conftest import engine_metric, prompt_tokens_by_source
 from tests.lab.cluster import NODES, LabCluster
-from tests.lab.hosts.streams import story, stream_through_a_fault
+from tests.lab.hosts.support import received, story, stream_through_a_fault
 from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -81,14 +80,9 @@ def _chat(http: httpx.Client, lc: LabCluster, messages: list[dict[str, str]], ro
     return resp.json()
 
 
-def _received(lc: LabCluster, host: str) -> int:
-    """Bytes ``host`` received on its link: what its bridge-side peer sent (read in the machine's namespace)."""
-    return int(Path(f"/sys/class/net/{lc.lab.hosts[host].outer}/statistics/tx_bytes").read_text())
-
-
 def test_pd_between_hosts_equals_colocated_and_the_kv_crosses_the_network(lc: LabCluster) -> None:
     decode = lc.engine_url("decode")
-    link_before = _received(lc, "decode")
+    link_before = received(lc, "decode")
     with lc.lab.inside("client"), httpx.Client(timeout=300) as http:
         before = prompt_tokens_by_source(decode)
         pulled_before = engine_metric(decode, "tandem_kv_transfer_bytes_total")
@@ -103,7 +97,7 @@ def test_pd_between_hosts_equals_colocated_and_the_kv_crosses_the_network(lc: La
             pd_prompt_tokens += pd["usage"]["prompt_tokens"]
         after = prompt_tokens_by_source(decode)
         pulled = engine_metric(decode, "tandem_kv_transfer_bytes_total") - pulled_before
-    link = _received(lc, "decode") - link_before
+    link = received(lc, "decode") - link_before
     loaded = after["external_kv_transfer"] - before["external_kv_transfer"]
     reused = after["local_cache_hit"] - before["local_cache_hit"]
     assert after["local_compute"] == before["local_compute"], "the decode node computed prompt tokens itself"

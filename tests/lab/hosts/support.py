@@ -1,16 +1,23 @@
-"""A streamed P/D answer with a fault fired into it, for the modules that break the cluster mid-stream."""
+"""What the modules on the shared lab cluster both use: a host link's byte counter, and a streamed P/D
+answer with a fault fired into it."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
 from tests.lab.cluster import LabCluster
 
 STORY = "Tell a long story about a lighthouse keeper."
+
+
+def received(lc: LabCluster, host: str) -> int:
+    """Bytes ``host`` received on its link: what its bridge-side peer sent (read in the machine's namespace)."""
+    return int(Path(f"/sys/class/net/{lc.lab.hosts[host].outer}/statistics/tx_bytes").read_text())
 
 
 def story(lc: LabCluster, max_tokens: int) -> dict:
