@@ -14,9 +14,10 @@ The rule, from measurement on 2-core hosts (SmolLM2-135M, CPU engines):
 - The host tier from four. At two nodes, ``tandem bench fleet --nodes 2`` (agent sessions over three
   repositories of ~1.5k shared tokens, 1 GiB of KV per node) gave the same hit with the tier (0.821) and
   fewer sessions per minute (16.7 against 20.6 in one run; on the AMD EPYC host, with peer KV in both
-  arms, 15.8 against 15.8 and 16.7 against 17.7). Cache-aware routing keeps a repository's sessions on one node, so its
-  engine already holds the context: ``tandem bench kv-cache --nodes 2`` found the tier level with giving
-  the engines its memory (hit 0.903 against 0.904).
+  arms, 15.8 against 15.8 and 16.7 against 17.7; on an AMX Xeon host, the two arms alone over six
+  rounds, 18.97 against 18.90, the defaults faster in four rounds of six). Cache-aware routing keeps a
+  repository's sessions on one node, so its engine already holds the context: ``tandem bench kv-cache
+  --nodes 2`` found the tier level with giving the engines its memory (hit 0.903 against 0.904).
 - Four colocated nodes: on. ``tandem bench kv-cache`` (four nodes, a 192 MiB tier): hit 0.876 against
   0.579 for the engines alone and 0.737 for the engines given the tier's memory, TTFT p50 0.93 s against
   4.8 s. A repository's sessions spread over several nodes; the tier holds each block once for all of
