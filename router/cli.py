@@ -54,8 +54,7 @@ def router(
 
     Request headers: x-tandem-priority (interactive|batch; lowers the key's class, never raises it),
     x-tandem-deadline-ms, x-session-id, x-tandem-history (client|server)."""
-    from router.edge.app import create_app
-    from router.edge.server import serve
+    from router.huge_pages import restart_on_huge_pages
     from router.settings import RouterSettings
 
     setup_logging(log_level)
@@ -69,6 +68,10 @@ def router(
         layerwise=layerwise,
     )
     settings = RouterSettings(**{k: v for k, v in given.items() if v is not None})
+    restart_on_huge_pages(settings.huge_pages)  # before anything is opened: it may replace this process
+    from router.edge.app import create_app
+    from router.edge.server import serve
+
     with clean_errors():
         app_ = create_app(settings)
     serve(
