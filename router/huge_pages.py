@@ -73,8 +73,13 @@ def huge_page_env(environ: Mapping[str, str], mode: str | None) -> dict[str, str
 
 def restart_on_huge_pages(enabled: bool) -> None:
     """Replace this process with itself on huge pages (see the module docstring) when ``enabled`` and
-    it is not on them yet; otherwise return. Call it before the process opens anything."""
-    if not enabled:
+    it is not on them yet; otherwise return. Call it before the process opens anything.
+
+    Only a process started as the router command (``tandem router ...``, ``python -m tandem router
+    ...``) is replaced: the command called from within another program (a test's ``CliRunner``, an
+    embedding script) returns here, since replacing that program would start it over from its first line,
+    with whatever environment it had changed by then."""
+    if not enabled or sys.argv[1:2] != ["router"]:
         return
     env = huge_page_env(os.environ, thp_mode())
     if env is None:

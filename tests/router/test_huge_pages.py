@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router import huge_pages
 from router.huge_pages import huge_page_env, thp_mode
 from tests.router.test_router_cpu_priority import _router
 
@@ -48,6 +49,27 @@ def test_the_kernel_mode_is_the_bracketed_word(tmp_path: Path) -> None:
     f.write_text("always [madvise] never\n")
     assert thp_mode(f) == "madvise"
     assert thp_mode(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize(("argv", "restarts"), [(["tandem", "router", "--port", "9"], True), (["pytest", "-q"], False)])
+def test_only_the_router_command_replaces_itself(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], restarts: bool
+) -> None:
+    """``tandem router`` called inside another program (a test's ``CliRunner``) must not replace that
+    program: it would start over from its first line, with the environment it had changed by then."""
+    calls: list[tuple[str, list[str], dict[str, str]]] = []
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(huge_pages.os, "execve", lambda path, args, env: calls.append((path, args, env)))
+    monkeypatch.delenv("PYTHONMALLOC", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(huge_pages.sys, "argv", argv)
+    huge_pages.restart_on_huge_pages(True)
+    assert len(calls) == restarts
+    if restarts:
+        path, args, env = calls[0]
+        assert path == huge_pages.sys.executable and env["PYTHONMALLOC"] == "malloc"
+    huge_pages.restart_on_huge_pages(False)
+    assert len(calls) == restarts
 
 
 def _environ(pid: int) -> dict[str, str]:
