@@ -2,9 +2,11 @@
 
 A router relaying tokens at a CPU engine's pace wakes for every batch of chunks, and between them it
 sleeps. On the 2-core VMs this project runs on (Firecracker guests, the ``haltpoll`` cpuidle
-governor), the first instructions after a sleep pay for the translation caches the hypervisor let go
-of, and a Python process touches thousands of 4 KiB pages per wake-up (objects spread over a heap of
-half a gigabyte): the router's CPU per wake-up grows with its working set in pages, not with the work.
+governor), a wake-up costs a large process far more than a small one, and a Python process touches
+thousands of 4 KiB pages per wake-up (objects spread over a heap of half a gigabyte). The figures fit
+a wake-up that pays for the address translations the guest lost while it slept, so that the router's
+CPU per wake-up grows with its working set in pages, not with its work (these guests have no
+performance counters to count TLB misses with).
 On an AMX Xeon VM, an idle router took 6-10 ms of CPU per wake-up (a bare ``time.sleep`` loop 0.37 ms),
 and a paced stream's relay 250 µs per chunk (``tandem bench overhead``'s paced stand-in).
 
