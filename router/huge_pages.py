@@ -60,16 +60,13 @@ def huge_page_env(environ: Mapping[str, str], mode: str | None) -> dict[str, str
     if mode not in ("always", "madvise"):
         return None
     allocator = environ.get(ALLOCATOR, "")
-    tunables = environ.get(TUNABLES, "")
-    has_tunable = any(t.split("=", 1)[0] == TUNABLE for t in tunables.split(":") if t)
-    if allocator not in ("", "malloc") or (has_tunable and allocator == "malloc"):
-        return None  # the operator's allocator (debug, pymalloc), or already set as we would
-    if has_tunable and f"{TUNABLE}=1" not in tunables.split(":"):
-        return None  # the operator's own value of the tunable
-    env = dict(environ)
-    env[ALLOCATOR] = "malloc"
-    if not has_tunable:
-        env[TUNABLES] = f"{tunables}:{TUNABLE}=1" if tunables else f"{TUNABLE}=1"
+    tunables = [t for t in environ.get(TUNABLES, "").split(":") if t]
+    hugetlb = next((v for k, _, v in (t.partition("=") for t in tunables) if k == TUNABLE), None)
+    if allocator not in ("", "malloc") or hugetlb not in (None, "1") or (allocator, hugetlb) == ("malloc", "1"):
+        return None  # the operator's allocator or tunable value, or already on huge pages
+    env = {**environ, ALLOCATOR: "malloc"}
+    if hugetlb is None:
+        env[TUNABLES] = ":".join([*tunables, f"{TUNABLE}=1"])
     return env
 
 
