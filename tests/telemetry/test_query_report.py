@@ -84,7 +84,8 @@ def test_report_renders_plots_on_a_small_lake(make_emitter, make_writer, lake, t
 def test_report_on_an_empty_lake_says_so(lake, tmp_path):
     res = runner.invoke(lake_app, ["report", "--out", str(tmp_path / "rep"), "--lake", str(lake)])
     assert res.exit_code == 0, res.output
-    assert "no request records" in res.output
+    # The console wraps at its width, wherever the lake's path puts the line end.
+    assert "no request records" in " ".join(res.output.split())
     assert "no request records" in (tmp_path / "rep" / "index.html").read_text()
     assert not list((tmp_path / "rep").glob("*.png"))
 
