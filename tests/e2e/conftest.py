@@ -1,7 +1,13 @@
-"""One real cluster for the whole end-to-end session, started through `tandem up` itself.
+"""One real cluster for the end-to-end tests, started through `tandem up` itself.
 
 1 prefill + 1 decode + 1 colocated (`both`) node, float32 weights (bit-stable greedy output), router,
 registry in its own Redis database. Node i listens on NODE_BASE + 10*i in that order.
+
+It lives as long as this folder's tests (package scope), not the whole session: its three float32
+engines hold about 11 GiB, and the lab's three (``tests/lab``), started later, hold as much again. Held
+to the session's end, the two left a 24 GiB host under 300 MB available while the lab ran (the kernel
+compacting on every fault); the failures CI saw there, a lab engine gone after a fault and a router
+silent for 10 s, fit a host that short of memory.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ class LiveCluster:
     lake: Path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
     workdir = tmp_path_factory.mktemp("cluster")
     redis.Redis.from_url(REDIS_E2E_URL).flushdb()
