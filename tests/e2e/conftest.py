@@ -3,7 +3,8 @@
 1 prefill + 1 decode + 1 colocated (`both`) node, float32 weights (bit-stable greedy output), router,
 registry in its own Redis database. Node i listens on NODE_BASE + 10*i in that order.
 
-It lives as long as this folder's tests (package scope), not the whole session: its three float32
+It lives as long as this folder's tests (package scope, which needs the folder to be a package:
+``tests/contracts/test_test_folders.py``), not the whole session: its three float32
 engines hold about 11 GiB, and the lab's three (``tests/lab``), started later, hold as much again. Held
 to the session's end, the two left a 24 GiB host under 300 MB available while the lab ran (the kernel
 compacting on every fault); the failures CI saw there, a lab engine gone after a fault and a router
