@@ -210,8 +210,15 @@ def test_a_cold_prompt_split_across_two_idle_nodes_gives_the_tokens_of_one(runni
     assert origin["engine"] == origin["peer"] == 0 and origin["computed"] == n, origin
     # the peer computed the prefix (its engine holds it now) and the serving node the whole prompt's KV
     prefix = n // 2 // BLOCK * BLOCK
-    assert wait_for(lambda: running.held(SOURCE[0], prompt) == prefix // BLOCK, timeout_s=30)
-    assert wait_for(lambda: running.held(SERVING[0], prompt) == (n - 1) // BLOCK, timeout_s=30)
+
+    def seen() -> str:  # what a failure below says: each node's blocks, and whether the serving node's pull failed
+        page = httpx.get(f"http://127.0.0.1:{SERVING[1]}/metrics", headers=AUTH, timeout=10).text
+        failed = _metric(page, "tandem_kv_transfer_failures_total")
+        return f"held: source {running.held(SOURCE[0], prompt)}, serving {running.held(SERVING[0], prompt)}; {failed=}"
+
+    want_source, want_serving = prefix // BLOCK, (n - 1) // BLOCK
+    assert wait_for(lambda: running.held(SOURCE[0], prompt) == want_source, timeout_s=30), (want_source, seen())
+    assert wait_for(lambda: running.held(SERVING[0], prompt) == want_serving, timeout_s=30), (want_serving, seen())
     reference = running.engine(SOURCE[1], {"prompt": prompt})  # the peer alone: its prefix, then the rest
     assert answer["choices"][0]["text"] == reference["choices"][0]["text"]  # float32 greedy: the same
     assert wait_for(lambda: running.engine_idle(SERVING[1]) and running.engine_idle(SOURCE[1]), timeout_s=30)
