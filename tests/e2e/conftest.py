@@ -7,8 +7,8 @@ It lives as long as this folder's tests (package scope, which needs the folder t
 ``tests/contracts/test_test_folders.py``), not the whole session: its three float32
 engines hold about 11 GiB, and the lab's three (``tests/lab``), started later, hold as much again. Held
 to the session's end, the two left a 24 GiB host under 300 MB available while the lab ran (the kernel
-compacting on every fault); the failures CI saw there, a lab engine gone after a fault and a router
-silent for 10 s, fit a host that short of memory.
+compacting on every fault); what CI saw fail after tests/e2e (a lab engine gone after a fault, the
+fuzzed router silent for 10 s) fits a host that short of memory.
 """
 
 from __future__ import annotations
