@@ -12,6 +12,6 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_every_folder_holding_tests_is_a_package() -> None:
-    folders = {p.parent for p in TESTS.rglob("test_*.py")} | {p.parent for p in TESTS.rglob("conftest.py")}
+    folders = {p.parent for p in TESTS.rglob("*.py") if p.name == "conftest.py" or p.name.startswith("test_")}
     missing = sorted(str(f.relative_to(TESTS.parent)) for f in folders if not (f / "__init__.py").exists())
     assert not missing, f"without __init__.py (their package-scoped fixtures would live all session): {missing}"
