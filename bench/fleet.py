@@ -20,7 +20,7 @@ Workload (``bench.agent_workload``): sessions over repositories whose context th
 number of turns each, the agent's tool pauses between turns (exponential, capped at ``max_think_s``),
 at most ``concurrency`` sessions at once (an agent pool), all queued at the start, streamed.
 
-Per arm (requests of every round pooled):
+Per arm (requests of the main rounds pooled; the two Tandem arms also over every round, ``tandem_pooled``):
     hit                 engine-confirmed cached prompt tokens over prompt tokens
     ttft p50/p99, e2e p50, client ITL p50/p99 (gaps between content chunks as the client reads them)
     engine ITL p50/mean vLLM's own ``vllm:inter_token_latency_seconds`` histogram, the difference of each
@@ -32,9 +32,11 @@ Per arm (requests of every round pooled):
     outside_cpu_s       CPU seconds the host spent outside the benchmark meanwhile (others' work): a run
                         that lost its cores to it is told apart from one that was slow by itself.
 
-Targets (issue 37), Tandem's defaults against vllm-router ``cache_aware``: sessions per minute
->= 1.10x, client ITL p50 <= 1.05x, TTFT p99 <= 0.8x, hit >= +0.03; and the defaults arm at least
-as good as the tier arm (sessions per minute within ``TIER_TOLERANCE``).
+Targets (issue 37), Tandem's defaults against vllm-router ``cache_aware`` over the main rounds:
+sessions per minute >= 1.10x, client ITL p50 <= 1.05x, TTFT p99 <= 0.8x, hit >= +0.03; and the
+defaults arm at least as good as the tier arm (sessions per minute within ``TIER_TOLERANCE``) over
+every round of the two, the main ones and ``tier_rounds`` more of those two arms alone
+(``bench.fleet_figures`` says why).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,10 +59,20 @@ import httpx
 import psutil
 
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
-from bench.charts import grouped_bars, save, subplots
+from bench.fleet_figures import (
+    BASELINE,
+    TIER_CHECK,
+    TIER_TOLERANCE,
+    RunRecord,
+    plot,
+    requests_of,
+    result_line,
+    summarize,
+    targets,
+)
 from bench.histograms import diff_buckets, histogram_quantile, parse_histogram
 from bench.host import host_probe
-from bench.loadgen import SentRequest, percentile, run_sessions
+from bench.loadgen import run_sessions
 from bench.procs import outside_cpu_s, sched_cpu_s, served_model, wait_http
 from bench.routing import _Tokens
 from bench.vllm_router import PeerWorker, VllmRouter
@@ -74,9 +86,7 @@ from node_agent.node import EngineProcess, engine_env
 from node_agent.settings import NodeSettings
 
 ARMS = ("tandem", "tandem_tier", "vllm_router_cache_aware", "vllm_router_round_robin")
-BASELINE = "vllm_router_cache_aware"
-TIER_TOLERANCE = 0.97
-"""The defaults arm counts as equal to the tier arm down to this share of its sessions per minute."""
+TANDEM_ARMS = ("tandem", "tandem_tier")
 ITL_METRIC = "vllm:inter_token_latency_seconds"
 
 
@@ -101,6 +111,9 @@ class FleetBenchConfig:
     nodes: int = 2
     rounds: int = 2
     arms: tuple[str, ...] = ARMS
+    tier_rounds: int = 4
+    """Extra rounds of the two Tandem arms alone, after the main rounds (``bench.fleet_figures``: their
+    difference is smaller than one round's spread); the defaults-against-tier check pools every round."""
     workload: AgentWorkloadConfig = field(default_factory=_workload)
     concurrency: int = 4
     """Sessions in flight at once (the agent pool)."""
@@ -118,141 +131,6 @@ class FleetBenchConfig:
     """Registry Redis of the Tandem arms; None: one of each arm's own (port_base + 60), so nothing else
     on the host's Redis (a test's FLUSHDB of a shared database) takes a cluster's registry mid-run."""
     workdir: Path = Path(".tandem/bench-fleet")
-
-
-# -- one run's record and the summaries ----------------------------------------------------------------
-@dataclass
-class RunRecord:
-    """What one arm's run measured: the client's requests and the counters read around the run."""
-
-    arm: str
-    round: int
-    sent: list[SentRequest]
-    sessions: int
-    wall_s: float
-    engine_itl_buckets: dict[float, float]
-    """Per upper bound, the ITL histogram's cumulative count gained over the run, summed over engines."""
-    engine_itl_sum_s: float
-    non_engine_cpu_s: dict[str, float]
-    """Process name -> CPU seconds over the run."""
-    outside_cpu_s: float = 0.0
-    """CPU seconds the host spent on work outside the benchmark over the run (``procs.outside_cpu_s``)."""
-
-
-def _ms(seconds: Sequence[float], q: float) -> float:
-    return round(percentile(seconds, q) * 1000, 1)
-
-
-def _cached_tokens(usage: dict[str, Any]) -> int:
-    """The engine-confirmed cached prompt tokens of one answer's ``usage`` (0 when it reports none)."""
-    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-
-
-def summarize(runs: Sequence[RunRecord]) -> dict[str, Any]:
-    """One arm's figures over its runs, requests pooled (percentiles of the union, not means of
-    per-run percentiles)."""
-    sent = [s for r in runs for s in r.sent]
-    ok = [s for s in sent if s.result.ok]
-    usage = [s.result.usage or {} for s in ok]
-    prompt = sum(u.get("prompt_tokens") or 0 for u in usage)
-    cached = sum(_cached_tokens(u) for u in usage)
-    failed = {(r.round, s.session_id) for r in runs for s in r.sent if not s.result.ok}
-    completed = sum(r.sessions for r in runs) - len(failed)
-    wall = sum(r.wall_s for r in runs)
-    itl = [gap for s in ok for gap in s.result.itl_s]
-    buckets: dict[float, float] = {}
-    for r in runs:
-        for b, c in r.engine_itl_buckets.items():
-            buckets[b] = buckets.get(b, 0.0) + c
-    engine_count = buckets.get(float("inf"), 0.0)
-    engine_sum = sum(r.engine_itl_sum_s for r in runs)
-    cpu: dict[str, float] = {}
-    for r in runs:
-        for name, s in r.non_engine_cpu_s.items():
-            cpu[name] = round(cpu.get(name, 0.0) + s, 2)
-    engine_p50 = histogram_quantile(buckets, 0.5) * 1000
-    client_p50 = _ms(itl, 0.5)
-    return {
-        "runs": len(runs),
-        "requests": len(sent),
-        "errors": len(sent) - len(ok),
-        "sessions_completed": completed,
-        "wall_s": round(wall, 1),
-        "sessions_per_min": round(completed / wall * 60, 2) if wall > 0 else 0.0,
-        "hit": round(cached / prompt, 4) if prompt else 0.0,
-        "ttft_p50_ms": _ms([s.result.ttft_s for s in ok], 0.5),
-        "ttft_p99_ms": _ms([s.result.ttft_s for s in ok], 0.99),
-        "e2e_p50_ms": _ms([s.result.e2e_s for s in ok], 0.5),
-        "client_itl_p50_ms": client_p50,
-        "client_itl_p99_ms": _ms(itl, 0.99),
-        "engine_itl_p50_ms": round(engine_p50, 1),
-        "engine_itl_mean_ms": round(engine_sum / engine_count * 1000, 1) if engine_count else float("nan"),
-        "path_itl_p50_ms": round(client_p50 - engine_p50, 1),
-        "non_engine_cpu_s": round(sum(cpu.values()), 2),
-        "non_engine_cpu_by_process": cpu,
-        "outside_cpu_s": round(sum(r.outside_cpu_s for r in runs), 2),
-        "per_run_wall_s": [round(r.wall_s, 1) for r in runs],
-    }
-
-
-def requests_of(run: RunRecord) -> list[dict[str, Any]]:
-    """Every request of one run as the client saw it, in the order sent: which turn of which session,
-    when, TTFT, E2E, prompt and cached tokens. What tells a TTFT tail's requests apart (first turns of a
-    repository's sessions, or warm turns queued behind them)."""
-    rows = []
-    for s in sorted(run.sent, key=lambda s: s.sent_s):
-        usage = s.result.usage or {}
-        rows.append(
-            {
-                "session": s.session_id,
-                "turn": s.turn,
-                "sent_s": round(s.sent_s, 3),
-                "ok": s.result.ok,
-                "ttft_ms": round(s.result.ttft_s * 1000, 1),
-                "e2e_ms": round(s.result.e2e_s * 1000, 1),
-                "prompt_tokens": usage.get("prompt_tokens") or s.result.prompt_tokens,
-                "cached_tokens": _cached_tokens(usage),
-            }
-        )
-    return rows
-
-
-def targets(arms: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Issue 37's acceptance, each with its value, its bound and whether it held (None: an arm missing)."""
-    t, v, tier = arms.get("tandem"), arms.get(BASELINE), arms.get("tandem_tier")
-
-    def check(value: float | None, bound: float | None, held: bool | None) -> dict[str, Any]:
-        return {"value": value, "bound": bound, "held": held}
-
-    out: dict[str, dict[str, Any]] = {}
-    if t is not None and v is not None:
-        pairs = [
-            ("sessions_per_min >= 1.10 x vllm-router", "sessions_per_min", 1.10, 0.0, True),
-            ("client_itl_p50 <= 1.05 x vllm-router", "client_itl_p50_ms", 1.05, 0.0, False),
-            ("ttft_p99 <= 0.8 x vllm-router", "ttft_p99_ms", 0.8, 0.0, False),
-            ("hit >= vllm-router + 0.03", "hit", 1.0, 0.03, True),
-        ]
-        for name, key, factor, plus, at_least in pairs:
-            bound = round(v[key] * factor + plus, 4)
-            out[name] = check(t[key], bound, t[key] >= bound if at_least else t[key] <= bound)
-    if t is not None and tier is not None:
-        bound = round(tier["sessions_per_min"] * TIER_TOLERANCE, 3)
-        name = "defaults arm >= tier arm (sessions_per_min)"
-        out[name] = check(t["sessions_per_min"], bound, t["sessions_per_min"] >= bound)
-    return out
-
-
-def result_line(result: dict[str, Any]) -> str:
-    arms, held = result["arms"], result["targets"]
-    figures = " ".join(
-        f"{arm}:spm={a['sessions_per_min']},hit={a['hit']},ttft99={a['ttft_p99_ms']},itl50={a['client_itl_p50_ms']}"
-        for arm, a in arms.items()
-    )
-    n_held = sum(1 for t in held.values() if t["held"])
-    missed = [name for name, t in held.items() if t["held"] is False]
-    return f"RESULT fleet nodes={result['config']['nodes']} targets_held={n_held}/{len(held)} {figures}" + (
-        f" missed={';'.join(missed)}" if missed else ""
-    )
 
 
 # -- arms ------------------------------------------------------------------------------------------------
@@ -396,6 +274,17 @@ def _warm(served: Served) -> None:
 
 
 # -- the run ---------------------------------------------------------------------------------------------
+def round_plan(cfg: FleetBenchConfig) -> list[tuple[int, tuple[str, ...]]]:
+    """Each round and its arms in order: the main rounds run every arm, then ``tier_rounds`` run the two
+    Tandem arms alone (when both are asked for); the order alternates from round to round."""
+    plan = [(rnd, cfg.arms if rnd % 2 == 0 else tuple(reversed(cfg.arms))) for rnd in range(cfg.rounds)]
+    pair = tuple(a for a in cfg.arms if a in TANDEM_ARMS)
+    if len(pair) == 2:
+        for rnd in range(cfg.rounds, cfg.rounds + cfg.tier_rounds):
+            plan.append((rnd, pair if rnd % 2 == 0 else pair[::-1]))
+    return plan
+
+
 def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str, Any]:
     cfg = cfg or FleetBenchConfig()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -405,13 +294,12 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
     commands: dict[str, list[str]] = {}
     load, probe = {"before": os.getloadavg()}, host_probe()
     _log(f"host: {probe}")
-    for rnd in range(cfg.rounds):
+    for rnd, order in round_plan(cfg):
         salt = f"fleet-{nonce}-r{rnd}"
         scripts = build_sessions(cfg.workload, salt, tokens.text, lambda m: len(tokens.prompt(m)))
         scripts = [
             dataclasses.replace(s, start_s=0.0, think_s=[min(t, cfg.max_think_s) for t in s.think_s]) for s in scripts
         ]
-        order = cfg.arms if rnd % 2 == 0 else tuple(reversed(cfg.arms))
         for arm in order:
             tag = f"r{rnd}-{arm}"
             _log(f"{tag}: starting (load {os.getloadavg()[0]:.2f})")
@@ -448,15 +336,17 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
             partial = {"partial": True, "runs": {f"r{r.round}-{r.arm}": summarize([r]) for r in runs}}
             out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=2, default=str))
     load["after"] = os.getloadavg()
-    arms = {arm: summarize([r for r in runs if r.arm == arm]) for arm in cfg.arms}
+    arms = {arm: summarize([r for r in runs if r.arm == arm and r.round < cfg.rounds]) for arm in cfg.arms}
+    pooled = {arm: summarize([r for r in runs if r.arm == arm]) for arm in TANDEM_ARMS if arm in cfg.arms}
     result = {
         "config": {**dataclasses.asdict(cfg), "workdir": str(cfg.workdir)},
         "host": {"cores": len(os.sched_getaffinity(0)), "loadavg": load, **probe},
         "engine_commands": commands,
         "arms": arms,
+        "tandem_pooled": pooled,
         "per_run": {f"r{r.round}-{r.arm}": summarize([r]) for r in runs},
         "requests": {f"r{r.round}-{r.arm}": requests_of(r) for r in runs},
-        "targets": targets(arms),
+        "targets": targets(arms, pooled),
     }
     out.write_text(json.dumps(result, indent=2, default=str))
     with contextlib.suppress(FileNotFoundError):
@@ -465,34 +355,21 @@ def run_fleet_bench(out: Path, cfg: FleetBenchConfig | None = None) -> dict[str,
     return result
 
 
-def plot(arms: dict[str, dict[str, Any]], png: Path) -> None:
-    names = list(arms)
-    panels = [
-        ("sessions per minute", ["sessions_per_min"]),
-        ("engine-confirmed hit rate", ["hit"]),
-        ("TTFT p50 / p99 (ms)", ["ttft_p50_ms", "ttft_p99_ms"]),
-        ("ITL p50: client / engine (ms)", ["client_itl_p50_ms", "engine_itl_p50_ms"]),
-        ("E2E p50 (ms)", ["e2e_p50_ms"]),
-        ("non-engine CPU (s)", ["non_engine_cpu_s"]),
-    ]
-    fig, axes = subplots(2, 3, (15, 8))
-    for ax, (title, keys) in zip(axes.flat, panels, strict=True):
-        labels = [n.replace("vllm_router_", "vllm-router\n") for n in names]
-        grouped_bars(ax, {key: [arms[n][key] for n in names] for key in keys}, labels)
-        ax.set_title(title)
-    fig.suptitle("tandem bench fleet: agent sessions on colocated nodes, Tandem vs vllm-router")
-    save(fig, png)
-
-
 __all__ = [
     "ARMS",
+    "BASELINE",
+    "TIER_CHECK",
+    "TIER_TOLERANCE",
     "FleetBenchConfig",
     "RunRecord",
     "diff_buckets",
     "histogram_quantile",
     "parse_histogram",
     "plain_env",
+    "plot",
+    "requests_of",
     "result_line",
+    "round_plan",
     "run_fleet_bench",
     "summarize",
     "targets",

@@ -178,6 +178,14 @@ def bench_fleet(
             help="Arms (repeatable; default: tandem, tandem_tier, vllm_router_cache_aware, vllm_router_round_robin)."
         ),
     ] = None,
+    tier_rounds: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Extra rounds of the two Tandem arms alone, after the main ones: their difference is smaller than "
+            "a round's spread, so the defaults-against-tier check pools every round of the two.",
+        ),
+    ] = 4,
     concurrency: Annotated[int, typer.Option(min=1, help="Agent sessions in flight at once.")] = 4,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 24,
     host_tier: Annotated[str, typer.Option(help="Host tier size of the tandem_tier arm.")] = "2GiB",
@@ -195,7 +203,7 @@ def bench_fleet(
     """Tandem (defaults; with host tier + peer fetch) against vllm-router (cache_aware, round_robin) on N
     fresh engines per arm: multi-turn agent sessions with shared repository contexts and tool pauses.
     Per arm: hit, TTFT, client and engine ITL, E2E, sessions per minute, non-engine CPU; issue 37's
-    targets printed as held or missed. ~20 min on 2 cores."""
+    targets printed as held or missed. ~20 min on 2 cores (~10 with --tier-rounds 0)."""
     from bench.fleet import ARMS, FleetBenchConfig, result_line, run_fleet_bench
 
     arms = tuple(arm or ARMS)
@@ -207,6 +215,7 @@ def bench_fleet(
         nodes=nodes,
         rounds=rounds,
         arms=arms,
+        tier_rounds=tier_rounds,
         concurrency=concurrency,
         max_tokens=max_tokens,
         host_tier=host_tier,

@@ -12,12 +12,16 @@ import psutil
 import pytest
 
 from bench.fleet import (
+    ARMS,
     BASELINE,
+    TIER_CHECK,
+    FleetBenchConfig,
     RunRecord,
     fresh_arm_state,
     plain_env,
     requests_of,
     result_line,
+    round_plan,
     summarize,
     targets,
 )
@@ -118,6 +122,33 @@ def test_targets_hold_and_miss_at_their_bounds() -> None:
     line = result_line({"config": {"nodes": 2}, "arms": {"tandem": base}, "targets": missed})
     assert line.startswith("RESULT fleet nodes=2 targets_held=0/5 ")
     assert "missed=" in line
+
+
+def test_the_tier_check_reads_every_round_of_the_two_tandem_arms_and_the_rest_the_main_rounds() -> None:
+    base = _arm(10.0, 100.0, 2000.0, 0.75)
+    main = {"tandem": _arm(11.0, 105.0, 1600.0, 0.78), BASELINE: base, "tandem_tier": _arm(12.0, 1, 1, 1)}
+    assert targets(main)[TIER_CHECK]["held"] is False  # 11.0 < 0.97 x 12.0 over the main rounds alone
+    pooled = {"tandem": {**main["tandem"], "sessions_per_min": 11.9}, "tandem_tier": main["tandem_tier"]}
+    held = targets(main, pooled)
+    assert held[TIER_CHECK] == {"value": 11.9, "bound": 11.64, "held": True}
+    assert held["sessions_per_min >= 1.10 x vllm-router"]["value"] == 11.0  # (the main rounds' figure)
+    pooled["tandem"]["runs"], pooled["tandem_tier"]["runs"] = 6, 6
+    line = result_line({"config": {"nodes": 2}, "arms": main, "tandem_pooled": pooled, "targets": held})
+    assert "pooled:tandem=11.9/6,tandem_tier=12.0/6" in line and "missed=" not in line
+
+
+def test_extra_rounds_run_the_two_tandem_arms_alone_in_alternating_order() -> None:
+    plan = round_plan(FleetBenchConfig(rounds=2, tier_rounds=3))
+    assert plan == [
+        (0, ARMS),
+        (1, ARMS[::-1]),
+        (2, ("tandem", "tandem_tier")),
+        (3, ("tandem_tier", "tandem")),
+        (4, ("tandem", "tandem_tier")),
+    ]
+    # without both Tandem arms there is nothing to pool: no extra round
+    only = round_plan(FleetBenchConfig(rounds=1, arms=("tandem", BASELINE), tier_rounds=3))
+    assert only == [(0, ("tandem", BASELINE))]
 
 
 def test_a_plain_engine_runs_the_nodes_command_environment_without_tandems_hooks() -> None:
