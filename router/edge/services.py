@@ -59,9 +59,9 @@ from router.kv_index import CurveClient, FleetIndex, KVEventSubscribers
 from router.model_table import ModelTable
 from router.planning.cache_salt import CacheSalts
 from router.planning.orchestrator import Orchestrator
-from router.planning.peer_fetch import PeerFetch
+from router.planning.peer_fetch import PeerFetch, serves_peers
 from router.planning.split_prefill import SplitPrefill
-from router.policies import CacheAware, LeastLoaded, PolicyName, RoundRobin, RoutingPolicy
+from router.policies import CacheAware, LeastLoaded, PeerReach, PolicyName, RoundRobin, RoutingPolicy
 from router.record.accounting import Accounting
 from router.record.kv_activity import KVActivity
 from router.record.metrics import RouterMetrics
@@ -127,10 +127,11 @@ def services_of(conn: HTTPConnection) -> Services:
     return cast(RouterApp, conn.app).services
 
 
-def make_policy(name: PolicyName, index: FleetIndex) -> RoutingPolicy:
-    """The routing policy named by the settings (one per ``PolicyName``)."""
+def make_policy(name: PolicyName, index: FleetIndex, peer_reach: bool = False) -> RoutingPolicy:
+    """The routing policy named by the settings (one per ``PolicyName``); ``peer_reach``: cache_aware counts
+    what a peer fetch would load (``RouterSettings.peer_reach``)."""
     if name is PolicyName.CACHE_AWARE:
-        return CacheAware(index)
+        return CacheAware(index, peer_reach=PeerReach(index.own_prefix, serves_peers) if peer_reach else None)
     if name is PolicyName.LEAST_LOADED:
         return LeastLoaded()
     return RoundRobin()
@@ -282,7 +283,7 @@ async def open_services(settings: RouterSettings) -> AsyncIterator[Services]:
         # Warm before serving: uvicorn listens only after the start is done.
         await tokenizer.warm([*settings.warm_models, *(n.info.model_path or "" for n in fleet.nodes)])
         await asyncio.to_thread(warm_batches)  # pyarrow's first rows import pandas: not on a request's time
-        policy = make_policy(settings.policy, index)
+        policy = make_policy(settings.policy, index, settings.peer_reach and settings.peer_fetch)
         orchestrator = Orchestrator(
             settings,
             fleet,

@@ -32,6 +32,13 @@ Decode node (chosen first):
 Conditional disaggregation: ``prefill=None`` (the decode node prefills itself, no KV transfer) when
     P > 0 (token ids known) and P - cached(decode) <= local_prefill_max_tokens, or every prefill candidate has
     load >= prefill_saturation_load.
+Peer reach (``PeerReach``, ``TANDEM_ROUTER_PEER_REACH``; off by default): for colocated nodes that serve
+    peers, matched(n) also counts the leading blocks another such node's engine holds (what a peer fetch,
+    ``router.planning.peer_fetch``, would load into n), as a node's host tier's blocks already count. A
+    node that could fetch a context then ties with the node holding it, and the lighter queue, then load,
+    decides. Without it a repository's later sessions follow its context onto one node however busy
+    (``bench fleet`` at two nodes: six sessions on one node, three on the other, in every defaults round;
+    five and four with a host tier, whose blocks both nodes match, and the tier arm faster).
 A split prompt (``on_split``, ``router.planning.split_prefill``) moves its prefix's tokens from the serving
 node's queue to the helper's, and the helper's pending blocks are the prefix.
 Prefill node:
@@ -51,7 +58,7 @@ uncached_tokens, queued_tokens (what this decision added to that node's queue).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -62,6 +69,16 @@ class PrefixLookup(Protocol):
     def longest_prefix(self, model: str, keys: Sequence[int]) -> dict[str, int]:
         """node id -> number of leading blocks of ``keys`` the node holds (absent: none)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class PeerReach:
+    """What a peer fetch could load (the module docstring's peer reach): each engine's own leading blocks
+    of a prompt (``FleetIndex.own_prefix``: a peer serves its engine's blocks, not its tier's), and
+    whether a candidate serves and fetches peers' blocks (``router.planning.peer_fetch.serves_peers``)."""
+
+    own_prefix: Callable[[str, Sequence[int]], dict[str, int]]
+    serves_peers: Callable[[Candidate], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +119,12 @@ def _load(c: Candidate) -> int:
 class CacheAware:
     name = PolicyName.CACHE_AWARE.value
 
-    def __init__(self, index: PrefixLookup, config: CacheAwareConfig | None = None) -> None:
+    def __init__(
+        self, index: PrefixLookup, config: CacheAwareConfig | None = None, peer_reach: PeerReach | None = None
+    ) -> None:
         self.index = index
         self.config = config or CacheAwareConfig()
+        self.peer_reach = peer_reach
         self._queued: dict[str, int] = {}
         self._unsettled: dict[int, list[tuple[str, int, tuple[int, ...]]]] = {}
         """id(decision.extra) -> (node, tokens, block keys) a decision still counts in that node's queue
@@ -141,6 +161,23 @@ class CacheAware:
                     out[node] = n
         return out
 
+    def _with_peer_reach(
+        self, request: RoutingRequest, pool: list[Candidate], matches: dict[str, int]
+    ) -> dict[str, int]:
+        """``matches`` raised, per node of ``pool`` that serves peers, to the most leading blocks another such
+        node's engine holds itself (what a peer fetch would load there)."""
+        reach = self.peer_reach
+        peers = [c for c in pool if reach is not None and reach.serves_peers(c)]
+        if reach is None or len(peers) < 2 or not request.block_keys:
+            return matches
+        own = reach.own_prefix(request.model, request.block_keys)
+        out = dict(matches)
+        for c in peers:
+            fetchable = max(own.get(m.node_id, 0) for m in peers if m is not c)
+            if fetchable > out.get(c.node_id, 0):
+                out[c.node_id] = fetchable
+        return out
+
     def _queued_tokens(self, c: Candidate) -> int:
         return self._queued.get(c.node_id, 0) + c.node.load.waiting * self.config.waiting_request_tokens
 
@@ -148,7 +185,12 @@ class CacheAware:
         floor = min(_load(c) for c in pool)
         return [c for c in pool if _load(c) <= floor + self.config.imbalance_threshold]
 
-    def _score_pool(self, pool: list[Candidate], matches: dict[str, int], prompt_tokens: int) -> _Pick:
+    def _score_pool(
+        self, pool: list[Candidate], matches: dict[str, int], prompt_tokens: int, held: dict[str, int] | None = None
+    ) -> _Pick:
+        """The pool's best node by cache less queue, then load; ``held``: each node's blocks before peer
+        reach raised ``matches`` (on a whole tie the node that holds the blocks wins over one that would
+        fetch them)."""
         loads = [_load(c) for c in pool]
         spread = max(loads) - min(loads)
         if spread > self.config.imbalance_threshold:
@@ -161,9 +203,9 @@ class CacheAware:
                 load=float(spread),
             )
 
-        def key(c: Candidate) -> tuple[float, int, str]:
+        def key(c: Candidate) -> tuple[float, int, int, str]:
             score = self._cached(c, matches, prompt_tokens) - self.config.load_weight * self._queued_tokens(c)
-            return (-score, _load(c), c.node_id)
+            return (-score, _load(c), -(held or {}).get(c.node_id, 0), c.node_id)
 
         best = min(pool, key=key)
         cached = self._cached(best, matches, prompt_tokens)
@@ -221,7 +263,9 @@ class CacheAware:
                     load=float(_load(sticky[0])),
                 )
             else:
-                why = self._score_pool(decode, matches, prompt_tokens)
+                reached = self._with_peer_reach(request, decode, matches)
+                why = self._score_pool(decode, reached, prompt_tokens, matches if reached is not matches else None)
+                matches = reached
                 why = replace(why, text="colocated, " + why.text)
             d, p, decode_why = why.node, None, why
         else:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from contracts.registry import Role
 from router.kv_index import BlockHasher, FleetIndex
-from router.policies import CacheAware, CacheAwareConfig, ReasonCode, RoutingRequest
+from router.policies import CacheAware, CacheAwareConfig, PeerReach, ReasonCode, RoutingRequest
 from router.policies.base import Candidate
 from tests.router.policies.helpers import cand
 
@@ -230,3 +230,29 @@ def test_a_split_moves_the_prefix_to_the_helpers_queue_and_pending_blocks() -> N
     policy.on_complete(other)
     policy.on_complete(sibling)
     assert policy._queued == {}  # ... and every token queued is settled where it was added
+
+
+def _reach(fleet: FleetIndex, serving: set[str]) -> PeerReach:
+    return PeerReach(fleet.own_prefix, lambda c: c.node_id in serving)
+
+
+def test_peer_reach_sends_a_context_to_an_idle_node_that_can_fetch_it_from_a_busy_holder() -> None:
+    fleet = _fleet({"b0": PROMPT[:1600], "b1": PROMPT[:64]})
+    busy = [cand("b0", Role.BOTH, inflight=3), cand("b1", Role.BOTH)]
+    # without it the context's holder wins however busy (1,600 cached against 64)
+    assert CacheAware(fleet).select(_req(PROMPT), [], busy).decode.node_id == "b0"
+    policy = CacheAware(fleet, peer_reach=_reach(fleet, {"b0", "b1"}))
+    d = policy.select(_req(PROMPT), [], busy)
+    assert d.decode.node_id == "b1" and d.prefill is None
+    assert d.extra["routed_cached_tokens"] == 1600  # what the peer fetch will load there
+    assert d.extra["fleet_cached_tokens"] == 1600
+
+
+def test_peer_reach_leaves_a_whole_tie_to_the_holder_and_needs_two_nodes_that_serve_peers() -> None:
+    fleet = _fleet({"b1": PROMPT[:1600]})
+    idle = [cand("b0", Role.BOTH), cand("b1", Role.BOTH)]
+    both = CacheAware(fleet, peer_reach=_reach(fleet, {"b0", "b1"}))
+    assert both.select(_req(PROMPT), [], idle).decode.node_id == "b1"  # (b0 would win a tie by name)
+    busy = [cand("b0", Role.BOTH), cand("b1", Role.BOTH, inflight=3)]
+    one = CacheAware(fleet, peer_reach=_reach(fleet, {"b0"}))  # b1 serves no peer: nothing to fetch
+    assert one.select(_req(PROMPT), [], busy).decode.node_id == "b1"
