@@ -263,10 +263,9 @@ class CacheAware:
                     load=float(_load(sticky[0])),
                 )
             else:
-                reached = self._with_peer_reach(request, decode, matches)
-                why = self._score_pool(decode, reached, prompt_tokens, matches if reached is not matches else None)
-                matches = reached
-                why = replace(why, text="colocated, " + why.text)
+                reached = self._with_peer_reach(request, decode, matches)  # (held blocks break a whole tie)
+                why = self._score_pool(decode, reached, prompt_tokens, None if reached is matches else matches)
+                why, matches = replace(why, text="colocated, " + why.text), reached
             d, p, decode_why = why.node, None, why
         else:
             decode_why = self._pick_decode(request, decode, matches, prompt_tokens)
