@@ -61,6 +61,7 @@ import psutil
 from bench.agent_workload import AgentWorkloadConfig, build_sessions
 from bench.fleet_figures import (
     BASELINE,
+    TANDEM_ARMS,
     TIER_CHECK,
     TIER_TOLERANCE,
     RunRecord,
@@ -86,7 +87,6 @@ from node_agent.node import EngineProcess, engine_env
 from node_agent.settings import NodeSettings
 
 ARMS = ("tandem", "tandem_tier", "vllm_router_cache_aware", "vllm_router_round_robin")
-TANDEM_ARMS = ("tandem", "tandem_tier")
 ITL_METRIC = "vllm:inter_token_latency_seconds"
 
 

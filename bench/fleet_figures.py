@@ -26,6 +26,8 @@ BASELINE = "vllm_router_cache_aware"
 TIER_TOLERANCE = 0.97
 """The defaults arm counts as equal to the tier arm down to this share of its sessions per minute."""
 TIER_CHECK = "defaults arm >= tier arm (sessions_per_min)"
+TANDEM_ARMS = ("tandem", "tandem_tier")
+"""The two Tandem arms: the defaults, and the same with a host tier (the check above compares them)."""
 
 
 @dataclass
@@ -161,7 +163,7 @@ def result_line(result: dict[str, Any]) -> str:
         for arm, a in arms.items()
     )
     pooled = result.get("tandem_pooled") or {}
-    if {"tandem", "tandem_tier"} <= pooled.keys():  # what the defaults-against-tier check read
+    if set(TANDEM_ARMS) <= pooled.keys():  # what the defaults-against-tier check read
         t, tier = pooled["tandem"], pooled["tandem_tier"]
         figures += (
             f" pooled:tandem={t['sessions_per_min']}/{t['runs']},tandem_tier={tier['sessions_per_min']}/{tier['runs']}"

@@ -167,8 +167,10 @@ class CacheAware:
         """``matches`` raised, per node of ``pool`` that serves peers, to the most leading blocks another such
         node's engine holds itself (what a peer fetch would load there)."""
         reach = self.peer_reach
-        peers = [c for c in pool if reach is not None and reach.serves_peers(c)]
-        if reach is None or len(peers) < 2 or not request.block_keys:
+        if reach is None or not request.block_keys:
+            return matches
+        peers = [c for c in pool if reach.serves_peers(c)]
+        if len(peers) < 2:
             return matches
         own = reach.own_prefix(request.model, request.block_keys)
         out = dict(matches)
@@ -203,9 +205,11 @@ class CacheAware:
                 load=float(spread),
             )
 
+        own = held or {}
+
         def key(c: Candidate) -> tuple[float, int, int, str]:
             score = self._cached(c, matches, prompt_tokens) - self.config.load_weight * self._queued_tokens(c)
-            return (-score, _load(c), -(held or {}).get(c.node_id, 0), c.node_id)
+            return (-score, _load(c), -own.get(c.node_id, 0), c.node_id)
 
         best = min(pool, key=key)
         cached = self._cached(best, matches, prompt_tokens)
