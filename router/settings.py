@@ -119,12 +119,13 @@ class RouterSettings(BaseSettings):
     a peer's engine holds, it loads those blocks from the peer instead of computing them, if the measured
     rates say that is faster (never otherwise). Only between colocated nodes that run our connector
     (``tandem up --peer-kv``): nothing changes elsewhere."""
-    peer_reach: bool = False
+    peer_reach: bool = True
     """``cache_aware`` counts, for a colocated node that serves peers, the blocks a peer's engine holds past
     its own (what a peer fetch would load there), as it counts a host tier's: a node that could fetch a
     context ties with the one holding it and the lighter load wins (``router.policies.cache_aware``).
-    Needs ``peer_fetch``. Off until ``bench fleet`` measures it (``docs/bench/fleet.md``: at two nodes the
-    tier arm's lead over the defaults was this balance)."""
+    Needs ``peer_fetch``; nothing changes where no two nodes serve peers. On because ``bench fleet``
+    measured it (``docs/bench/fleet.md``: at two nodes it levels the defaults with the tier arm, whose
+    lead was this balance)."""
     peer_fetch_min_tokens: int = Field(default=256, ge=1)
     """The least a fetch must save (prompt tokens) to be worth the round trip to the peer."""
     split_prefill: bool = True

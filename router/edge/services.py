@@ -127,7 +127,7 @@ def services_of(conn: HTTPConnection) -> Services:
     return cast(RouterApp, conn.app).services
 
 
-def make_policy(name: PolicyName, index: FleetIndex, peer_reach: bool = False) -> RoutingPolicy:
+def make_policy(name: PolicyName, index: FleetIndex, peer_reach: bool) -> RoutingPolicy:
     """The routing policy named by the settings (one per ``PolicyName``); ``peer_reach``: cache_aware counts
     what a peer fetch would load (``RouterSettings.peer_reach``)."""
     if name is PolicyName.CACHE_AWARE:

@@ -32,7 +32,7 @@ Decode node (chosen first):
 Conditional disaggregation: ``prefill=None`` (the decode node prefills itself, no KV transfer) when
     P > 0 (token ids known) and P - cached(decode) <= local_prefill_max_tokens, or every prefill candidate has
     load >= prefill_saturation_load.
-Peer reach (``PeerReach``, ``TANDEM_ROUTER_PEER_REACH``; off by default): for colocated nodes that serve
+Peer reach (``PeerReach``, ``TANDEM_ROUTER_PEER_REACH``; on by default): for colocated nodes that serve
     peers, matched(n) also counts the leading blocks another such node's engine holds (what a peer fetch,
     ``router.planning.peer_fetch``, would load into n), as a node's host tier's blocks already count. A
     node that could fetch a context then ties with the node holding it, and the lighter queue, then load,
