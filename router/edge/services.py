@@ -127,11 +127,14 @@ def services_of(conn: HTTPConnection) -> Services:
     return cast(RouterApp, conn.app).services
 
 
-def make_policy(name: PolicyName, index: FleetIndex, peer_reach: bool) -> RoutingPolicy:
-    """The routing policy named by the settings (one per ``PolicyName``); ``peer_reach``: cache_aware counts
-    what a peer fetch would load (``RouterSettings.peer_reach``)."""
+def make_policy(settings: RouterSettings, index: FleetIndex) -> RoutingPolicy:
+    """The routing policy the settings name (one per ``PolicyName``); cache_aware counts what a peer fetch
+    would load where both ``peer_reach`` and ``peer_fetch`` are on (a reach no fetch follows would send a
+    session to a node that then computes its context)."""
+    name = settings.policy
     if name is PolicyName.CACHE_AWARE:
-        return CacheAware(index, peer_reach=PeerReach(index.own_prefix, serves_peers) if peer_reach else None)
+        reach = settings.peer_reach and settings.peer_fetch
+        return CacheAware(index, peer_reach=PeerReach(index.own_prefix, serves_peers) if reach else None)
     if name is PolicyName.LEAST_LOADED:
         return LeastLoaded()
     return RoundRobin()
@@ -283,7 +286,7 @@ async def open_services(settings: RouterSettings) -> AsyncIterator[Services]:
         # Warm before serving: uvicorn listens only after the start is done.
         await tokenizer.warm([*settings.warm_models, *(n.info.model_path or "" for n in fleet.nodes)])
         await asyncio.to_thread(warm_batches)  # pyarrow's first rows import pandas: not on a request's time
-        policy = make_policy(settings.policy, index, settings.peer_reach and settings.peer_fetch)
+        policy = make_policy(settings, index)
         orchestrator = Orchestrator(
             settings,
             fleet,

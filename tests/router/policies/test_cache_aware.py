@@ -5,10 +5,14 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
+
 from contracts.registry import Role
+from router.edge.services import make_policy
 from router.kv_index import BlockHasher, FleetIndex
 from router.policies import CacheAware, CacheAwareConfig, PeerReach, ReasonCode, RoutingRequest
 from router.policies.base import Candidate
+from router.settings import RouterSettings
 from tests.router.policies.helpers import cand
 
 BS = 16
@@ -256,3 +260,16 @@ def test_peer_reach_leaves_a_whole_tie_to_the_holder_and_needs_two_nodes_that_se
     busy = [cand("b0", Role.BOTH), cand("b1", Role.BOTH, inflight=3)]
     one = CacheAware(fleet, peer_reach=_reach(fleet, {"b0"}))  # b1 serves no peer: nothing to fetch
     assert one.select(_req(PROMPT), [], busy).decode.node_id == "b1"
+
+
+def test_the_router_settings_turn_peer_reach_on_by_default_and_only_with_peer_fetch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TANDEM_ROUTER_PEER_REACH", raising=False)
+    monkeypatch.delenv("TANDEM_ROUTER_PEER_FETCH", raising=False)
+    fleet = FleetIndex()
+    on = make_policy(RouterSettings(), fleet)
+    assert isinstance(on, CacheAware) and on.peer_reach is not None
+    for off in (RouterSettings(peer_reach=False), RouterSettings(peer_fetch=False)):
+        policy = make_policy(off, fleet)
+        assert isinstance(policy, CacheAware) and policy.peer_reach is None
