@@ -205,11 +205,11 @@ class CacheAware:
                 load=float(spread),
             )
 
-        own = held or {}
+        held_blocks = held or {}
 
         def key(c: Candidate) -> tuple[float, int, int, str]:
             score = self._cached(c, matches, prompt_tokens) - self.config.load_weight * self._queued_tokens(c)
-            return (-score, _load(c), -own.get(c.node_id, 0), c.node_id)
+            return (-score, _load(c), -held_blocks.get(c.node_id, 0), c.node_id)
 
         best = min(pool, key=key)
         cached = self._cached(best, matches, prompt_tokens)
